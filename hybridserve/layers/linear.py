@@ -1,0 +1,102 @@
+"""Linear layers that know how they are split across tensor-parallel ranks.
+
+Column-parallel layers split the output features, row-parallel layers split the input features and sum the
+partial outputs. Each layer's weight loader cuts the full checkpoint tensor down to this rank's shard, so the
+checkpoint loader never needs to know about parallelism.
+"""
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridserve.layers.weights import check_shape, new_parameter, shard_slice
+from hybridserve.runtime.parallel import all_reduce, divide, tp_rank, tp_size
+
+
+class ReplicatedLinear(nn.Module):
+    """Every rank holds the whole weight."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.weight = new_parameter(out_features, in_features, dtype=dtype)
+        self.bias = new_parameter(out_features, dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Output features split contiguously over ranks; the output stays sharded."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        local = divide(out_features, tp_size(), "output features")
+        self.weight = new_parameter(local, in_features, loader=self._load)
+        self.bias = new_parameter(local, loader=self._load) if bias else None
+
+    @staticmethod
+    def _load(param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable | None = None) -> None:
+        shard = shard_slice(loaded, 0, tp_rank(), tp_size())
+        check_shape(param.shape, shard)
+        param.data.copy_(shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(nn.Module):
+    """Several column-parallel projections fused into one GEMM (gate+up, or Q|K|V blocks).
+
+    Each block is sharded on its own, so a rank holds [block0 shard | block1 shard | ...]. A checkpoint may give
+    the blocks separately (shard_id = block index) or already concatenated (shard_id None).
+    """
+
+    def __init__(self, in_features: int, block_sizes: list[int], bias: bool = False):
+        super().__init__()
+        self.block_sizes = list(block_sizes)
+        self.local_sizes = [divide(n, tp_size(), "block output features") for n in block_sizes]
+        ids = frozenset(range(len(block_sizes)))
+        self.weight = new_parameter(sum(self.local_sizes), in_features, loader=self._load, shard_ids=ids)
+        self.bias = new_parameter(sum(self.local_sizes), loader=self._load, shard_ids=ids) if bias else None
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable | None = None) -> None:
+        if shard_id is None:
+            check_shape((sum(self.block_sizes), *param.shape[1:]), loaded)
+            for i, block in enumerate(loaded.split(self.block_sizes, dim=0)):
+                self._load(param, block, i)
+            return
+        offset = sum(self.local_sizes[:shard_id])
+        shard = shard_slice(loaded, 0, tp_rank(), tp_size())
+        target = param.data.narrow(0, offset, self.local_sizes[shard_id])
+        check_shape(target.shape, shard)
+        target.copy_(shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Input features split over ranks; partial outputs are summed (unless the caller defers the reduce)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce_results: bool = True):
+        super().__init__()
+        local = divide(in_features, tp_size(), "input features")
+        self.reduce_results = reduce_results
+        self.weight = new_parameter(out_features, local, loader=self._load)
+        self.bias = new_parameter(out_features) if bias else None
+
+    @staticmethod
+    def _load(param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable | None = None) -> None:
+        shard = shard_slice(loaded, 1, tp_rank(), tp_size())
+        check_shape(param.shape, shard)
+        param.data.copy_(shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight)
+        if self.reduce_results:
+            out = all_reduce(out)
+        # The bias is replicated, so it is added once, after the sum.
+        return out if self.bias is None else out + self.bias
