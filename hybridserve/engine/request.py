@@ -1,0 +1,66 @@
+"""Request: one sequence's tokens, where its caches live, and how far it has been computed."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from hybridserve.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    eos_token_ids: frozenset[int]
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    page_ids: list[int] = field(default_factory=list)
+    state_slot: int | None = None
+    num_computed_tokens: int = 0  # tokens whose KV is written and whose state is folded into state_slot
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output."""
+        prompt_len = len(self.prompt_token_ids)
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        head = self.prompt_token_ids[start:] if start < prompt_len else []
+        return head + self.output_token_ids[max(start - prompt_len, 0): end - prompt_len]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def stop_token_hit(self, token_id: int) -> bool:
+        """Whether a freshly sampled token ends the request (EOS unless ignored, or a requested stop id)."""
+        if len(self.output_token_ids) < self.params.min_tokens:
+            return False
+        if token_id in self.params.stop_token_ids:
+            return True
+        return not self.params.ignore_eos and token_id in self.eos_token_ids
+
+    def banned_token_ids(self) -> list[int]:
+        """Tokens that may not be sampled yet: everything that would stop the request before min_tokens."""
+        if len(self.output_token_ids) >= self.params.min_tokens:
+            return []
+        eos = [] if self.params.ignore_eos else list(self.eos_token_ids)
+        return sorted(set(eos) | set(self.params.stop_token_ids))

@@ -1,0 +1,89 @@
+"""Tokenizer loading and incremental detokenization with stop strings."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise FileNotFoundError(f"no usable tokenizer files in {path}: {err}") from None
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of generated ids into text deltas.
+
+    Each step decodes only a short window of tokens, and holds text back while the window ends in an incomplete
+    UTF-8 sequence (the replacement character), so multi-token characters are never split.
+    """
+
+    _CONTEXT = 5  # prompt tokens decoded in front of the output, so the first token gets its proper spacing
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int], skip_special_tokens: bool):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids = list(prompt_ids[-self._CONTEXT:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full[len(prefix):]
+
+
+class StopStringMatcher:
+    """Accumulates output text, finds stop strings, and says how much text is safe to show.
+
+    Text that could still turn into the start of a stop string is held back, so a stop string is never
+    streamed partially.
+    """
+
+    def __init__(self, stop: list[str], include_stop: bool):
+        self.stop = stop
+        self.include_stop = include_stop
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.text = ""
+        self.matched: str | None = None
+
+    def add(self, delta: str) -> bool:
+        """Append text; True when a stop string has appeared (the text is then cut there)."""
+        start = max(0, len(self.text) - self.holdback)
+        self.text += delta
+        if not self.stop:
+            return False
+        hits = [(self.text.find(s, start), s) for s in self.stop]
+        hits = [(pos, s) for pos, s in hits if pos >= 0]
+        if not hits:
+            return False
+        pos, self.matched = min(hits)
+        self.text = self.text[: pos + len(self.matched) if self.include_stop else pos]
+        return True
+
+    def visible(self, finished: bool) -> str:
+        """The text that may be shown now."""
+        if finished or self.matched is not None:
+            return self.text
+        return self.text[: len(self.text) - self.holdback] if self.holdback else self.text
+
+
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict],
+                    chat_template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of a conversation rendered with the model's chat template, ready for the assistant's turn."""
+    if tokenizer.chat_template is None:
+        raise ValueError("this model's tokenizer has no chat template; use completions with a plain prompt")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                         **(chat_template_kwargs or {}))
+    # The template already wrote any special tokens it wants (BOS included); do not add them twice.
+    return tokenizer.encode(text, add_special_tokens=False)
