@@ -1,7 +1,8 @@
-"""The built-in demo checkpoint: a tiny ZAYA1-architecture model with RANDOM weights and a real tokenizer.
+"""The built-in demo checkpoints: tiny ZAYA1 (the default) or Ling-2.6 models with RANDOM weights and a real
+tokenizer.
 
-It exists so that `hybridserve serve` and `hybridserve generate` work on a fresh machine with no model
-download. Its output is gibberish by construction; the engine logs a warning whenever it is used.
+They exist so that `hybridserve serve` and `hybridserve generate` work on a fresh machine with no model
+download. Their output is gibberish by construction; the engine logs a warning whenever one is used.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -47,6 +49,24 @@ def demo_zaya_config(vocab_size: int, eos_token_ids: list[int]) -> dict:
     }
 
 
+def demo_ling_config(vocab_size: int, eos_token_ids: list[int]) -> dict:
+    return {
+        "architectures": ["BailingMoeV2_5ForCausalLM"], "model_type": "bailing_hybrid", "torch_dtype": "bfloat16",
+        "vocab_size": vocab_size, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "head_dim": 32, "layer_group_size": 2, "group_norm_size": 2,
+        "partial_rotary_factor": 0.5, "rope_theta": 600000.0, "rms_norm_eps": 1e-6, "use_qk_norm": True,
+        "q_lora_rank": 64, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 32,
+        "rope_interleave": True, "num_experts": 8, "num_experts_per_tok": 2, "num_shared_experts": 1, "n_group": 2,
+        "topk_group": 1, "moe_intermediate_size": 64, "routed_scaling_factor": 2.5, "first_k_dense_replace": 1,
+        "score_function": "sigmoid", "topk_method": "noaux_tc", "moe_router_enable_expert_bias": True,
+        "num_nextn_predict_layers": 1, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+        "eos_token_id": eos_token_ids, "bos_token_id": None, "pad_token_id": eos_token_ids[-1],
+    }
+
+
+_DEMO_CONFIGS = {"zaya": demo_zaya_config, "bailing_hybrid": demo_ling_config}
+
+
 def random_weights(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
     """Plausible random values for every parameter, by role: unit scales, small biases, 1/sqrt(fan_in) weights."""
     gen = torch.Generator().manual_seed(seed)
@@ -69,7 +89,26 @@ def random_weights(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]
     return out
 
 
-def write_demo_checkpoint(directory: Path) -> None:
+def ling_checkpoint_tensors(weights: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """Ling parameters under the HF checkpoint names: per-expert and separate gate/up tensors, MTP as layer L."""
+    out = {}
+    for name, value in weights.items():
+        name = re.sub(r"^model\.mtp\.(\d+)\.", lambda m: f"model.layers.{num_layers + int(m[1])}.", name)
+        if name.endswith("experts.gate_up_proj"):
+            for expert, (gate, up) in enumerate(t.chunk(2) for t in value):
+                out[f"{name.removesuffix('gate_up_proj')}{expert}.gate_proj.weight"] = gate
+                out[f"{name.removesuffix('gate_up_proj')}{expert}.up_proj.weight"] = up
+        elif name.endswith("experts.down_proj"):
+            out.update({f"{name.removesuffix('down_proj')}{e}.down_proj.weight": t for e, t in enumerate(value)})
+        elif name.endswith("gate_up_proj.weight"):
+            gate, up = value.chunk(2)
+            out[name.replace("gate_up_proj", "gate_proj")], out[name.replace("gate_up_proj", "up_proj")] = gate, up
+        else:
+            out[name] = value
+    return out
+
+
+def write_demo_checkpoint(directory: Path, model_type: str = "zaya") -> None:
     from hybridserve.models.registry import model_family
 
     tokenizer_dir = bundled_tokenizer_dir()
@@ -78,28 +117,33 @@ def write_demo_checkpoint(directory: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
     vocab = -(-len(tokenizer) // 128) * 128
     eos = [tokenizer.convert_tokens_to_ids(tokenizer_config["eos_token"]), tokenizer.pad_token_id]
-    config = demo_zaya_config(vocab, eos)
+    config = _DEMO_CONFIGS[model_type](vocab, eos)
     family = model_family(config)
     with torch.device("meta"):
         model = family.model_class(family.parse_config(config))
-    # Selection biases stay fp32, as in real checkpoints; everything else is stored in bf16.
-    weights = {name: t if name.endswith("balancing_biases") else t.to(torch.bfloat16)
-               for name, t in random_weights(model, seed=DEMO_VERSION).items()}
+    weights = random_weights(model, seed=DEMO_VERSION)
+    if model_type == "bailing_hybrid":
+        weights = ling_checkpoint_tensors(weights, config["num_hidden_layers"])
+    # Routers and selection biases stay fp32, as in real checkpoints; everything else is stored in bf16.
+    weights = {name: t if name.endswith(("balancing_biases", "expert_bias", "mlp.gate.weight"))
+               else t.to(torch.bfloat16) for name, t in weights.items()}
     directory.mkdir(parents=True)
     save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     for name in _TOKENIZER_FILES:
         shutil.copy(tokenizer_dir / name, directory / name)
-    (directory / "README.md").write_text("hybridserve demo checkpoint: ZAYA1 architecture, RANDOM weights.\n")
+    (directory / "README.md").write_text(f"hybridserve demo checkpoint: {model_type} architecture, RANDOM weights.\n")
 
 
-def ensure_demo_checkpoint() -> Path:
+def ensure_demo_checkpoint(model_type: str = "zaya") -> Path:
     """The demo checkpoint's directory, written on first use (atomically, so concurrent starts are safe)."""
-    target = cache_root() / f"demo-zaya-v{DEMO_VERSION}"
+    if model_type not in _DEMO_CONFIGS:
+        raise ValueError(f"no demo checkpoint for model_type {model_type!r}; choose one of {sorted(_DEMO_CONFIGS)}")
+    target = cache_root() / f"demo-{model_type}-v{DEMO_VERSION}"
     if not (target / "config.json").is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(dir=target.parent)) / "ckpt"
-        write_demo_checkpoint(staging)
+        write_demo_checkpoint(staging, model_type)
         try:
             staging.rename(target)
         except OSError:

@@ -1,10 +1,13 @@
-"""RMS normalisation (statistics in fp32, Llama-style weight, not Gemma's 1+w)."""
+"""RMS normalisation (statistics in fp32, Llama-style weight, not Gemma's 1+w), over the whole row or per group."""
 from __future__ import annotations
+
+from collections.abc import Hashable
 
 import torch
 from torch import nn
 
-from hybridserve.layers.weights import new_parameter
+from hybridserve.layers.weights import check_shape, new_parameter, shard_slice
+from hybridserve.runtime.parallel import divide, tp_rank, tp_size
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -21,3 +24,26 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.weight * rms_normalize(x, self.eps)
+
+
+class GroupRMSNorm(nn.Module):
+    """RMS statistics over each of `num_groups` contiguous channel groups (Ling's lightning output norm).
+
+    Under tensor parallelism a rank holds whole groups (num_groups % tp == 0), so no statistic crosses ranks.
+    """
+
+    def __init__(self, hidden_size: int, num_groups: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.num_groups = divide(num_groups, tp_size(), "group_norm_size")
+        self.weight = new_parameter(divide(hidden_size, tp_size(), "group-normed channels"), loader=self._load)
+
+    @staticmethod
+    def _load(param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable | None = None) -> None:
+        shard = shard_slice(loaded, 0, tp_rank(), tp_size())
+        check_shape(param.shape, shard)
+        param.data.copy_(shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        grouped = x.unflatten(-1, (self.num_groups, -1))
+        return self.weight * rms_normalize(grouped, self.eps).flatten(-2)

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from hybridserve.models.ling import LingForCausalLM
+from hybridserve.models.ling_config import parse_ling_config
 from hybridserve.models.zaya import ZayaForCausalLM
 from hybridserve.models.zaya_config import parse_zaya_config
 
@@ -18,6 +20,7 @@ class ModelFamily:
 
 _FAMILIES: dict[str, ModelFamily] = {
     "zaya": ModelFamily(parse_zaya_config, ZayaForCausalLM),
+    "bailing_hybrid": ModelFamily(parse_ling_config, LingForCausalLM),
 }
 
 

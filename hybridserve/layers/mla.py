@@ -1,0 +1,96 @@
+"""Multi-head latent attention (DeepSeek-V2/V3 style, as used by Ling-2.6's full-attention layers; spec §3).
+
+The paged KV cache holds one latent row per token: [normed c_kv (kv_lora_rank) | roped k_rope (qk_rope_head_dim)],
+shared by all heads (field "latent", shape [1, kv_lora_rank + qk_rope_head_dim]) and replicated on every
+tensor-parallel rank. Two equivalent ways to attend over it:
+- unabsorbed (prefill, and any batch with a multi-token row): k_nope and v are rebuilt per head from the cached
+  latent of the whole sequence through kv_b_proj, then ordinary softmax attention;
+- absorbed (all-decode batches): W_UK is folded into the query and W_UV applied after attention, so decode is
+  multi-query attention of H heads over the latent cache itself (the paged attention op with one KV head).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from hybridserve.layers.norm import RMSNorm
+from hybridserve.layers.rotary import RotaryEmbedding
+from hybridserve.ops.attention import paged_attention
+from hybridserve.runtime.batch import ForwardBatch
+from hybridserve.runtime.parallel import divide, tp_size
+
+
+class MultiLatentAttention(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
+                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rope_theta: float,
+                 rope_interleave: bool, eps: float):
+        super().__init__()
+        self.num_heads = divide(num_heads, tp_size(), "num_attention_heads")
+        self.q_lora_rank = q_lora_rank
+        self.kv_lora_rank = kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        q_width = num_heads * (qk_nope_head_dim + qk_rope_head_dim)
+        if q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(hidden_size, q_width)
+        else:
+            self.q_a_proj = ReplicatedLinear(hidden_size, q_lora_rank)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, eps)
+            self.q_b_proj = ColumnParallelLinear(q_lora_rank, q_width)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden_size, kv_lora_rank + qk_rope_head_dim)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps)
+        self.kv_b_proj = ColumnParallelLinear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))
+        self.dense = RowParallelLinear(num_heads * v_head_dim, hidden_size)  # o_proj; Ling's checkpoint name
+        self.rotary = RotaryEmbedding(qk_rope_head_dim, rope_theta, interleaved=rope_interleave)
+        self.scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
+        self.kv: dict[str, torch.Tensor] = {}
+
+    def _query(self, x: torch.Tensor) -> torch.Tensor:
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(x.shape[0], self.num_heads, self.nope_dim + self.rope_dim)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        q = self._query(x)
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_rope = self.rotary(batch.positions, q_rope)
+        c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        k_rope = self.rotary(batch.positions, k_rope[:, None, :])
+        self.kv["latent"][batch.slot_mapping] = torch.cat([self.kv_a_layernorm(c_kv)[:, None, :], k_rope], dim=-1)
+        attend = self._attend_absorbed if batch.is_decode else self._attend_unabsorbed
+        out = attend(q_nope, q_rope, batch)  # [T, H, v]
+        return self.dense(out.flatten(1))
+
+    def _kv_b_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, nope, kv_lora] and W_UV [H, v, kv_lora]: kv_b_proj's rows per head are [k_nope | v]."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        return w[:, : self.nope_dim], w[:, self.nope_dim:]
+
+    def _attend_absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """q_nope . k_nope = (q_nope W_UK) . c_kv, so scores and the weighted sum use the latent cache directly."""
+        w_uk, w_uv = self._kv_b_weights()
+        q_latent = torch.einsum("thn,hnc->thc", q_nope, w_uk)
+        latent = self.kv["latent"]  # [rows, 1, kv_lora + rope]: one KV head shared by all query heads
+        out = paged_attention(torch.cat([q_latent, q_rope], dim=-1), latent, latent[..., : self.kv_lora_rank],
+                              batch, self.scale)  # [T, H, kv_lora]
+        return torch.einsum("thc,hvc->thv", out, w_uv)
+
+    def _attend_unabsorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Per sequence: k_nope and v of every position from its cached latent, then causal softmax attention."""
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
+        for seq, (start, length) in enumerate(zip(batch.query_starts, batch.query_lens)):
+            prefix, kv_len = batch.prefix_lens[seq], batch.prefix_lens[seq] + length
+            latent = self.kv["latent"][batch.kv_slots(seq, kv_len), 0]  # [S, kv_lora + rope]
+            c_kv, k_rope = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+            k_nope, v = self.kv_b_proj(c_kv).view(kv_len, self.num_heads, -1).split([self.nope_dim, self.v_dim], -1)
+            k = torch.cat([k_nope, k_rope[:, None, :].expand(-1, self.num_heads, -1)], dim=-1)
+            q_pos = torch.arange(prefix, kv_len, device=q.device)
+            visible = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(q[start:start + length].transpose(0, 1), k.transpose(0, 1),
+                                               v.transpose(0, 1), attn_mask=visible, scale=self.scale)
+            out[start:start + length] = o.transpose(0, 1)
+        return out

@@ -1,0 +1,272 @@
+"""inclusionAI Ling-2.6 (`bailing_hybrid`): lightning (linear) attention layers with an MLA layer closing every group
+of `layer_group_size`, a grouped sigmoid-routed MoE with a shared expert, and one MTP draft layer. Spec:
+shared/spec/ling2_6.md.
+
+Per-request state: each lightning layer keeps an fp32 state [H_local, d, d] (K-major) in the state pool field
+"lightning". Only MLA layers own KV pages: one latent row [1, kv_lora_rank + qk_rope_head_dim] per token in the
+field "latent" (see layers/mla.py). The MTP layer (`model.layers.{num_hidden_layers}` in checkpoints) is loaded
+into `model.mtp` for speculative decoding and not run by the main forward.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Hashable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridserve.cache.kv_pool import KVCacheSpec
+from hybridserve.cache.state_pool import StateField, StateSpec
+from hybridserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from hybridserve.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, ReplicatedLinear,
+                                       RowParallelLinear)
+from hybridserve.layers.mla import MultiLatentAttention
+from hybridserve.layers.moe import StackedExperts
+from hybridserve.layers.norm import GroupRMSNorm, RMSNorm
+from hybridserve.layers.rotary import RotaryEmbedding
+from hybridserve.layers.weights import new_parameter
+from hybridserve.models.ling_config import LingConfig
+from hybridserve.ops.lightning import lightning_attention
+from hybridserve.runtime.batch import ForwardBatch
+from hybridserve.runtime.parallel import all_reduce, divide, tp_rank, tp_size
+
+
+def alibi_slopes(num_heads: int) -> list[float]:
+    """Lightning-Attention-2 base slopes (spec §2.2): 2^(-8(i+1)/n) when n is a power of two; otherwise the list
+    for p = 2^floor(log2 n) followed by the first n - p even-indexed entries of the list for 2p."""
+    def power_of_two(n: int) -> list[float]:
+        return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+
+    p = 1 << (num_heads.bit_length() - 1)
+    if p == num_heads:
+        return power_of_two(p)
+    return power_of_two(p) + power_of_two(2 * p)[0::2][: num_heads - p]
+
+
+def layer_decay_factor(config: LingConfig, layer: int) -> float:
+    """lambda_l for the 0-based global layer index (spec §2.2, discrepancy 1).
+
+    "training" (default) is Megatron's 1 - l/(L-1) + 1e-5; "hf_remote_code" reproduces the HF remote code, which
+    plugs the 0-based index into the 1-based formula and so uses the previous layer's factor.
+    """
+    if not config.lightning_layerwise_decay:
+        return 1.0
+    if config.num_layers <= 1:
+        return 1.0 + 1e-5
+    shifted = layer if config.lightning_decay_variant == "training" else layer - 1
+    return 1.0 - shifted / (config.num_layers - 1) + 1e-5
+
+
+def lightning_log_decay(config: LingConfig, layer: int) -> torch.Tensor:
+    """Per-head log-decay g_h = -s_h * lambda_l [H] (fp32, all heads), computed in float64."""
+    slopes = torch.tensor(alibi_slopes(config.num_heads), dtype=torch.float64)
+    return (-slopes * layer_decay_factor(config, layer)).float()
+
+
+class LightningAttention(nn.Module):
+    """Fused QKV, per-head QK RMSNorm, partial NeoX RoPE, the decayed linear recurrence, GroupRMSNorm, then the
+    sigmoid output gate (norm first, gate second) and `dense` (spec §2.1)."""
+
+    def __init__(self, config: LingConfig, layer_idx: int):
+        super().__init__()
+        hidden, d = config.hidden_size, config.head_dim
+        width = config.num_heads * d
+        self.num_heads = divide(config.num_heads, tp_size(), "num_attention_heads")
+        self.head_dim = d
+        # Row blocks [Q | K | V] (head-major each), split per block so a rank holds its heads of all three.
+        self.query_key_value = MergedColumnParallelLinear(hidden, [width] * 3, bias=config.use_qkv_bias)
+        self.use_qk_norm = config.use_qk_norm
+        if config.use_qk_norm:
+            self.query_layernorm = RMSNorm(d, config.rms_norm_eps)
+            self.key_layernorm = RMSNorm(d, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(int(d * config.partial_rotary_factor), config.rope_theta)
+        self.g_proj = ColumnParallelLinear(hidden, width)
+        self.g_norm = GroupRMSNorm(width, config.group_norm_size, config.rms_norm_eps)
+        self.dense = RowParallelLinear(width, hidden)
+        heads = slice(tp_rank() * self.num_heads, (tp_rank() + 1) * self.num_heads)
+        self.register_buffer("log_decay", lightning_log_decay(config, layer_idx)[heads], persistent=False)
+        self.state: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.query_key_value(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
+        if self.use_qk_norm:
+            q, k = self.query_layernorm(q), self.key_layernorm(k)
+        q, k = self.rotary(batch.positions, q), self.rotary(batch.positions, k)
+        o = lightning_attention(q, k, v, self.log_decay, self.state["lightning"], batch)  # fp32
+        o = self.g_norm(o.flatten(1)) * torch.sigmoid(self.g_proj(x).float())
+        return self.dense(o.to(x.dtype))
+
+
+class LingMLP(nn.Module):
+    """SwiGLU: the dense FFN of the first layers, and the shared expert."""
+
+    def __init__(self, hidden_size: int, width: int, reduce_results: bool = True):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [width, width])
+        self.down_proj = RowParallelLinear(width, hidden_size, reduce_results=reduce_results)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LingRouter(nn.Module):
+    """Sigmoid scores in fp32; `expert_bias` (aux-loss-free balancing) steers the group-limited top-k selection
+    only, the weights are the unbiased scores of the chosen experts, renormalised and scaled (spec §4.1).
+    Replicated: every rank needs all scores for the group ranking."""
+
+    def __init__(self, config: LingConfig):
+        super().__init__()
+        self.n_group, self.topk_group, self.top_k = config.n_group, config.topk_group, config.num_experts_per_tok
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.weight = new_parameter(config.num_experts, config.hidden_size, dtype=torch.float32)
+        self.expert_bias = new_parameter(config.num_experts, dtype=torch.float32) if config.router_expert_bias \
+            else None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.sigmoid(F.linear(x.float(), self.weight))  # [T, E]
+        choice = scores if self.expert_bias is None else scores + self.expert_bias
+        grouped = choice.view(x.shape[0], self.n_group, -1)
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, n_group]
+        kept = group_scores.topk(self.topk_group, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+        ids = grouped.masked_fill(~keep[:, :, None], float("-inf")).flatten(1).topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        return ids, weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.routed_scaling_factor
+
+
+class LingMoE(nn.Module):
+    def __init__(self, config: LingConfig):
+        super().__init__()
+        self.gate = LingRouter(config)
+        self.experts = StackedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size,
+                                      split_gate_up=True)
+        self.shared_experts = LingMLP(config.hidden_size, config.shared_expert_width, reduce_results=False) \
+            if config.shared_expert_width else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.gate(x)
+        out = self.experts(x, ids, weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)  # unscaled, no gate
+        return all_reduce(out)  # routed and shared partial sums reduced together
+
+
+def _mla(config: LingConfig) -> MultiLatentAttention:
+    return MultiLatentAttention(config.hidden_size, config.num_heads, config.q_lora_rank, config.kv_lora_rank,
+                                config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim,
+                                config.rope_theta, config.rope_interleave, config.rms_norm_eps)
+
+
+class LingDecoderLayer(nn.Module):
+    """Pre-norm block: x + Attn(norm(x)), then + FFN(norm(.)); attention and FFN kinds chosen per layer (spec §5)."""
+
+    def __init__(self, config: LingConfig, layer_idx: int, mla: bool, dense: bool):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attention = _mla(config) if mla else LightningAttention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LingMLP(config.hidden_size, config.intermediate_size) if dense else LingMoE(config)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.attention(self.input_layernorm(x), batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LingMTPLayer(LingDecoderLayer):
+    """The next-token draft block (spec §6): MLA + MoE plus the norms and projection that mix the next token's
+    embedding with the target's final hidden state. Kept for speculative decoding; the main forward skips it."""
+
+    def __init__(self, config: LingConfig, layer_idx: int):
+        super().__init__(config, layer_idx, mla=True, dense=False)
+        self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.eh_proj = ReplicatedLinear(2 * config.hidden_size, config.hidden_size)
+        self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LingModel(nn.Module):
+    def __init__(self, config: LingConfig):
+        super().__init__()
+        self.word_embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LingDecoderLayer(config, i, config.is_mla(i), config.is_dense(i))
+                                    for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mtp = nn.ModuleList(LingMTPLayer(config, config.num_layers + k)
+                                 for k in range(config.num_nextn_predict_layers))
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.word_embeddings(batch.input_ids)
+        for layer in self.layers:
+            x = layer(x, batch)
+        return self.norm(x)
+
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".slope")  # recomputed buffers, not weights
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
+_GATE_UP = re.compile(r"(.+\.mlp(?:\.shared_experts)?)\.(gate|up)_proj\.weight")
+_HALF = {"gate": 0, "up": 1}
+
+
+class LingForCausalLM(nn.Module):
+    def __init__(self, config: LingConfig):
+        super().__init__()
+        self.config = config
+        self.model = LingModel(config)
+        tied = self.model.word_embeddings if config.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tied_to=tied)
+
+    # --- what the runner needs to know -------------------------------------------------------------------
+    @property
+    def history_len(self) -> int:
+        return 0
+
+    def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
+        width = self.config.kv_lora_rank + self.config.qk_rope_head_dim
+        return KVCacheSpec(num_layers=len(self.config.mla_layers), fields={"latent": (1, width)}, dtype=dtype)
+
+    def state_spec(self, dtype: torch.dtype) -> StateSpec:
+        """fp32 whatever the model dtype: the recurrence accumulates over the whole sequence."""
+        d = self.config.head_dim
+        heads = divide(self.config.num_heads, tp_size(), "num_attention_heads")
+        return StateSpec(num_layers=len(self.config.lightning_layers),
+                         fields={"lightning": StateField((heads, d, d), torch.float32)})
+
+    def bind_caches(self, kv_layers: list[dict[str, torch.Tensor]], state_layers: list[dict[str, torch.Tensor]]):
+        """KV layer j is the j-th MLA layer, state layer j the j-th lightning layer."""
+        kv, state = iter(kv_layers), iter(state_layers)
+        for layer in self.model.layers:
+            if isinstance(layer.attention, MultiLatentAttention):
+                layer.attention.kv = next(kv)
+            else:
+                layer.attention.state = next(state)
+
+    # --- forward -----------------------------------------------------------------------------------------
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    # --- checkpoint names --------------------------------------------------------------------------------
+    def checkpoint_target(self, name: str) -> tuple[str, Hashable | None] | None:
+        """Parameter (and shard) a checkpoint tensor fills; None for tensors that are deliberately not loaded."""
+        if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+            return None
+        layer = _LAYER.fullmatch(name)
+        if layer and int(layer.group(1)) >= self.config.num_layers:
+            name = f"model.mtp.{int(layer.group(1)) - self.config.num_layers}.{layer.group(2)}"
+        if name.endswith(".mlp.gate.e_score_correction_bias"):
+            name = name.removesuffix("e_score_correction_bias") + "expert_bias"
+        expert = _EXPERT.fullmatch(name)
+        if expert and int(expert.group(2)) < self.config.num_experts:
+            prefix, index, proj = expert.group(1), int(expert.group(2)), expert.group(3)
+            if proj == "down":
+                return f"{prefix}.down_proj", index
+            return f"{prefix}.gate_up_proj", (index, _HALF[proj])
+        gate_up = _GATE_UP.fullmatch(name)
+        if gate_up:
+            return f"{gate_up.group(1)}.gate_up_proj.weight", _HALF[gate_up.group(2)]
+        return name, None

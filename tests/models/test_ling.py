@@ -1,0 +1,292 @@
+"""Ling-2.6 (`bailing_hybrid`) against the independent naive reference (tests/reference/ling_naive.py), fp32 on CPU.
+
+Models are built the way a user's would be: a random checkpoint written in HF layout, loaded through
+`build_model` (with `hf_overrides` where a case needs one), caches from the model's own specs, batches from
+`build_forward_batch`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from reference.ling_naive import NaiveLing, random_ling_checkpoint, tiny_ling_config, write_checkpoint
+
+import hybridserve.layers.mla as mla_module
+from hybridserve import LLM, SamplingParams
+from hybridserve.cache.kv_pool import KVPool
+from hybridserve.cache.state_pool import StatePool
+from hybridserve.demo import bundled_tokenizer_dir
+from hybridserve.loader import CheckpointError
+from hybridserve.models.ling import alibi_slopes, lightning_log_decay
+from hybridserve.models.ling_config import parse_ling_config
+from hybridserve.runtime.batch import ScheduledChunk, build_forward_batch
+from hybridserve.runtime.model_loader import build_model
+
+CPU = torch.device("cpu")
+PAGE = 16
+# Tiny configs: layer_group_size 2 and 3; 4 and 6 (not a power of two) heads; group_norm_size 2 and 3; 8 experts
+# top-2 with n_group 2 / topk_group 1; one shared expert; first_k_dense_replace 1; q-LoRA and plain q_proj.
+CASES = {
+    "group2": {},
+    "group3_6heads": {"layer_group_size": 3, "num_hidden_layers": 3, "num_attention_heads": 6, "group_norm_size": 3,
+                      "q_lora_rank": None, "moe_shared_expert_intermediate_size": 24},
+}
+
+
+@dataclasses.dataclass
+class Ling:
+    directory: Path
+    config: dict  # as the reference sees it (hf_overrides applied)
+    overrides: dict
+    reference: NaiveLing
+
+
+@pytest.fixture(scope="module", params=[("group2", "training"), ("group2", "hf_remote_code"),
+                                        ("group3_6heads", "training"), ("group3_6heads", "hf_remote_code")],
+                ids=lambda p: "-".join(p))
+def ling(request, tmp_path_factory) -> Ling:
+    case, variant = request.param
+    config = tiny_ling_config(**CASES[case])
+    tensors = random_ling_checkpoint(config, seed=0)
+    directory = tmp_path_factory.mktemp(f"ling-{case}")
+    write_checkpoint(directory, config, tensors)
+    # The checkpoint says "training"; the other variant arrives as a per-run override, as a user would pass it.
+    overrides = {} if variant == "training" else {"lightning_decay_variant": variant}
+    return Ling(directory, config | overrides, overrides, NaiveLing(config | overrides, tensors))
+
+
+class Runner:
+    """One model with its own pools; each `step` is one packed forward, like ModelRunner.execute."""
+
+    def __init__(self, model_dir: Path, overrides: dict, num_slots: int = 8, num_pages: int = 64):
+        self.model, _ = build_model(model_dir, torch.float32, CPU, overrides)
+        kv_spec, state_spec = self.model.kv_cache_spec(torch.float32), self.model.state_spec(torch.float32)
+        self.kv = KVPool(kv_spec, num_pages, PAGE, CPU)
+        self.states = StatePool(state_spec, num_slots, CPU)
+        for buf in self.states.buffers.values():
+            buf.fill_(float("nan"))  # a fresh row must never read its slot
+        self.model.bind_caches([self.kv.layer(i) for i in range(kv_spec.num_layers)],
+                               [self.states.layer(i) for i in range(state_spec.num_layers)])
+        self.free_pages = list(range(num_pages - 1, 0, -1))
+        self.seqs: dict[int, tuple[int, list[int]]] = {}  # slot -> (tokens computed, pages)
+
+    @torch.inference_mode()
+    def step(self, rows: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
+        """rows: (state slot, new tokens) per sequence; returns the logits of every new token, per row."""
+        chunks = []
+        for slot, tokens in rows:
+            done, pages = self.seqs.get(slot, (0, []))
+            while len(pages) * PAGE < done + len(tokens):
+                pages.append(self.free_pages.pop())
+            chunks.append(ScheduledChunk(tokens, done, list(pages), slot, done > 0, list(range(len(tokens)))))
+            self.seqs[slot] = (done + len(tokens), pages)
+        batch = build_forward_batch(chunks, PAGE, CPU, self.model.history_len)
+        logits = self.model.compute_logits(self.model(batch)[batch.logits_indices])
+        return list(logits.split(batch.query_lens))
+
+    def lightning_state(self, slot: int) -> list[torch.Tensor]:
+        return list(self.states.buffers["lightning"][:, slot])
+
+
+def _prompts(lengths: list[int], seed: int, vocab: int = 128) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _reference_states(ling: Ling, seq) -> list[torch.Tensor]:
+    states = ling.reference.lightning_states(seq)
+    return [states[i] for i in sorted(states)]
+
+
+# ------------------------------------------------------------------------------------------- engine vs reference
+
+
+def test_packed_prefill_matches_reference(ling: Ling) -> None:
+    runner = Runner(ling.directory, ling.overrides)
+    prompts = _prompts([1, 7, 70, 130], seed=1)  # one batch; 130 crosses two 64-token chunk boundaries
+    logits = runner.step([(slot, p) for slot, p in enumerate(prompts, start=1)])
+    for slot, (prompt, got) in enumerate(zip(prompts, logits), start=1):
+        seq = ling.reference.new_sequence()
+        assert _max_abs(got, ling.reference.step(seq, prompt)) <= 2e-5
+        for engine_state, ref_state in zip(runner.lightning_state(slot), _reference_states(ling, seq), strict=True):
+            assert _rel(engine_state, ref_state) <= 1e-5
+
+
+def test_chunked_prefill_and_decode_resume_from_state(ling: Ling) -> None:
+    """Two sequences share every step, chunked 1/3/17/70 and 70/17/3/1 (so steps mix one-token and long rows),
+    then decode together; each step equals the one-shot prefill and the reference, logits and states."""
+    prompt_a, prompt_b = _prompts([91, 91], seed=2)
+    one_shot = Runner(ling.directory, ling.overrides)
+    full_a, full_b = one_shot.step([(1, prompt_a), (2, prompt_b)])
+    chunked = Runner(ling.directory, ling.overrides)
+    seq_a, seq_b = ling.reference.new_sequence(), ling.reference.new_sequence()
+    start_a = start_b = 0
+    for len_a, len_b in zip([1, 3, 17, 70], [70, 17, 3, 1]):
+        piece_a, piece_b = prompt_a[start_a:start_a + len_a], prompt_b[start_b:start_b + len_b]
+        got_a, got_b = chunked.step([(1, piece_a), (2, piece_b)])
+        assert _max_abs(got_a, full_a[start_a:start_a + len_a]) <= 2e-5
+        assert _max_abs(got_b, full_b[start_b:start_b + len_b]) <= 2e-5
+        ling.reference.step(seq_a, piece_a)
+        ling.reference.step(seq_b, piece_b)
+        for slot, seq in ((1, seq_a), (2, seq_b)):
+            for engine_state, ref_state in zip(chunked.lightning_state(slot), _reference_states(ling, seq)):
+                assert _rel(engine_state, ref_state) <= 1e-5
+        start_a, start_b = start_a + len_a, start_b + len_b
+    for slot in (1, 2):
+        for chunked_state, one_shot_state in zip(chunked.lightning_state(slot), one_shot.lightning_state(slot)):
+            assert _rel(chunked_state, one_shot_state) <= 1e-5
+    for token_a, token_b in [(5, 9), (17, 3), (100, 100)]:  # all-decode batches: the recurrence + absorbed MLA
+        got_a, got_b = chunked.step([(1, [token_a]), (2, [token_b])])
+        assert _max_abs(got_a, ling.reference.step(seq_a, [token_a])) <= 2e-5
+        assert _max_abs(got_b, ling.reference.step(seq_b, [token_b])) <= 2e-5
+
+
+def test_generate_matches_reference_greedy(ling: Ling) -> None:
+    """8 prompts in flight together through the offline API; a small token budget forces chunked prefill with
+    decode rows of the earlier requests in the same steps."""
+    prompts = _prompts([1, 4, 9, 16, 23, 40, 65, 80], seed=3)
+    llm = LLM(str(ling.directory), device="cpu", dtype="float32", hf_overrides=ling.overrides,
+              tokenizer=str(bundled_tokenizer_dir()), max_num_batched_tokens=64)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.outputs[0].token_ids == ling.reference.greedy_generate(prompt, 32)
+
+
+# ------------------------------------------------------------------------------------------- decay slopes (§2.2)
+
+
+@pytest.mark.parametrize(("variant", "layer", "decay"), [
+    ("training", 30, 0.9732), ("hf_remote_code", 30, 0.9472), ("training", 0, 0.4313), ("hf_remote_code", 0, 0.4198),
+])
+def test_decay_reproduces_spec_worked_numbers(variant: str, layer: int, decay: float) -> None:
+    """Spec §2.2 example (flash: H=32, L=32): head 0's per-token decay at layers 30 and 0 under both variants."""
+    config = parse_ling_config(tiny_ling_config(num_attention_heads=32, num_hidden_layers=32, layer_group_size=8,
+                                                group_norm_size=4, lightning_decay_variant=variant))
+    log_decay = lightning_log_decay(config, layer)
+    assert log_decay.shape == (32,) and bool((log_decay < 0).all())
+    assert round(math.exp(log_decay[0].item()), 4) == decay
+
+
+def test_alibi_slopes_follow_spec_rule() -> None:
+    flash = alibi_slopes(32)
+    assert [round(flash[i], 4) for i in (0, 1, 31)] == [0.8409, 0.7071, 0.0039]
+    assert round(alibi_slopes(64)[0], 4) == 0.9170
+    # n = 6: the power-of-two list for 4, then the even-indexed entries 0 and 2 of the list for 8.
+    assert alibi_slopes(6) == [2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8, 2 ** -1, 2 ** -3]
+
+
+# ------------------------------------------------------------------------------------------- MLA
+
+
+def test_absorbed_and_unabsorbed_mla_agree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tiny_ling_config()
+    write_checkpoint(tmp_path, config, random_ling_checkpoint(config, seed=4))
+    runner = Runner(tmp_path, {})
+    prompts = _prompts([5, 16, 33], seed=5)  # KV of 6, 17 and 34 tokens after the decode row: page edges
+    runner.step([(slot, p) for slot, p in enumerate(prompts, start=1)])
+    rows = [(slot, runner.seqs[slot]) for slot in (1, 2, 3)]
+    chunks = [ScheduledChunk([7], done, pages, slot, True, [0]) for slot, (done, pages) in rows]
+    decode = build_forward_batch(chunks, PAGE, CPU)
+    assert decode.is_decode
+    attention = runner.model.model.layers[1].attention
+    x = torch.randn(3, config["hidden_size"], generator=torch.Generator().manual_seed(6))
+    calls = []
+    paged_attention = mla_module.paged_attention
+    monkeypatch.setattr(mla_module, "paged_attention", lambda *a, **k: calls.append(1) or paged_attention(*a, **k))
+    with torch.inference_mode():
+        absorbed = attention(x, decode)
+        assert calls == [1]  # the absorbed form: MQA over the latent cache
+        unabsorbed = attention(x, dataclasses.replace(decode, is_decode=False))
+        assert calls == [1]
+    assert _max_abs(absorbed, unabsorbed) <= 1e-5 * unabsorbed.abs().max().item()
+
+
+# ------------------------------------------------------------------------------------------- loading
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint() -> tuple[dict, dict[str, torch.Tensor]]:
+    config = tiny_ling_config()
+    return config, random_ling_checkpoint(config, seed=7)
+
+
+def _load(directory: Path, config: dict, tensors: dict[str, torch.Tensor], shards: int = 1):
+    write_checkpoint(directory, config, tensors, shards=shards)
+    return build_model(directory, torch.float32, CPU)[0]
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ("missing", "model.layers.1.attention.kv_b_proj.weight"),
+    ("missing_expert_half", "model.layers.2.mlp.experts.gate_up_proj"),
+    ("extra", "unexpected tensor 'model.layers.0.attention.extra.weight'"),
+    ("extra_expert", "unexpected tensor 'model.layers.2.mlp.experts.8.up_proj.weight'"),
+    ("wrong_shape", "tensor 'model.layers.0.attention.g_proj.weight' has shape (64, 32)"),
+    ("wrong_expert_shape", "tensor 'model.layers.3.mlp.experts.1.down_proj.weight' has shape (64, 31)"),
+])
+def test_loader_is_strict(tmp_path: Path, tiny_checkpoint, change: str, message: str) -> None:
+    config, tensors = tiny_checkpoint
+    tensors = dict(tensors)
+    if change == "missing":
+        del tensors["model.layers.1.attention.kv_b_proj.weight"]
+    elif change == "missing_expert_half":
+        del tensors["model.layers.2.mlp.experts.5.up_proj.weight"]
+    elif change == "extra":
+        tensors["model.layers.0.attention.extra.weight"] = torch.zeros(2, 2)
+    elif change == "extra_expert":  # the tiny config has experts 0..7
+        tensors["model.layers.2.mlp.experts.8.up_proj.weight"] = torch.zeros(32, 64)
+    elif change == "wrong_shape":
+        tensors["model.layers.0.attention.g_proj.weight"] = torch.zeros(64, 32)
+    else:
+        tensors["model.layers.3.mlp.experts.1.down_proj.weight"] = torch.zeros(64, 31)
+    with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        _load(tmp_path, config, tensors)
+
+
+def test_loader_accepts_aliases_ignored_buffers_and_shards(tmp_path: Path, tiny_checkpoint) -> None:
+    config, tensors = tiny_checkpoint
+    renamed = {name.replace("mlp.gate.expert_bias", "mlp.gate.e_score_correction_bias"): t
+               for name, t in tensors.items()}
+    renamed["model.layers.0.attention.slope"] = torch.ones(4)
+    renamed["model.layers.1.attention.rotary_emb.inv_freq"] = torch.ones(2)
+    model = _load(tmp_path, config, renamed, shards=3)
+    assert torch.equal(model.model.layers[2].mlp.gate.expert_bias, tensors["model.layers.2.mlp.gate.expert_bias"])
+
+
+def test_mtp_layer_is_loaded(tmp_path: Path, tiny_checkpoint) -> None:
+    config, tensors = tiny_checkpoint
+    mtp = _load(tmp_path, config, tensors).model.mtp[0]
+    width = config["moe_intermediate_size"]
+    expected = [  # (engine parameter of the MTP block, checkpoint tensor of model.layers.4 = the MTP layer)
+        (mtp.enorm.weight, "enorm.weight"),
+        (mtp.hnorm.weight, "hnorm.weight"),
+        (mtp.eh_proj.weight, "eh_proj.weight"),
+        (mtp.final_layernorm.weight, "final_layernorm.weight"),
+        (mtp.input_layernorm.weight, "input_layernorm.weight"),
+        (mtp.post_attention_layernorm.weight, "post_attention_layernorm.weight"),
+        (mtp.attention.q_a_proj.weight, "attention.q_a_proj.weight"),
+        (mtp.attention.q_b_proj.weight, "attention.q_b_proj.weight"),
+        (mtp.attention.kv_a_proj_with_mqa.weight, "attention.kv_a_proj_with_mqa.weight"),
+        (mtp.attention.kv_b_proj.weight, "attention.kv_b_proj.weight"),
+        (mtp.attention.dense.weight, "attention.dense.weight"),
+        (mtp.mlp.gate.weight, "mlp.gate.weight"),
+        (mtp.mlp.gate.expert_bias, "mlp.gate.expert_bias"),
+        (mtp.mlp.experts.gate_up_proj[3, :width], "mlp.experts.3.gate_proj.weight"),
+        (mtp.mlp.experts.gate_up_proj[3, width:], "mlp.experts.3.up_proj.weight"),
+        (mtp.mlp.experts.down_proj[6], "mlp.experts.6.down_proj.weight"),
+        (mtp.mlp.shared_experts.gate_up_proj.weight[:width], "mlp.shared_experts.gate_proj.weight"),
+        (mtp.mlp.shared_experts.down_proj.weight, "mlp.shared_experts.down_proj.weight"),
+    ]
+    for param, name in expected:
+        assert torch.equal(param, tensors[f"model.layers.4.{name}"]), name
