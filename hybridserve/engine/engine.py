@@ -62,7 +62,7 @@ class LLMEngine:
             ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
-        return frozenset(ids)
+        return frozenset(i for i in ids if 0 <= i < self.vocab_size)  # ids the model cannot emit never stop it
 
     def _max_model_len(self, kv_tokens: int) -> int:
         limit = self.model_config.max_position_embeddings

@@ -84,14 +84,14 @@ class Sampler:
         if not idx:
             return logits
         logits = logits.clone()
-        device, vocab = logits.device, logits.shape[-1]
+        device = logits.device
         sub = logits[idx]
         counts = torch.zeros_like(sub)
         seen = torch.zeros_like(sub, dtype=torch.bool)
         for j, i in enumerate(idx):
             out_ids = torch.tensor(rows[i].output_token_ids, dtype=torch.long, device=device)
             counts[j].index_add_(0, out_ids, torch.ones_like(out_ids, dtype=counts.dtype))
-            seen[j, torch.tensor(rows[i].prompt_token_ids, dtype=torch.long, device=device) % vocab] = True
+            seen[j, torch.tensor(rows[i].prompt_token_ids, dtype=torch.long, device=device)] = True
         seen |= counts > 0
 
         def column(name: str) -> torch.Tensor:

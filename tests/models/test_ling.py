@@ -2,7 +2,7 @@
 
 Models are built the way a user's would be: a random checkpoint written in HF layout, loaded through
 `build_model` (with `hf_overrides` where a case needs one), caches from the model's own specs, batches from
-`build_forward_batch`.
+`build_forward_batch` (tests.helpers.CacheHarness), and end to end through `LLM`.
 """
 from __future__ import annotations
 
@@ -12,21 +12,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference.ling_naive import NaiveLing, random_ling_checkpoint, tiny_ling_config, write_checkpoint
 
 import hybridserve.layers.mla as mla_module
 from hybridserve import LLM, SamplingParams
-from hybridserve.cache.kv_pool import KVPool
-from hybridserve.cache.state_pool import StatePool
-from hybridserve.demo import bundled_tokenizer_dir
 from hybridserve.loader import CheckpointError
 from hybridserve.models.ling import alibi_slopes, lightning_log_decay
 from hybridserve.models.ling_config import parse_ling_config
-from hybridserve.runtime.batch import ScheduledChunk, build_forward_batch
 from hybridserve.runtime.model_loader import build_model
+from tests.helpers import CacheHarness, add_tokenizer
+from tests.reference.ling_naive import NaiveLing, random_ling_checkpoint, tiny_ling_config, write_checkpoint
 
 CPU = torch.device("cpu")
-PAGE = 16
 # Tiny configs: layer_group_size 2 and 3; 4 and 6 (not a power of two) heads; group_norm_size 2 and 3; 8 experts
 # top-2 with n_group 2 / topk_group 1; one shared expert; first_k_dense_replace 1; q-LoRA and plain q_proj.
 CASES = {
@@ -39,9 +35,8 @@ CASES = {
 @dataclasses.dataclass
 class Ling:
     directory: Path
-    config: dict  # as the reference sees it (hf_overrides applied)
     overrides: dict
-    reference: NaiveLing
+    reference: NaiveLing  # configured like the engine (overrides applied)
 
 
 @pytest.fixture(scope="module", params=[("group2", "training"), ("group2", "hf_remote_code"),
@@ -53,47 +48,27 @@ def ling(request, tmp_path_factory) -> Ling:
     tensors = random_ling_checkpoint(config, seed=0)
     directory = tmp_path_factory.mktemp(f"ling-{case}")
     write_checkpoint(directory, config, tensors)
+    add_tokenizer(directory)
     # The checkpoint says "training"; the other variant arrives as a per-run override, as a user would pass it.
     overrides = {} if variant == "training" else {"lightning_decay_variant": variant}
-    return Ling(directory, config | overrides, overrides, NaiveLing(config | overrides, tensors))
+    return Ling(directory, overrides, NaiveLing(config | overrides, tensors))
 
 
-class Runner:
-    """One model with its own pools; each `step` is one packed forward, like ModelRunner.execute."""
-
-    def __init__(self, model_dir: Path, overrides: dict, num_slots: int = 8, num_pages: int = 64):
-        self.model, _ = build_model(model_dir, torch.float32, CPU, overrides)
-        kv_spec, state_spec = self.model.kv_cache_spec(torch.float32), self.model.state_spec(torch.float32)
-        self.kv = KVPool(kv_spec, num_pages, PAGE, CPU)
-        self.states = StatePool(state_spec, num_slots, CPU)
-        for buf in self.states.buffers.values():
-            buf.fill_(float("nan"))  # a fresh row must never read its slot
-        self.model.bind_caches([self.kv.layer(i) for i in range(kv_spec.num_layers)],
-                               [self.states.layer(i) for i in range(state_spec.num_layers)])
-        self.free_pages = list(range(num_pages - 1, 0, -1))
-        self.seqs: dict[int, tuple[int, list[int]]] = {}  # slot -> (tokens computed, pages)
-
-    @torch.inference_mode()
-    def step(self, rows: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
-        """rows: (state slot, new tokens) per sequence; returns the logits of every new token, per row."""
-        chunks = []
-        for slot, tokens in rows:
-            done, pages = self.seqs.get(slot, (0, []))
-            while len(pages) * PAGE < done + len(tokens):
-                pages.append(self.free_pages.pop())
-            chunks.append(ScheduledChunk(tokens, done, list(pages), slot, done > 0, list(range(len(tokens)))))
-            self.seqs[slot] = (done + len(tokens), pages)
-        batch = build_forward_batch(chunks, PAGE, CPU, self.model.history_len)
-        logits = self.model.compute_logits(self.model(batch)[batch.logits_indices])
-        return list(logits.split(batch.query_lens))
-
-    def lightning_state(self, slot: int) -> list[torch.Tensor]:
-        return list(self.states.buffers["lightning"][:, slot])
+def _harness(directory: Path, overrides: dict) -> CacheHarness:
+    model, _ = build_model(directory, torch.float32, CPU, overrides)
+    harness = CacheHarness(model)
+    for buf in harness.state.buffers.values():
+        buf.fill_(float("nan"))  # a fresh row must never read its slot
+    return harness
 
 
-def _prompts(lengths: list[int], seed: int, vocab: int = 128) -> list[list[int]]:
+def _states(harness: CacheHarness, slot: int) -> list[torch.Tensor]:
+    return list(harness.state.buffers["lightning"][:, slot])
+
+
+def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+    return [torch.randint(0, 128, (n,), generator=gen).tolist() for n in lengths]
 
 
 def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -113,13 +88,14 @@ def _reference_states(ling: Ling, seq) -> list[torch.Tensor]:
 
 
 def test_packed_prefill_matches_reference(ling: Ling) -> None:
-    runner = Runner(ling.directory, ling.overrides)
-    prompts = _prompts([1, 7, 70, 130], seed=1)  # one batch; 130 crosses two 64-token chunk boundaries
-    logits = runner.step([(slot, p) for slot, p in enumerate(prompts, start=1)])
+    harness = _harness(ling.directory, ling.overrides)
+    lengths = [1, 7, 70, 130]  # one batch; 130 crosses two 64-token chunk boundaries
+    prompts = _prompts(lengths, seed=1)
+    logits = harness.run([harness.chunk(slot, p, 0) for slot, p in enumerate(prompts, start=1)]).split(lengths)
     for slot, (prompt, got) in enumerate(zip(prompts, logits), start=1):
         seq = ling.reference.new_sequence()
         assert _max_abs(got, ling.reference.step(seq, prompt)) <= 2e-5
-        for engine_state, ref_state in zip(runner.lightning_state(slot), _reference_states(ling, seq), strict=True):
+        for engine_state, ref_state in zip(_states(harness, slot), _reference_states(ling, seq), strict=True):
             assert _rel(engine_state, ref_state) <= 1e-5
 
 
@@ -127,29 +103,31 @@ def test_chunked_prefill_and_decode_resume_from_state(ling: Ling) -> None:
     """Two sequences share every step, chunked 1/3/17/70 and 70/17/3/1 (so steps mix one-token and long rows),
     then decode together; each step equals the one-shot prefill and the reference, logits and states."""
     prompt_a, prompt_b = _prompts([91, 91], seed=2)
-    one_shot = Runner(ling.directory, ling.overrides)
-    full_a, full_b = one_shot.step([(1, prompt_a), (2, prompt_b)])
-    chunked = Runner(ling.directory, ling.overrides)
+    one_shot = _harness(ling.directory, ling.overrides)
+    full_a, full_b = one_shot.run([one_shot.chunk(1, prompt_a, 0), one_shot.chunk(2, prompt_b, 0)]).split(91)
+    chunked = _harness(ling.directory, ling.overrides)
     seq_a, seq_b = ling.reference.new_sequence(), ling.reference.new_sequence()
     start_a = start_b = 0
     for len_a, len_b in zip([1, 3, 17, 70], [70, 17, 3, 1]):
         piece_a, piece_b = prompt_a[start_a:start_a + len_a], prompt_b[start_b:start_b + len_b]
-        got_a, got_b = chunked.step([(1, piece_a), (2, piece_b)])
+        got_a, got_b = chunked.run([chunked.chunk(1, piece_a, start_a),
+                                    chunked.chunk(2, piece_b, start_b)]).split([len_a, len_b])
         assert _max_abs(got_a, full_a[start_a:start_a + len_a]) <= 2e-5
         assert _max_abs(got_b, full_b[start_b:start_b + len_b]) <= 2e-5
         ling.reference.step(seq_a, piece_a)
         ling.reference.step(seq_b, piece_b)
         for slot, seq in ((1, seq_a), (2, seq_b)):
-            for engine_state, ref_state in zip(chunked.lightning_state(slot), _reference_states(ling, seq)):
+            for engine_state, ref_state in zip(_states(chunked, slot), _reference_states(ling, seq), strict=True):
                 assert _rel(engine_state, ref_state) <= 1e-5
         start_a, start_b = start_a + len_a, start_b + len_b
     for slot in (1, 2):
-        for chunked_state, one_shot_state in zip(chunked.lightning_state(slot), one_shot.lightning_state(slot)):
+        for chunked_state, one_shot_state in zip(_states(chunked, slot), _states(one_shot, slot), strict=True):
             assert _rel(chunked_state, one_shot_state) <= 1e-5
-    for token_a, token_b in [(5, 9), (17, 3), (100, 100)]:  # all-decode batches: the recurrence + absorbed MLA
-        got_a, got_b = chunked.step([(1, [token_a]), (2, [token_b])])
-        assert _max_abs(got_a, ling.reference.step(seq_a, [token_a])) <= 2e-5
-        assert _max_abs(got_b, ling.reference.step(seq_b, [token_b])) <= 2e-5
+    for step, (token_a, token_b) in enumerate([(5, 9), (17, 3), (100, 100)]):  # all-decode: recurrence + absorbed MLA
+        batch = [chunked.chunk(1, [token_a], 91 + step), chunked.chunk(2, [token_b], 91 + step)]
+        got_a, got_b = chunked.run(batch)
+        assert _max_abs(got_a, ling.reference.step(seq_a, [token_a])[0]) <= 2e-5
+        assert _max_abs(got_b, ling.reference.step(seq_b, [token_b])[0]) <= 2e-5
 
 
 def test_generate_matches_reference_greedy(ling: Ling) -> None:
@@ -157,7 +135,7 @@ def test_generate_matches_reference_greedy(ling: Ling) -> None:
     decode rows of the earlier requests in the same steps."""
     prompts = _prompts([1, 4, 9, 16, 23, 40, 65, 80], seed=3)
     llm = LLM(str(ling.directory), device="cpu", dtype="float32", hf_overrides=ling.overrides,
-              tokenizer=str(bundled_tokenizer_dir()), max_num_batched_tokens=64)
+              max_num_batched_tokens=64)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     for prompt, output in zip(prompts, outputs, strict=True):
@@ -193,14 +171,12 @@ def test_alibi_slopes_follow_spec_rule() -> None:
 def test_absorbed_and_unabsorbed_mla_agree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = tiny_ling_config()
     write_checkpoint(tmp_path, config, random_ling_checkpoint(config, seed=4))
-    runner = Runner(tmp_path, {})
-    prompts = _prompts([5, 16, 33], seed=5)  # KV of 6, 17 and 34 tokens after the decode row: page edges
-    runner.step([(slot, p) for slot, p in enumerate(prompts, start=1)])
-    rows = [(slot, runner.seqs[slot]) for slot in (1, 2, 3)]
-    chunks = [ScheduledChunk([7], done, pages, slot, True, [0]) for slot, (done, pages) in rows]
-    decode = build_forward_batch(chunks, PAGE, CPU)
+    harness = _harness(tmp_path, {})
+    prompts = _prompts([5, 16, 33], seed=5)
+    harness.run([harness.chunk(slot, p, 0) for slot, p in enumerate(prompts, start=1)])
+    decode = harness.batch([harness.chunk(slot, [7 + slot], len(p)) for slot, p in enumerate(prompts, start=1)])
     assert decode.is_decode
-    attention = runner.model.model.layers[1].attention
+    attention = harness.model.model.layers[1].attention
     x = torch.randn(3, config["hidden_size"], generator=torch.Generator().manual_seed(6))
     calls = []
     paged_attention = mla_module.paged_attention

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference.ling_naive import group_rms_norm, lightning_recurrence
 
 from hybridserve.layers.norm import GroupRMSNorm
 from hybridserve.ops.lightning import lightning_decode, lightning_prefill
 from hybridserve.runtime.batch import ScheduledChunk, build_forward_batch
+from tests.reference.ling_naive import group_rms_norm, lightning_recurrence
 
 PAGE = 16
 HEADS, DK, DV = 3, 8, 6  # d_v != d_k on purpose
