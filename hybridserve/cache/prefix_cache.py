@@ -1,0 +1,219 @@
+"""Hybrid prefix cache: a radix tree over full KV pages whose nodes may own a recurrent-state checkpoint.
+
+A cached prefix is only usable up to a position whose state can be restored:
+- per-page state (ZAYA1): every cached page carries the state after its last token (a page footer written during
+  the forward), so any full-page match is usable;
+- sparse checkpoints (Ling): only node ends that own a checkpoint slot are usable; KV matched beyond the deepest
+  checkpoint is reported as a branch point, where the next prefill should take a snapshot.
+
+Ownership: the tree holds one reference on each of its pages and owns its checkpoint slots. Requests lock the path
+they use (`lock`), so locked pages are never evicted; the checkpoint a step restores from is state-locked until the
+step has run. Unlocked leaves are evicted least-recently-used first (a logical clock: parents are always older than
+their children); dropping an internal node's checkpoint leaves a tombstone, and leaves are never tombstones.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from hybridserve.cache.kv_pool import PageAllocator
+from hybridserve.cache.state_pool import SlotAllocator
+
+
+@dataclass(eq=False)
+class TreeNode:
+    tokens: tuple[int, ...]  # this edge's tokens: a whole number of pages
+    pages: list[int]
+    parent: TreeNode | None
+    end: int  # tokens from the root to the end of this node
+    children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
+    checkpoint: int | None = None  # state slot holding the state after token `end - 1`
+    lock_count: int = 0  # requests using this node's pages (set along whole paths)
+    state_locks: int = 0  # steps about to restore from this node's checkpoint
+    last_used: int = 0
+
+
+@dataclass
+class PrefixMatch:
+    num_tokens: int  # usable hit: KV and state restorable up to here
+    pages: list[int]  # KV pages of [0, num_tokens)
+    node: TreeNode | None  # the deepest node used (lock it to keep the pages)
+    restore_slot: int | None = None  # sparse checkpoint to copy into the working slot
+    kv_tokens: int = 0  # page-aligned KV match, possibly deeper than the usable hit
+
+
+class HybridPrefixCache:
+    def __init__(self, page_size: int, pages: PageAllocator, slots: SlotAllocator, per_page_state: bool):
+        self.page_size = page_size
+        self.pages = pages
+        self.slots = slots
+        self.per_page_state = per_page_state
+        self.root = TreeNode(tokens=(), pages=[], parent=None, end=0)
+        self._clock = itertools.count(1)
+
+    # --- lookup ----------------------------------------------------------------------------------------------
+    def match(self, token_ids: list[int], max_tokens: int) -> PrefixMatch:
+        """The longest usable cached prefix of `token_ids` no longer than `max_tokens` (bumps it in the LRU)."""
+        size = self.page_size
+        node, pages, path = self.root, [], []
+        matched = 0
+        limit = max_tokens - max_tokens % size
+        while matched < limit:
+            child = node.children.get(tuple(token_ids[matched:matched + size]))
+            if child is None:
+                break
+            same = 0
+            while (same < len(child.pages) and matched + (same + 1) * size <= limit
+                   and child.tokens[same * size:(same + 1) * size] == tuple(token_ids[matched + same * size:
+                                                                                      matched + (same + 1) * size])):
+                same += 1
+            pages.extend(child.pages[:same])
+            matched += same * size
+            path.append(child)
+            if same < len(child.pages):
+                break
+            node = child
+        self._touch(path)
+        if self.per_page_state:
+            return PrefixMatch(matched, pages, path[-1] if path else None, kv_tokens=matched)
+        usable = next((n for n in reversed(path) if n.checkpoint is not None and n.end <= matched), None)
+        if usable is None:
+            return PrefixMatch(0, [], None, kv_tokens=matched)
+        return PrefixMatch(usable.end, pages[: usable.end // size], usable, usable.checkpoint, kv_tokens=matched)
+
+    def _touch(self, path: list[TreeNode]) -> None:
+        for node in path:
+            node.last_used = next(self._clock)
+
+    # --- locks -----------------------------------------------------------------------------------------------
+    def lock(self, node: TreeNode | None) -> None:
+        while node is not None and node is not self.root:
+            node.lock_count += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode | None) -> None:
+        while node is not None and node is not self.root:
+            if node.lock_count <= 0:
+                raise RuntimeError("prefix-cache node unlocked more often than locked")
+            node.lock_count -= 1
+            node = node.parent
+
+    # --- insertion -------------------------------------------------------------------------------------------
+    def insert(self, token_ids: list[int], pages: list[int], checkpoint: int | None = None) -> TreeNode:
+        """Cache pages of `token_ids` (a whole number of pages), optionally with the state after the last token.
+
+        Pages already cached under the same tokens are kept as they are (the caller's duplicates stay the
+        caller's); a checkpoint is adopted when the end node has none, otherwise its slot is released.
+        """
+        size = self.page_size
+        if len(token_ids) % size or len(pages) != len(token_ids) // size:
+            raise ValueError("insert needs whole pages and one page id per page")
+        node, pos = self.root, 0
+        while pos < len(token_ids):
+            key = tuple(token_ids[pos:pos + size])
+            child = node.children.get(key)
+            if child is None:
+                child = TreeNode(tuple(token_ids[pos:]), list(pages[pos // size:]), node, len(token_ids))
+                self.pages.share(child.pages)
+                node.children[key] = child
+                node, pos = child, len(token_ids)
+                break
+            same = 0
+            while (same < len(child.pages) and pos + (same + 1) * size <= len(token_ids)
+                   and child.tokens[same * size:(same + 1) * size] == tuple(token_ids[pos + same * size:
+                                                                                      pos + (same + 1) * size])):
+                same += 1
+            if same < len(child.pages):
+                child = self._split(child, same)
+            node, pos = child, pos + same * size
+        node.last_used = next(self._clock)
+        if checkpoint is not None:
+            if node.checkpoint is None and node is not self.root:
+                node.checkpoint = checkpoint
+            else:
+                self.slots.release(checkpoint)
+        return node
+
+    def _split(self, node: TreeNode, pages: int) -> TreeNode:
+        """Cut `node` after `pages` pages; the new upper part has no checkpoint (a state cannot be split)."""
+        cut = pages * self.page_size
+        upper = TreeNode(node.tokens[:cut], node.pages[:pages], node.parent, node.end - len(node.tokens) + cut,
+                         lock_count=node.lock_count, last_used=node.last_used)
+        node.parent.children[node.tokens[:self.page_size]] = upper
+        node.tokens, node.pages, node.parent = node.tokens[cut:], node.pages[pages:], upper
+        upper.children[node.tokens[:self.page_size]] = node
+        return upper
+
+    # --- eviction --------------------------------------------------------------------------------------------
+    def _nodes(self) -> list[TreeNode]:
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    def _remove_leaf(self, leaf: TreeNode) -> None:
+        del leaf.parent.children[leaf.tokens[:self.page_size]]
+        self.pages.release(leaf.pages)
+        if leaf.checkpoint is not None:
+            self.slots.release(leaf.checkpoint)
+            leaf.checkpoint = None
+
+    def _evictable_leaf(self, node: TreeNode) -> bool:
+        return not node.children and node.lock_count == 0 and node.state_locks == 0
+
+    def evict_pages(self, needed: int) -> int:
+        """Evict least-recently-used unlocked leaves until `needed` pages are free; returns pages freed."""
+        freed = 0
+        while freed < needed:
+            leaves = [n for n in self._nodes() if self._evictable_leaf(n)]
+            if not leaves:
+                break
+            leaf = min(leaves, key=lambda n: n.last_used)
+            before = self.pages.num_free
+            self._remove_leaf(leaf)
+            freed += self.pages.num_free - before
+            self._prune_tombstones(leaf.parent)
+        return freed
+
+    def evict_checkpoint(self) -> bool:
+        """Free one state slot: drop the least-recently-used unlocked checkpoint (a leaf goes with it)."""
+        owners = [n for n in self._nodes() if n.checkpoint is not None and n.state_locks == 0]
+        if not owners:
+            return False
+        node = min(owners, key=lambda n: n.last_used)
+        if self._evictable_leaf(node):
+            self._remove_leaf(node)
+            self._prune_tombstones(node.parent)
+        else:
+            self.slots.release(node.checkpoint)
+            node.checkpoint = None
+            self._prune_tombstones(node)
+        return True
+
+    def _prune_tombstones(self, node: TreeNode) -> None:
+        """Sparse-state trees keep no leaf without a checkpoint: its KV could never be used."""
+        while (not self.per_page_state and node is not self.root and node.checkpoint is None
+               and self._evictable_leaf(node)):
+            parent = node.parent
+            self._remove_leaf(node)
+            node = parent
+
+    # --- accounting (for invariant checks and metrics) -------------------------------------------------------
+    def page_counts(self) -> tuple[int, int]:
+        """(evictable, locked) pages held by the tree."""
+        nodes = self._nodes()
+        locked = sum(len(n.pages) for n in nodes if n.lock_count or n.state_locks)
+        return sum(len(n.pages) for n in nodes) - locked, locked
+
+    def checkpoint_counts(self) -> tuple[int, int]:
+        """(evictable, locked) checkpoint slots owned by the tree."""
+        owners = [n for n in self._nodes() if n.checkpoint is not None]
+        locked = sum(1 for n in owners if n.state_locks)
+        return len(owners) - locked, locked
+
+    def clear(self) -> None:
+        """Drop every unlocked entry (e.g. when prefix caching is reset)."""
+        while self.evict_pages(1) or self.evict_checkpoint():
+            pass
