@@ -1,45 +1,74 @@
-"""Splits the cache budget between the paged KV pool and the recurrent-state pool."""
+"""Memory planner: splits the cache budget between KV pages, state slots and speculative intermediate states.
+
+R = bytes left for caches (after weights and the activation peak of a profiling forward), P = state bytes per slot,
+r = state_to_kv_ratio, rho = slots per running request (1 working slot + checkpoint headroom), D = draft tokens.
+Unless the number of slots M is pinned, the state side gets B = R*r/(1+r) and must hold M slots plus D intermediate
+states for each of the at most M/rho running requests: M*P + (M/rho)*D*P = B, so M = floor(B / (P*(1 + D/rho))).
+The intermediate states actually reserved are I = P*D*min(max_running_requests, floor(M/rho)); the KV pool gets
+R - I - M*P. When slots cannot hold prefix-cache checkpoints (prefix caching off, or a model whose checkpoints live
+in page footers), no more slots than running requests are useful, and M is capped there.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridserve.cache.kv_pool import KVCacheSpec
-from hybridserve.cache.state_pool import StateSpec
-
 GiB = 1 << 30
+MiB = 1 << 20
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    num_pages: int  # including the dummy page 0
-    num_state_slots: int  # usable slots (the dummy slot 0 comes on top)
+    budget_bytes: int
+    num_pages: int  # usable pages (a dummy page comes on top)
+    num_state_slots: int  # usable slots (a dummy slot comes on top)
+    max_running_requests: int
+    intermediate_bytes: int  # speculative intermediate states
     page_bytes: int
     slot_bytes: int
 
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    @property
+    def state_bytes(self) -> int:
+        return self.num_state_slots * self.slot_bytes
+
     def describe(self, page_size: int) -> str:
-        kv = (self.num_pages - 1) * self.page_bytes
-        state = self.num_state_slots * self.slot_bytes
-        return (f"KV cache {kv / GiB:.3f} GiB = {(self.num_pages - 1) * page_size} tokens "
-                f"({self.num_pages - 1} pages of {page_size}); state {state / GiB:.3f} GiB = "
-                f"{self.num_state_slots} slots of {self.slot_bytes / (1 << 20):.3f} MiB")
+        return (f"cache budget {self.budget_bytes / GiB:.2f} GiB: KV {self.kv_bytes / GiB:.2f} GiB = "
+                f"{self.num_pages * page_size} tokens ({self.num_pages} pages of {page_size}) | state "
+                f"{self.state_bytes / GiB:.2f} GiB = {self.num_state_slots} slots of {self.slot_bytes / MiB:.2f} MiB"
+                f" | speculative {self.intermediate_bytes / GiB:.2f} GiB | max running requests "
+                f"{self.max_running_requests}")
 
 
-def plan_memory(budget_bytes: int, kv_spec: KVCacheSpec, state_spec: StateSpec, page_size: int,
-                max_running_requests: int, max_state_slots: int | None, state_to_kv_ratio: float = 0.9) -> MemoryPlan:
-    """State gets budget * r / (1 + r) (at most one slot per running request) unless pinned; KV gets the rest."""
-    page_bytes = kv_spec.bytes_per_token() * page_size
-    slot_bytes = state_spec.bytes_per_slot()
-    if max_state_slots is None:
-        share = int(budget_bytes * state_to_kv_ratio / (1 + state_to_kv_ratio))
-        slots = min(share // slot_bytes, max_running_requests)
-    else:
+def plan_memory(budget_bytes: int, page_bytes: int, slot_bytes: int, *, max_running_requests: int,
+                state_to_kv_ratio: float = 0.9, slots_per_request: int = 1, num_speculative_tokens: int = 0,
+                max_state_slots: int | None = None, slots_hold_checkpoints: bool = False) -> MemoryPlan:
+    """Solve the split; raise ValueError naming the knob to change when the configuration cannot work."""
+    rho, draft = slots_per_request, num_speculative_tokens
+    if budget_bytes <= 0:
+        raise ValueError("no memory is left for the caches after the weights and activations; raise "
+                         "gpu_memory_utilization (or kv_cache_memory_bytes on CPU) or use a smaller model / dtype")
+    if max_state_slots is not None:
         slots = max_state_slots
-    kv_bytes = budget_bytes - (slots + 1) * slot_bytes
-    pages = kv_bytes // page_bytes
-    if slots < 1:
-        raise ValueError(f"the cache budget of {budget_bytes / GiB:.3f} GiB cannot hold one state slot of "
-                         f"{slot_bytes / (1 << 20):.2f} MiB; raise kv_cache_memory_bytes / gpu_memory_utilization")
-    if pages < 2:
-        raise ValueError(f"after {slots} state slots the cache budget leaves no room for KV pages; raise "
-                         "kv_cache_memory_bytes / gpu_memory_utilization or lower max_state_slots")
-    return MemoryPlan(num_pages=pages, num_state_slots=slots, page_bytes=page_bytes, slot_bytes=slot_bytes)
+    else:
+        state_budget = budget_bytes * state_to_kv_ratio / (1 + state_to_kv_ratio)
+        slots = int(state_budget // (slot_bytes * (1 + draft / rho)))
+        if not slots_hold_checkpoints:
+            slots = min(slots, max_running_requests * rho)
+    running = min(max_running_requests, slots // rho)
+    if running < 1:
+        spec = ", lower num_speculative_tokens" if draft else ""
+        raise ValueError(f"{slots} state slots of {slot_bytes / MiB:.2f} MiB cannot serve one request (it needs "
+                         f"{rho}); raise max_state_slots, state_to_kv_ratio or the memory budget "
+                         f"(gpu_memory_utilization / kv_cache_memory_bytes){spec}")
+    intermediate = slot_bytes * draft * running
+    kv_bytes = budget_bytes - intermediate - slots * slot_bytes
+    if kv_bytes < page_bytes:
+        raise ValueError(f"after {slots} state slots ({slots * slot_bytes / GiB:.2f} GiB) and speculative states "
+                         f"({intermediate / GiB:.2f} GiB) no memory is left for KV pages; lower max_state_slots, "
+                         "state_to_kv_ratio or num_speculative_tokens, or raise the memory budget")
+    return MemoryPlan(budget_bytes=budget_bytes, num_pages=int(kv_bytes // page_bytes), num_state_slots=slots,
+                      max_running_requests=running, intermediate_bytes=intermediate, page_bytes=page_bytes,
+                      slot_bytes=slot_bytes)

@@ -46,10 +46,10 @@ class LLMEngine:
         self.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = self._eos_token_ids(model_dir)
         plan = self.runner.memory_plan
-        kv_tokens = (plan.num_pages - 1) * config.page_size
+        kv_tokens = plan.num_pages * config.page_size
         self.max_model_len = self._max_model_len(kv_tokens)
-        self.scheduler = Scheduler(PageAllocator(plan.num_pages), SlotAllocator(plan.num_state_slots),
-                                   config.page_size, config.max_running_requests, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(PageAllocator(plan.num_pages + 1), SlotAllocator(plan.num_state_slots),
+                                   config.page_size, plan.max_running_requests, config.max_num_batched_tokens)
         self._seeds = random.Random(config.seed)
         self._requests: dict[str, _Tracked] = {}
 

@@ -28,10 +28,11 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, raw.get("torch_dtype") or raw.get("dtype"))
         self.model, self.model_config = build_model(model_dir, self.dtype, self.device, config.hf_overrides)
         kv_spec, state_spec = self.model.kv_cache_spec(self.dtype), self.model.state_spec(self.dtype)
-        self.memory = plan_memory(self._cache_budget(), kv_spec, state_spec, config.page_size,
-                                  config.max_running_requests, config.max_state_slots)
+        self.memory = plan_memory(self._cache_budget(), kv_spec.bytes_per_token() * config.page_size,
+                                  state_spec.bytes_per_slot(), max_running_requests=config.max_running_requests,
+                                  max_state_slots=config.max_state_slots)
         logger.info("memory plan: %s", self.memory.describe(config.page_size))
-        self.kv_pool = KVPool(kv_spec, self.memory.num_pages, config.page_size, self.device)
+        self.kv_pool = KVPool(kv_spec, self.memory.num_pages + 1, config.page_size, self.device)
         self.state_pool = StatePool(state_spec, self.memory.num_state_slots, self.device)
         self.model.bind_caches([self.kv_pool.layer(i) for i in range(kv_spec.num_layers)],
                                [self.state_pool.layer(i) for i in range(state_spec.num_layers)])
