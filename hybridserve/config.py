@@ -21,6 +21,12 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # cache budget on CPU (KV + state); default 1 GiB
     gpu_memory_utilization: float = 0.9  # fraction of the GPU the engine may use in total
     max_state_slots: int | None = None  # pin the number of state slots instead of sizing them
+    state_to_kv_ratio: float = 0.9  # state bytes : KV bytes when slots are sized from memory
+    chunked_prefill_size: int | None = None  # max prompt tokens of one request per step (default: the token budget)
+    enable_prefix_caching: bool = True
+    state_checkpoint_interval: int = 256  # sparse-state models: checkpoint every N tokens (a multiple of page_size)
+    checkpoint_slots_per_request: int = 2  # sparse-state models: slot headroom per running request for checkpoints
+    num_speculative_tokens: int = 0  # draft tokens whose intermediate states the planner reserves
 
     def __post_init__(self) -> None:
         def fail(name: str, why: str) -> None:
@@ -38,6 +44,16 @@ class EngineConfig:
             fail("kv_cache_memory_bytes", "must be positive")
         if self.max_state_slots is not None and self.max_state_slots < 1:
             fail("max_state_slots", "must be >= 1")
+        if self.state_to_kv_ratio <= 0:
+            fail("state_to_kv_ratio", "must be positive")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
+            fail("chunked_prefill_size", "must be >= 1")
+        if self.state_checkpoint_interval < self.page_size or self.state_checkpoint_interval % self.page_size:
+            fail("state_checkpoint_interval", f"must be a positive multiple of page_size ({self.page_size})")
+        if self.checkpoint_slots_per_request < 0:
+            fail("checkpoint_slots_per_request", "must be >= 0")
+        if self.num_speculative_tokens < 0:
+            fail("num_speculative_tokens", "must be >= 0")
         if self.max_model_len is not None and self.max_model_len < 2:
             fail("max_model_len", "must be >= 2")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

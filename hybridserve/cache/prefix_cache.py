@@ -145,7 +145,7 @@ class HybridPrefixCache:
         return upper
 
     # --- eviction --------------------------------------------------------------------------------------------
-    def _nodes(self) -> list[TreeNode]:
+    def nodes(self) -> list[TreeNode]:
         out, stack = [], list(self.root.children.values())
         while stack:
             node = stack.pop()
@@ -167,7 +167,7 @@ class HybridPrefixCache:
         """Evict least-recently-used unlocked leaves until `needed` pages are free; returns pages freed."""
         freed = 0
         while freed < needed:
-            leaves = [n for n in self._nodes() if self._evictable_leaf(n)]
+            leaves = [n for n in self.nodes() if self._evictable_leaf(n)]
             if not leaves:
                 break
             leaf = min(leaves, key=lambda n: n.last_used)
@@ -179,7 +179,7 @@ class HybridPrefixCache:
 
     def evict_checkpoint(self) -> bool:
         """Free one state slot: drop the least-recently-used unlocked checkpoint (a leaf goes with it)."""
-        owners = [n for n in self._nodes() if n.checkpoint is not None and n.state_locks == 0]
+        owners = [n for n in self.nodes() if n.checkpoint is not None and n.state_locks == 0]
         if not owners:
             return False
         node = min(owners, key=lambda n: n.last_used)
@@ -203,13 +203,13 @@ class HybridPrefixCache:
     # --- accounting (for invariant checks and metrics) -------------------------------------------------------
     def page_counts(self) -> tuple[int, int]:
         """(evictable, locked) pages held by the tree."""
-        nodes = self._nodes()
+        nodes = self.nodes()
         locked = sum(len(n.pages) for n in nodes if n.lock_count or n.state_locks)
         return sum(len(n.pages) for n in nodes) - locked, locked
 
     def checkpoint_counts(self) -> tuple[int, int]:
         """(evictable, locked) checkpoint slots owned by the tree."""
-        owners = [n for n in self._nodes() if n.checkpoint is not None]
+        owners = [n for n in self.nodes() if n.checkpoint is not None]
         locked = sum(1 for n in owners if n.state_locks)
         return len(owners) - locked, locked
 

@@ -1,8 +1,9 @@
 """Fixed-slot per-request recurrent state, and the host-side slot allocator.
 
 Each recurrent layer owns one row per slot in every state field. Slot 0 is a dummy that is never handed out:
-padded rows point at it, so they can never overwrite a live request's state. Clears and copies run on the device
-from index tensors, in the order the step plan gives them.
+padded rows point at it, so they can never overwrite a live request's state. A fresh request never reads its slot
+(layers start from zero unless `has_initial_state`), so slots need no clearing; copies run on the device from index
+tensors, in the order the step plan gives them.
 """
 from __future__ import annotations
 
@@ -73,6 +74,7 @@ class StatePool:
         for buf in self.buffers.values():
             buf[:, dst] = buf[:, src]
 
-    def clear_slots(self, slots: torch.Tensor) -> None:
-        for buf in self.buffers.values():
-            buf[:, slots] = 0
+    def copy_from(self, source: StatePool, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """state[dst[i]] = source[src[i]] (e.g. from per-page footers, which share this pool's fields)."""
+        for name, buf in self.buffers.items():
+            buf[:, dst] = source.buffers[name][:, src]

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridserve.cache.kv_pool import PageAllocator
+from hybridserve.cache.prefix_cache import HybridPrefixCache
 from hybridserve.cache.state_pool import SlotAllocator
 from hybridserve.config import EngineConfig
 from hybridserve.demo import ensure_demo_checkpoint
@@ -48,8 +49,13 @@ class LLMEngine:
         plan = self.runner.memory_plan
         kv_tokens = plan.num_pages * config.page_size
         self.max_model_len = self._max_model_len(kv_tokens)
-        self.scheduler = Scheduler(PageAllocator(plan.num_pages + 1), SlotAllocator(plan.num_state_slots),
-                                   config.page_size, plan.max_running_requests, config.max_num_batched_tokens)
+        pages, slots = PageAllocator(plan.num_pages + 1), SlotAllocator(plan.num_state_slots)
+        cache = None
+        if config.enable_prefix_caching:
+            cache = HybridPrefixCache(config.page_size, pages, slots, per_page_state=self.runner.page_footers)
+        self.scheduler = Scheduler(pages, slots, config.page_size, plan.max_running_requests,
+                                   config.max_num_batched_tokens, config.chunked_prefill_size, cache,
+                                   config.state_checkpoint_interval)
         self._seeds = random.Random(config.seed)
         self._requests: dict[str, _Tracked] = {}
 
@@ -124,6 +130,7 @@ class LLMEngine:
         if scheduled is None:
             return []
         results = self.runner.execute(scheduled.plan)
+        self.scheduler.after_step(scheduled)
         outputs = []
         for request, sampled in zip(scheduled.requests, results):
             if sampled is not None:
@@ -163,4 +170,4 @@ class LLMEngine:
         )
         return RequestOutput(request_id=request.request_id, prompt=tracked.prompt,
                              prompt_token_ids=request.prompt_token_ids, outputs=[completion],
-                             finished=request.finished)
+                             finished=request.finished, num_cached_tokens=request.num_cached_tokens or 0)

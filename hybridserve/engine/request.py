@@ -5,6 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from hybridserve.cache.prefix_cache import TreeNode
 from hybridserve.sampling import SamplingParams
 
 
@@ -27,6 +28,10 @@ class Request:
     page_ids: list[int] = field(default_factory=list)
     state_slot: int | None = None
     num_computed_tokens: int = 0  # tokens whose KV is written and whose state is folded into state_slot
+    num_cached_tokens: int | None = None  # prompt tokens reused from the prefix cache at first admission
+    cache_node: TreeNode | None = None  # deepest prefix-cache node whose path this request has locked
+    cached_len: int = 0  # tokens of this request already inserted into the prefix cache
+    branch_point: int = 0  # sparse checkpoints: where the cached KV match went past the last checkpoint
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 

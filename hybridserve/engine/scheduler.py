@@ -1,17 +1,24 @@
-"""Scheduler: FCFS continuous batching under the KV-page and state-slot budgets.
+"""Scheduler: FCFS continuous batching under the KV-page and state-slot budgets, with hybrid prefix caching.
 
 Every step runs the running requests first (a decode token, or the next chunk of a prompt) and then admits waiting
-requests in arrival order while the token budget, the running-request cap, pages and slots allow; a prompt that
-does not fit the remaining token budget is split into chunks. Prefill chunks and decode rows share one forward.
-When a running request needs a page and none is free, the most recently admitted request is preempted: its pages
-and slot are freed and it goes back to the front of the queue, to be recomputed later.
+requests in arrival order while the token budget, the running-request cap, pages and slots allow. Prefill chunks
+and decode rows share one forward. A chunk never crosses a state-snapshot position, so a snapshot is simply the
+working state at a chunk end (copied into a fresh checkpoint slot after the forward).
+
+Prefix caching: on admission a request takes the longest usable cached prefix (its pages are shared, the path is
+locked, and the state is copied into the request's own working slot before the forward: copy on hit). After each
+step its newly cached positions are inserted: for per-page-state models every completed page, for sparse models the
+snapshots taken at the end of the prompt (the last page boundary before it), every `checkpoint_interval` tokens and
+at branch points. When pages or slots run out, unlocked cache entries are evicted first; then the most recently
+admitted running request is preempted (everything it holds is freed and it is recomputed later).
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hybridserve.cache.kv_pool import PageAllocator
+from hybridserve.cache.prefix_cache import HybridPrefixCache, TreeNode
 from hybridserve.cache.state_pool import SlotAllocator
 from hybridserve.engine.request import Request, RequestStatus
 from hybridserve.layers.sampler import SamplingRow
@@ -23,16 +30,23 @@ from hybridserve.runtime.step import StepPlan
 class ScheduledStep:
     plan: StepPlan
     requests: list[Request]  # the request behind each chunk of the plan
+    snapshots: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, position, slot) to cache
+    state_locked: list[TreeNode] = field(default_factory=list)  # checkpoints restored in this step
 
 
 class Scheduler:
     def __init__(self, pages: PageAllocator, slots: SlotAllocator, page_size: int, max_running_requests: int,
-                 max_num_batched_tokens: int):
+                 max_num_batched_tokens: int, chunked_prefill_size: int | None = None,
+                 prefix_cache: HybridPrefixCache | None = None, checkpoint_interval: int | None = None):
         self.pages = pages
         self.slots = slots
         self.page_size = page_size
         self.max_running = max_running_requests
         self.max_tokens = max_num_batched_tokens
+        self.chunk_cap = chunked_prefill_size or max_num_batched_tokens
+        self.cache = prefix_cache
+        self.sparse = prefix_cache is not None and not prefix_cache.per_page_state
+        self.checkpoint_interval = checkpoint_interval
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -45,9 +59,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def finish(self, request: Request, reason: str) -> None:
-        """Retire a request (finished or aborted) wherever it is, returning its pages and slot."""
+        """Retire a request (finished or aborted) wherever it is, caching what it computed and freeing the rest."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+            if reason != "abort":
+                self._cache_pages(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         self._free(request)
@@ -55,12 +71,15 @@ class Scheduler:
         request.finish_reason = request.finish_reason or reason
 
     def _free(self, request: Request) -> None:
+        if self.cache is not None:
+            self.cache.unlock(request.cache_node)
+        request.cache_node = None
         self.pages.release(request.page_ids)
         request.page_ids = []
         if request.state_slot is not None:
             self.slots.release(request.state_slot)
             request.state_slot = None
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.cached_len = request.branch_point = 0
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -68,6 +87,20 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
         self.num_preemptions += 1
+
+    # --- allocation with eviction ----------------------------------------------------------------------------
+    def _allocate_pages(self, count: int) -> list[int] | None:
+        pages = self.pages.allocate(count)
+        if pages is None and self.cache is not None:
+            self.cache.evict_pages(count - self.pages.num_free)
+            pages = self.pages.allocate(count)
+        return pages
+
+    def _allocate_slot(self) -> int | None:
+        slot = self.slots.allocate()
+        while slot is None and self.cache is not None and self.cache.evict_checkpoint():
+            slot = self.slots.allocate()
+        return slot
 
     # --- one step --------------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledStep | None:
@@ -78,59 +111,101 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            count = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._reserve_pages(request, count, preempt=True):
+            count = self._chunk_length(request, budget)
+            if not self._reserve_pages(request, count):
                 continue
             self._add_chunk(step, request, count)
             budget -= count
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            request = self.waiting[0]
-            count = min(request.num_tokens, budget)
-            if not self._admit(request, count):
+            if not self._admit(step, self.waiting[0], budget):
                 break
-            self.waiting.popleft()
+            request = self.waiting.popleft()
+            count = self._chunk_length(request, budget)
             self._add_chunk(step, request, count)
             budget -= count
         return step if step.requests else None
+
+    def _next_snapshot(self, request: Request, done: int) -> int | None:
+        """The first position after `done` where a sparse checkpoint must be taken, if any."""
+        size = self.page_size
+        candidates = [request.branch_point, (request.num_prompt_tokens - 1) // size * size]
+        if self.checkpoint_interval:
+            candidates.append((done // self.checkpoint_interval + 1) * self.checkpoint_interval)
+        later = [c for c in candidates if c > done]
+        return min(later) if later else None
+
+    def _chunk_length(self, request: Request, budget: int) -> int:
+        count = min(request.num_tokens - request.num_computed_tokens, budget, self.chunk_cap)
+        if self.sparse:
+            snapshot = self._next_snapshot(request, request.num_computed_tokens)
+            if snapshot is not None:
+                count = min(count, snapshot - request.num_computed_tokens)
+        return count
 
     def _pages_needed(self, request: Request, count: int) -> int:
         end = request.num_computed_tokens + count
         return max(0, -(-end // self.page_size) - len(request.page_ids))
 
-    def _reserve_pages(self, request: Request, count: int, preempt: bool) -> bool:
-        """Give the request the pages for its next `count` tokens, preempting newer requests if allowed."""
+    def _reserve_pages(self, request: Request, count: int) -> bool:
+        """Give a running request the pages for its next `count` tokens, preempting newer requests if needed."""
         needed = self._pages_needed(request, count)
         while True:
-            pages = self.pages.allocate(needed)
+            pages = self._allocate_pages(needed)
             if pages is not None:
                 request.page_ids.extend(pages)
                 return True
-            if not preempt or not self.running:
-                return False
             victim = self.running[-1]
             self._preempt(victim)
             if victim is request:
                 return False
 
-    def _admit(self, request: Request, count: int) -> bool:
-        slot = self.slots.allocate()
+    def _admit(self, step: ScheduledStep, request: Request, budget: int) -> bool:
+        """Take a working slot and the prefix-cache hit, or leave everything untouched and return False."""
+        slot = self._allocate_slot()
         if slot is None:
             return False
-        if not self._reserve_pages(request, count, preempt=False):
+        hit = None
+        if self.cache is not None:
+            hit = self.cache.match(request.token_ids(0, request.num_tokens), max_tokens=request.num_tokens - 1)
+            self.pages.share(hit.pages)
+            self.cache.lock(hit.node)
+            request.page_ids, request.cache_node = list(hit.pages), hit.node
+            request.num_computed_tokens = request.cached_len = hit.num_tokens
+        if not self._reserve_new(request, self._chunk_length(request, budget)):
+            self._free(request)  # drops the shared pages and the lock taken for the hit
             self.slots.release(slot)
             return False
         request.state_slot = slot
         request.status = RequestStatus.RUNNING
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = hit.num_tokens if hit else 0
+        if hit is not None and hit.num_tokens:
+            if hit.restore_slot is not None:
+                hit.node.state_locks += 1
+                step.state_locked.append(hit.node)
+                step.plan.restores.append((hit.restore_slot, slot))
+            else:
+                step.plan.page_restores.append((hit.pages[-1], slot))
+            if self.sparse and hit.kv_tokens > hit.num_tokens:
+                request.branch_point = hit.kv_tokens
         self.running.append(request)
+        return True
+
+    def _reserve_new(self, request: Request, count: int) -> bool:
+        pages = self._allocate_pages(self._pages_needed(request, count))
+        if pages is None:
+            return False
+        request.page_ids.extend(pages)
         return True
 
     def _add_chunk(self, step: ScheduledStep, request: Request, count: int) -> None:
         plan = step.plan
         step.requests.append(request)
         start = request.num_computed_tokens
-        completes = start + count == request.num_tokens
+        end = start + count
+        completes = end == request.num_tokens
         plan.chunks.append(ScheduledChunk(
-            token_ids=request.token_ids(start, start + count),
+            token_ids=request.token_ids(start, end),
             prefix_len=start,
             page_ids=list(request.page_ids),
             state_slot=request.state_slot,
@@ -141,9 +216,69 @@ class Scheduler:
             params=request.params, seed=request.seed, output_token_ids=request.output_token_ids,
             prompt_token_ids=request.prompt_token_ids, banned_token_ids=request.banned_token_ids(),
         ) if completes else None)
-        request.num_computed_tokens = start + count
+        request.num_computed_tokens = end
+        if self.sparse and end == self._next_snapshot(request, start):
+            checkpoint = self._allocate_slot()
+            if checkpoint is not None:
+                plan.snapshots.append((request.state_slot, checkpoint))
+                step.snapshots.append((request, end, checkpoint))
+
+    # --- after the step has run --------------------------------------------------------------------------------
+    def after_step(self, step: ScheduledStep) -> None:
+        """Hand this step's checkpoints and completed pages to the prefix cache; release restore locks."""
+        for node in step.state_locked:
+            node.state_locks -= 1
+        if self.cache is None:
+            return
+        for request, position, checkpoint in step.snapshots:
+            self._insert(request, position, checkpoint)
+        if not self.sparse:
+            for request in step.requests:
+                if request.status is RequestStatus.RUNNING:
+                    self._cache_pages(request)
+
+    def _cache_pages(self, request: Request) -> None:
+        """Per-page-state models: cache every completed page (each carries its state footer)."""
+        if self.cache is None or self.sparse:
+            return
+        full = request.num_computed_tokens // self.page_size * self.page_size
+        if full > request.cached_len:
+            self._insert(request, full, None)
+
+    def _insert(self, request: Request, position: int, checkpoint: int | None) -> None:
+        node = self.cache.insert(request.token_ids(0, position), request.page_ids[: position // self.page_size],
+                                 checkpoint)
+        self.cache.lock(node)
+        self.cache.unlock(request.cache_node)
+        request.cache_node = node
+        request.cached_len = max(request.cached_len, position)
 
     # --- bookkeeping --------------------------------------------------------------------------------------------
     def resource_counts(self) -> dict[str, int]:
-        return {"pages_free": self.pages.num_free, "pages_total": self.pages.capacity,
-                "slots_free": self.slots.num_free, "slots_total": self.slots.capacity}
+        """Free / evictable / protected pages and slots; free + evictable + protected == total always holds."""
+        request_pages = {p for r in self.running for p in r.page_ids}
+        tree_pages, tree_locked = set(), set()
+        ckpt_evictable = ckpt_locked = 0
+        if self.cache is not None:
+            for node in self.cache.nodes():
+                tree_pages.update(node.pages)
+                if node.lock_count or node.state_locks:
+                    tree_locked.update(node.pages)
+            ckpt_evictable, ckpt_locked = self.cache.checkpoint_counts()
+        protected_pages = request_pages | tree_locked
+        working = sum(1 for r in self.running if r.state_slot is not None)
+        return {
+            "pages_total": self.pages.capacity, "pages_free": self.pages.num_free,
+            "pages_evictable": len(tree_pages - protected_pages), "pages_protected": len(protected_pages),
+            "slots_total": self.slots.capacity, "slots_free": self.slots.num_free,
+            "slots_evictable": ckpt_evictable, "slots_protected": working + ckpt_locked,
+        }
+
+    def check_resources(self) -> None:
+        """Raise if any page or slot is unaccounted for (a leak) or counted twice."""
+        counts = self.resource_counts()
+        for kind in ("pages", "slots"):
+            parts = counts[f"{kind}_free"] + counts[f"{kind}_evictable"] + counts[f"{kind}_protected"]
+            if parts != counts[f"{kind}_total"]:
+                raise RuntimeError(f"{kind} accounting broken: free + evictable + protected = {parts}, "
+                                   f"total {counts[f'{kind}_total']} ({counts})")

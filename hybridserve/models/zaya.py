@@ -60,22 +60,26 @@ class CCAProjection(nn.Module):
         self.conv_qk_depthwise = ConvWeights(channels, 1, config.cca_time0, rows)
         self.conv_qk_grouped = ConvWeights(channels, d, config.cca_time1, rows)
 
-    def forward(self, h: torch.Tensor, batch: ForwardBatch, state: dict[str, torch.Tensor]):
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, state: dict[str, torch.Tensor],
+                page_state: dict[str, torch.Tensor]):
+        """`state`: the per-request slots; `page_state`: per-page footers to fill (empty without prefix caching)."""
         tokens, d = h.shape[0], self.head_dim
         q, k = self.q_proj(h), self.k_proj(h)
         group = self.q_heads // self.k_heads
         q_res = (q.view(tokens, self.q_heads, d) + k.view(tokens, self.k_heads, d).repeat_interleave(group, 1)) * 0.5
         k_res = q_res.view(tokens, self.k_heads, group, d).mean(dim=2)
-        mixed = self._conv(torch.cat([q, k], dim=-1), batch, state["conv"])
+        mixed = self._conv(torch.cat([q, k], dim=-1), batch, state["conv"], page_state.get("conv"))
         query = mixed[:, : self.q_heads * d].view(tokens, self.q_heads, d) + q_res
         key = mixed[:, self.q_heads * d :].view(tokens, self.k_heads, d) + k_res
-        value = torch.cat([self.v_proj_current(h), self._lagged(h, batch, state["lag"])], dim=-1)
+        value = torch.cat([self.v_proj_current(h), self._lagged(h, batch, state["lag"], page_state.get("lag"))], -1)
         first = tp_rank() * self.k_heads
         value = value.view(tokens, self.full_k_heads, d)[:, first:first + self.k_heads]
         return query, key, value
 
-    def _conv(self, qk: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor) -> torch.Tensor:
-        """Causal conv over [carried raw rows | new raw rows] of every sequence; updates the carried rows."""
+    def _conv(self, qk: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor,
+              conv_footer: torch.Tensor | None) -> torch.Tensor:
+        """Causal conv over [carried raw rows | new raw rows] of every sequence; updates the carried rows (and the
+        footer of every page this step completes: the rows as they stand after the page's last token)."""
         layout = batch.token_history
         carried = conv_state[batch.state_slots].transpose(1, 2)  # [B, P, C]
         carried = torch.where(batch.has_initial_state[:, None, None], carried, torch.zeros_like(carried))
@@ -83,6 +87,10 @@ class CCAProjection(nn.Module):
         rows[layout.history_index.flatten()] = carried.reshape(-1, qk.shape[1])
         rows[layout.token_index] = qk
         conv_state[batch.state_slots] = rows[layout.final_index].transpose(1, 2)
+        if conv_footer is not None:
+            window = layout.token_index[batch.page_end_tokens][:, None] + torch.arange(
+                1 - self.history, 1, device=qk.device)
+            conv_footer[batch.page_end_pages] = rows[window].transpose(1, 2)
         stage1 = F.conv1d(rows.t()[None], self.conv_qk_depthwise.weight, self.conv_qk_depthwise.bias,
                           groups=qk.shape[1])
         stage2 = F.conv1d(stage1, self.conv_qk_grouped.weight, self.conv_qk_grouped.bias,
@@ -90,7 +98,8 @@ class CCAProjection(nn.Module):
         # Output column i covers raw rows i .. i + P, so a token at row r reads column r - P.
         return stage2[0].t()[layout.token_index - self.history]
 
-    def _lagged(self, h: torch.Tensor, batch: ForwardBatch, lag_state: torch.Tensor) -> torch.Tensor:
+    def _lagged(self, h: torch.Tensor, batch: ForwardBatch, lag_state: torch.Tensor,
+                lag_footer: torch.Tensor | None) -> torch.Tensor:
         """v_proj_delayed of each token's predecessor; a fresh sequence's predecessor is the zero vector."""
         layout = batch.token_history
         delayed = self.v_proj_delayed(h)
@@ -100,6 +109,8 @@ class CCAProjection(nn.Module):
         rows[layout.history_index[:, -1]] = previous
         rows[layout.token_index] = delayed
         lag_state[batch.state_slots] = rows[layout.final_index[:, -1]]
+        if lag_footer is not None:
+            lag_footer[batch.page_end_pages] = rows[layout.token_index[batch.page_end_tokens]]
         return rows[layout.token_index - 1]
 
 
@@ -156,9 +167,10 @@ class CCAAttention(nn.Module):
         self.scale = config.head_dim ** -0.5
         self.kv: dict[str, torch.Tensor] = {}
         self.state: dict[str, torch.Tensor] = {}
+        self.page_state: dict[str, torch.Tensor] = {}
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj(h, batch, self.state)
+        q, k, v = self.qkv_proj(h, batch, self.state, self.page_state)
         q, k = self.qk_norm(q, k)
         q = self.rotary(batch.positions, q).to(h.dtype)
         k = self.rotary(batch.positions, k).to(h.dtype)
@@ -312,6 +324,10 @@ class ZayaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, config.lm_head_bias, tied_to=tied)
 
     # --- what the runner needs to know -------------------------------------------------------------------
+    # The CCA state is a few rows per layer, so every KV page carries a copy of the state after its last token
+    # (a footer, written during the forward): prefix-cache hits are usable at any page boundary.
+    state_checkpoints = "per_page"
+
     @property
     def history_len(self) -> int:
         return self.config.conv_history
@@ -329,10 +345,13 @@ class ZayaForCausalLM(nn.Module):
             "lag": StateField((self.config.num_kv_heads * self.config.head_dim // 2,), dtype),
         })
 
-    def bind_caches(self, kv_layers: list[dict[str, torch.Tensor]], state_layers: list[dict[str, torch.Tensor]]):
-        for layer, kv, state in zip(self.model.layers, kv_layers, state_layers):
+    def bind_caches(self, kv_layers: list[dict[str, torch.Tensor]], state_layers: list[dict[str, torch.Tensor]],
+                    page_state_layers: list[dict[str, torch.Tensor]] | None = None):
+        page_state_layers = page_state_layers or [{}] * len(state_layers)
+        for layer, kv, state, footer in zip(self.model.layers, kv_layers, state_layers, page_state_layers):
             layer.self_attn.kv = kv
             layer.self_attn.state = state
+            layer.self_attn.page_state = footer
 
     # --- forward -----------------------------------------------------------------------------------------
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -59,6 +59,8 @@ class ForwardBatch:
     has_initial_state: torch.Tensor  # [B] bool
     logits_indices: torch.Tensor  # [N] token rows whose logits are wanted
     page_offsets: torch.Tensor  # [page_size] arange, to expand pages into rows
+    page_end_tokens: torch.Tensor  # [F] packed token index of the last token of every page this step fills
+    page_end_pages: torch.Tensor  # [F] the page each of those tokens completes
     token_history: TokenHistory | None = None
 
     @property
@@ -109,7 +111,7 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_size: int, device: to
     query_lens = [len(c.token_ids) for c in chunks]
     query_starts = [0, *accumulate(query_lens)][:-1]
     width = max(len(c.page_ids) for c in chunks)
-    input_ids, positions, slot_mapping, logits_indices = [], [], [], []
+    input_ids, positions, slot_mapping, logits_indices, page_end_tokens, page_end_pages = [], [], [], [], [], []
     for chunk, start in zip(chunks, query_starts):
         end = chunk.prefix_len + len(chunk.token_ids)
         if len(chunk.page_ids) * page_size < end:
@@ -118,6 +120,9 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_size: int, device: to
         for pos in range(chunk.prefix_len, end):
             positions.append(pos)
             slot_mapping.append(chunk.page_ids[pos // page_size] * page_size + pos % page_size)
+            if (pos + 1) % page_size == 0:
+                page_end_tokens.append(start + pos - chunk.prefix_len)
+                page_end_pages.append(chunk.page_ids[pos // page_size])
         logits_indices.extend(start + i for i in chunk.logits_offsets)
     return ForwardBatch(
         query_lens=query_lens,
@@ -134,5 +139,7 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_size: int, device: to
         has_initial_state=_device_tensor([c.has_initial_state for c in chunks], torch.bool, device),
         logits_indices=_device_tensor(logits_indices, torch.long, device),
         page_offsets=torch.arange(page_size, device=device),
+        page_end_tokens=_device_tensor(page_end_tokens, torch.long, device),
+        page_end_pages=_device_tensor(page_end_pages, torch.long, device),
         token_history=_token_history(chunks, history_len, device) if history_len else None,
     )

@@ -1,4 +1,4 @@
-"""ModelRunner: owns the model and both cache pools on one device, and executes StepPlans."""
+"""ModelRunner: owns the model and the cache pools on one device, and executes StepPlans."""
 from __future__ import annotations
 
 import logging
@@ -11,7 +11,7 @@ from hybridserve.cache.state_pool import StatePool
 from hybridserve.config import EngineConfig
 from hybridserve.layers.sampler import SampledToken, Sampler
 from hybridserve.loader import read_config
-from hybridserve.runtime.batch import build_forward_batch
+from hybridserve.runtime.batch import ScheduledChunk, build_forward_batch
 from hybridserve.runtime.model_loader import build_model, resolve_dtype
 from hybridserve.runtime.step import StepPlan
 
@@ -27,39 +27,81 @@ class ModelRunner:
         raw = read_config(model_dir, config.hf_overrides)
         self.dtype = resolve_dtype(config.dtype, raw.get("torch_dtype") or raw.get("dtype"))
         self.model, self.model_config = build_model(model_dir, self.dtype, self.device, config.hf_overrides)
+        caching = config.enable_prefix_caching
+        self.page_footers = caching and self.model.state_checkpoints == "per_page"
+        self.sparse_checkpoints = caching and self.model.state_checkpoints == "sparse"
         kv_spec, state_spec = self.model.kv_cache_spec(self.dtype), self.model.state_spec(self.dtype)
-        self.memory = plan_memory(self._cache_budget(), kv_spec.bytes_per_token() * config.page_size,
-                                  state_spec.bytes_per_slot(), max_running_requests=config.max_running_requests,
-                                  max_state_slots=config.max_state_slots)
+        page_bytes = kv_spec.bytes_per_token() * config.page_size
+        if self.page_footers:
+            page_bytes += state_spec.bytes_per_slot()
+        self.memory = plan_memory(
+            self._cache_budget(), page_bytes, state_spec.bytes_per_slot(),
+            max_running_requests=config.max_running_requests, state_to_kv_ratio=config.state_to_kv_ratio,
+            slots_per_request=1 + config.checkpoint_slots_per_request if self.sparse_checkpoints else 1,
+            num_speculative_tokens=config.num_speculative_tokens, max_state_slots=config.max_state_slots,
+            slots_hold_checkpoints=self.sparse_checkpoints)
         logger.info("memory plan: %s", self.memory.describe(config.page_size))
         self.kv_pool = KVPool(kv_spec, self.memory.num_pages + 1, config.page_size, self.device)
         self.state_pool = StatePool(state_spec, self.memory.num_state_slots, self.device)
-        self.model.bind_caches([self.kv_pool.layer(i) for i in range(kv_spec.num_layers)],
-                               [self.state_pool.layer(i) for i in range(state_spec.num_layers)])
+        self.footer_pool = StatePool(state_spec, self.memory.num_pages, self.device) if self.page_footers else None
+        self._bind(self.kv_pool, self.state_pool, self.footer_pool)
         self.sampler = Sampler()
 
     @property
     def memory_plan(self) -> MemoryPlan:
         return self.memory
 
+    def _bind(self, kv: KVPool, state: StatePool, footers: StatePool | None) -> None:
+        layers = range(state.spec.num_layers)
+        footer_layers = [footers.layer(i) for i in layers] if footers is not None else None
+        self.model.bind_caches([kv.layer(i) for i in range(kv.spec.num_layers)], [state.layer(i) for i in layers],
+                               footer_layers)
+
     def _cache_budget(self) -> int:
+        """Bytes for the caches: the CPU budget, or on CUDA the allowed share of the device minus what is already
+        used and the activation peak of a profiling forward at the largest batch."""
         if self.device.type == "cpu":
             return self.config.kv_cache_memory_bytes or _CPU_CACHE_BYTES
+        peak = self._profile_activations()
         free, total = torch.cuda.mem_get_info(self.device)
-        return int(free - (1.0 - self.config.gpu_memory_utilization) * total)
+        return int(total * self.config.gpu_memory_utilization - (total - free) - peak)
 
-    def _copy_slots(self, pairs: list[tuple[int, int]]) -> None:
+    @torch.inference_mode()
+    def _profile_activations(self) -> int:
+        """Peak extra memory of one forward over `max_num_batched_tokens` tokens plus the logits of a full batch."""
+        tokens, size = self.config.max_num_batched_tokens, self.config.page_size
+        pages = -(-tokens // size)
+        kv = KVPool(self.model.kv_cache_spec(self.dtype), pages + 1, size, self.device)
+        state = StatePool(self.model.state_spec(self.dtype), 1, self.device)
+        self._bind(kv, state, None)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        chunk = ScheduledChunk([0] * tokens, 0, list(range(1, pages + 1)), 1, False, [tokens - 1])
+        batch = build_forward_batch([chunk], size, self.device, self.model.history_len)
+        hidden = self.model(batch)
+        rows = min(tokens, self.config.max_running_requests)
+        self.model.compute_logits(hidden[:rows])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del kv, state, batch, hidden
+        torch.cuda.empty_cache()
+        return peak
+
+    def _copy_slots(self, pairs: list[tuple[int, int]], source: StatePool) -> None:
         if pairs:
             src, dst = zip(*pairs)
-            self.state_pool.copy_slots(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
+            self.state_pool.copy_from(source, torch.tensor(src, device=self.device),
+                                      torch.tensor(dst, device=self.device))
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[SampledToken | None]:
         """Run one step: restores -> forward -> snapshots, then sample where asked."""
         batch = build_forward_batch(plan.chunks, self.config.page_size, self.device, self.model.history_len)
-        self._copy_slots(plan.restores)
+        self._copy_slots(plan.restores, self.state_pool)
+        self._copy_slots(plan.page_restores, self.footer_pool)
         hidden = self.model(batch)
-        self._copy_slots(plan.snapshots)
+        self._copy_slots(plan.snapshots, self.state_pool)
         sampled_rows = [i for i, row in enumerate(plan.samples) if row is not None]
         if not sampled_rows:
             return [None] * len(plan.chunks)

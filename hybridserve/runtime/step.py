@@ -12,4 +12,5 @@ class StepPlan:
     chunks: list[ScheduledChunk]
     samples: list[SamplingRow | None]  # per chunk: draw the next token after it (None = mid-prompt chunk)
     restores: list[tuple[int, int]] = field(default_factory=list)  # (checkpoint slot -> working slot), before
+    page_restores: list[tuple[int, int]] = field(default_factory=list)  # (page footer -> working slot), before
     snapshots: list[tuple[int, int]] = field(default_factory=list)  # (working slot -> checkpoint slot), after

@@ -33,8 +33,10 @@ def alone(llm):
 
 
 def _assert_idle(engine: LLMEngine) -> None:
+    """At idle every page and slot is free or evictable cache: nothing leaked, nothing still protected."""
+    engine.scheduler.check_resources()
     counts = engine.scheduler.resource_counts()
-    assert counts["pages_free"] == counts["pages_total"] and counts["slots_free"] == counts["slots_total"]
+    assert counts["pages_protected"] == 0 and counts["slots_protected"] == 0
 
 
 def test_batched_and_chunked_runs_equal_single_runs(zaya_dir, alone):
@@ -45,11 +47,17 @@ def test_batched_and_chunked_runs_equal_single_runs(zaya_dir, alone):
         _assert_idle(llm.engine)
 
 
-def test_preemption_under_a_tiny_kv_pool_recomputes_exactly(zaya_dir, alone):
+def tiny_pool_options(llm: LLM, pages: int, slots: int) -> dict:
+    """Engine options whose cache budget holds exactly `pages` KV pages and `slots` state slots."""
+    plan = llm.engine.runner.memory_plan
+    return dict(kv_cache_memory_bytes=slots * plan.slot_bytes + pages * plan.page_bytes, max_state_slots=slots)
+
+
+def test_preemption_under_a_tiny_kv_pool_recomputes_exactly(zaya_dir, llm, alone):
     prompts = _prompts(10)
     llm = LLM(str(zaya_dir), device="cpu", dtype="float32", page_size=4, max_model_len=80,
-              kv_cache_memory_bytes=30 * 4 * 3 * 2 * 2 * 16 * 4 + 64 * 1024)  # ~30 pages of 4 tokens
-    assert llm.engine.runner.memory_plan.num_pages < 40
+              **tiny_pool_options(llm, pages=30, slots=6))
+    assert llm.engine.runner.memory_plan.num_pages == 30
     assert _tokens(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)) == alone
     assert llm.engine.scheduler.num_preemptions > 0
     _assert_idle(llm.engine)
