@@ -12,3 +12,14 @@ def zaya_dir(tmp_path_factory):
     directory = save_hf(random_hf_zaya(tiny_config("base"), seed=21), tmp_path_factory.mktemp("zaya-engine"))
     add_tokenizer(directory)
     return directory
+
+
+@pytest.fixture(scope="session")
+def ling_dir(tmp_path_factory):
+    from tests.reference.ling_naive import random_ling_checkpoint, tiny_ling_config, write_checkpoint
+
+    config = tiny_ling_config()
+    directory = tmp_path_factory.mktemp("ling-engine")
+    write_checkpoint(directory, config, random_ling_checkpoint(config, seed=22))
+    add_tokenizer(directory)
+    return directory
