@@ -19,8 +19,12 @@ from torch import nn
 from hybridserve.cache.kv_pool import KVCacheSpec
 from hybridserve.cache.state_pool import StateField, StateSpec
 from hybridserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from hybridserve.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, ReplicatedLinear,
-                                       RowParallelLinear)
+from hybridserve.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from hybridserve.layers.mla import MultiLatentAttention
 from hybridserve.layers.moe import StackedExperts
 from hybridserve.layers.norm import GroupRMSNorm, RMSNorm
@@ -219,6 +223,10 @@ class LingForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tied_to=tied)
 
     # --- what the runner needs to know -------------------------------------------------------------------
+    # A lightning state is H*d*d fp32 per layer (MiBs per request), so prefix caching checkpoints it sparsely:
+    # the scheduler ends chunks at checkpoint positions and copies the working slot there (no per-page footers).
+    state_checkpoints = "sparse"
+
     @property
     def history_len(self) -> int:
         return 0
@@ -234,8 +242,11 @@ class LingForCausalLM(nn.Module):
         return StateSpec(num_layers=len(self.config.lightning_layers),
                          fields={"lightning": StateField((heads, d, d), torch.float32)})
 
-    def bind_caches(self, kv_layers: list[dict[str, torch.Tensor]], state_layers: list[dict[str, torch.Tensor]]):
+    def bind_caches(self, kv_layers: list[dict[str, torch.Tensor]], state_layers: list[dict[str, torch.Tensor]],
+                    page_state_layers: list[dict[str, torch.Tensor]] | None = None):
         """KV layer j is the j-th MLA layer, state layer j the j-th lightning layer."""
+        if page_state_layers is not None:
+            raise ValueError("Ling checkpoints its state sparsely; it has no per-page state footers")
         kv, state = iter(kv_layers), iter(state_layers)
         for layer in self.model.layers:
             if isinstance(layer.attention, MultiLatentAttention):

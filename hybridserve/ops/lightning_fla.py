@@ -18,8 +18,10 @@ from hybridserve.runtime.batch import ForwardBatch
 
 def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
                         state_pool: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-    """q, k [T, H, d_k], v [T, H, d_v] (one dtype) -> o [T, H, d_v] fp32; row states read/written by slot."""
-    g_gamma = log_decay.float()
+    """q, k [T, H, d_k], v [T, H, d_v] -> o [T, H, d_v] fp32; row states read/written by slot."""
+    # The kernels run in fp32, as SGLang's do: in bf16 the chunk kernels round their intermediate states and
+    # attention scores to bf16, which costs ~2e-3 relative error against the fp32 recurrence.
+    q, k, v, g_gamma = q.float(), k.float(), v.float(), log_decay.float()
     start = initial_states(state_pool, batch)
     if batch.is_decode:
         # One token per row: B sequences of length 1, the same launch for every decode step.

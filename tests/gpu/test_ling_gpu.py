@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridserve.models.ling import alibi_slopes
+from hybridserve.models.ling import LingMoE, alibi_slopes
 from hybridserve.ops.lightning import lightning_decode, lightning_prefill
 from hybridserve.runtime.batch import ScheduledChunk, build_forward_batch
 from hybridserve.runtime.model_loader import build_model
@@ -100,16 +100,31 @@ def _greedy(harness: CacheHarness, prompt: list[int], steps: int, forced: list[i
     return picks
 
 
+def _record_routing(model: torch.nn.Module, routes: list[torch.Tensor]) -> list:
+    """Hooks that append every MoE layer's chosen expert set (sorted ids [T, k]) to `routes`."""
+    return [layer.mlp.gate.register_forward_hook(lambda m, a, out: routes.append(out[0].sort(-1).values.cpu()))
+            for layer in model.model.layers if isinstance(layer.mlp, LingMoE)]
+
+
 def test_bf16_cuda_model_matches_fp32_cpu_model(flash_dir: Path) -> None:
+    """Routing is discrete: where a token's top-8 among 256 is a near-tie, bf16 rounding may swap one expert,
+    which changes that token's output by a whole expert's share (random weights make near-ties common). So the
+    continuous error is measured on the tokens routed identically in every MoE layer, and those must be >= 95%."""
     prompts = [torch.randint(0, FLASH["vocab_size"], (n,), generator=torch.Generator().manual_seed(n)).tolist()
                for n in (100, 7, 65)]
     cpu = CacheHarness(build_model(flash_dir, torch.float32, torch.device("cpu"))[0], torch.float32, num_pages=128)
     gpu = CacheHarness(build_model(flash_dir, torch.bfloat16, CUDA)[0], torch.bfloat16, num_pages=128,
                        device="cuda")
+    cpu_routes, gpu_routes = [], []
+    hooks = _record_routing(cpu.model, cpu_routes) + _record_routing(gpu.model, gpu_routes)
     packed = [(slot, p) for slot, p in enumerate(prompts, start=2)]
     expected = cpu.run([cpu.chunk(slot, p, 0) for slot, p in packed])
-    got = gpu.run([gpu.chunk(slot, p, 0) for slot, p in packed])
-    assert _rel(got.cpu(), expected) < 2e-2
+    got = gpu.run([gpu.chunk(slot, p, 0) for slot, p in packed]).cpu()
+    for hook in hooks:
+        hook.remove()
+    same = torch.stack([(a == b).all(-1) for a, b in zip(cpu_routes, gpu_routes, strict=True)]).all(0)
+    assert same.float().mean().item() >= 0.95
+    assert _rel(got[same], expected[same]) < 2e-2
     # Greedy agreement, teacher-forced on the fp32 model's tokens so one near-tie cannot derail the rest.
     reference = _greedy(cpu, prompts[0], 32)
     agree = sum(a == b for a, b in zip(_greedy(gpu, prompts[0], 32, forced=reference), reference))

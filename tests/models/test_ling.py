@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 import hybridserve.layers.mla as mla_module
 from hybridserve import LLM, SamplingParams
+from hybridserve.demo import DEMO_VERSION, ensure_demo_checkpoint
 from hybridserve.loader import CheckpointError
 from hybridserve.models.ling import alibi_slopes, lightning_log_decay
 from hybridserve.models.ling_config import parse_ling_config
@@ -132,13 +134,17 @@ def test_chunked_prefill_and_decode_resume_from_state(ling: Ling) -> None:
 
 def test_generate_matches_reference_greedy(ling: Ling) -> None:
     """8 prompts in flight together through the offline API; a small token budget forces chunked prefill with
-    decode rows of the earlier requests in the same steps."""
+    decode rows of the earlier requests in the same steps. A second round extends earlier prompts, so it resumes
+    from prefix-cache state checkpoints."""
     prompts = _prompts([1, 4, 9, 16, 23, 40, 65, 80], seed=3)
     llm = LLM(str(ling.directory), device="cpu", dtype="float32", hf_overrides=ling.overrides,
               max_num_batched_tokens=64)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.outputs[0].token_ids == ling.reference.greedy_generate(prompt, 32)
+    extended = [p + [3, 1, 4] for p in prompts[4:]]
+    for prompt, output in zip(extended, llm.generate([{"prompt_token_ids": p} for p in extended], params)):
         assert output.outputs[0].token_ids == ling.reference.greedy_generate(prompt, 32)
 
 
@@ -266,3 +272,26 @@ def test_mtp_layer_is_loaded(tmp_path: Path, tiny_checkpoint) -> None:
     ]
     for param, name in expected:
         assert torch.equal(param, tensors[f"model.layers.4.{name}"]), name
+
+
+def test_cache_specs_cover_only_their_layers(tmp_path: Path, tiny_checkpoint) -> None:
+    """4 layers, group 2: lightning 0 and 2 own fp32 states (whatever the model dtype), MLA 1 and 3 own KV."""
+    config, tensors = tiny_checkpoint
+    model = _load(tmp_path, config, tensors)
+    state = model.state_spec(torch.bfloat16)
+    assert state.num_layers == 2
+    assert state.fields["lightning"].shape == (4, 16, 16) and state.fields["lightning"].dtype == torch.float32
+    kv = model.kv_cache_spec(torch.bfloat16)
+    assert kv.num_layers == 2 and kv.fields == {"latent": (1, 16 + 4)} and kv.dtype == torch.bfloat16
+
+
+def test_demo_ling_checkpoint_uses_hf_names_and_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HYBRIDSERVE_CACHE", str(tmp_path))
+    directory = ensure_demo_checkpoint("bailing_hybrid")
+    assert directory.name == f"demo-bailing_hybrid-v{DEMO_VERSION}"
+    with safe_open(str(directory / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    assert {"model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight",
+            "model.layers.1.mlp.experts.7.up_proj.weight", "model.layers.4.eh_proj.weight"} <= names
+    harness = CacheHarness(build_model(directory, torch.float32, CPU)[0])
+    assert bool(torch.isfinite(harness.run([harness.chunk(1, [1, 2, 3], 0)])).all())
