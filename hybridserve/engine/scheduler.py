@@ -186,8 +186,8 @@ class Scheduler:
                 step.plan.restores.append((hit.restore_slot, slot))
             else:
                 step.plan.page_restores.append((hit.pages[-1], slot))
-            if self.sparse and hit.kv_tokens > hit.num_tokens:
-                request.branch_point = hit.kv_tokens
+        if self.sparse and hit.kv_tokens > hit.num_tokens:
+            request.branch_point = hit.kv_tokens  # snapshot there, so the next request sharing it can hit
         self.running.append(request)
         return True
 

@@ -143,7 +143,8 @@ def test_chunked_prefill_sizes_give_identical_outputs_and_states(model, chunk, m
     assert got_states.keys() == want_states.keys()
     for key in want_states:
         for got, expected in zip(got_states[key], want_states[key]):
-            assert (got.float() - expected.float()).abs().max().item() <= 1e-5
+            # fp32 sums in a different chunking order: equal to rounding (Ling states reach ~10 in magnitude)
+            assert ((got.float() - expected.float()).norm() / expected.float().norm()).item() <= 1e-6
 
 
 def test_alone_together_and_shuffled_arrival_are_identical(model):
@@ -171,8 +172,8 @@ def test_tiny_pools_with_preemption_eviction_and_random_aborts(model):
     roomy = _engine(directory)
     plan = roomy.runner.memory_plan
     engine = _engine(directory, max_model_len=64, max_state_slots=12,
-                     kv_cache_memory_bytes=12 * plan.slot_bytes + 40 * plan.page_bytes)
-    assert engine.runner.memory_plan.num_pages == 40
+                     kv_cache_memory_bytes=12 * plan.slot_bytes + 24 * plan.page_bytes)
+    assert engine.runner.memory_plan.num_pages == 24
     ids = []
     for i, p in enumerate(prompts):
         ids.append(f"q{i}")
