@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -108,30 +109,45 @@ def ling_checkpoint_tensors(weights: dict[str, torch.Tensor], num_layers: int) -
     return out
 
 
-def write_demo_checkpoint(directory: Path, model_type: str = "zaya") -> None:
+def write_random_checkpoint(directory: Path, config: dict, seed: int = 0,
+                            adjust: Callable[[dict[str, torch.Tensor]], None] | None = None) -> None:
+    """A HF-layout checkpoint (config.json + model.safetensors) with random weights for `config`.
+
+    `adjust` may edit the weights (by parameter name) before they are renamed and saved. Routers and selection
+    biases stay fp32, as in real checkpoints; everything else is stored in bf16.
+    """
     from hybridserve.models.registry import model_family
 
-    tokenizer_dir = bundled_tokenizer_dir()
-    tokenizer_config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
-    vocab = -(-len(tokenizer) // 128) * 128
-    eos = [tokenizer.convert_tokens_to_ids(tokenizer_config["eos_token"]), tokenizer.pad_token_id]
-    config = _DEMO_CONFIGS[model_type](vocab, eos)
     family = model_family(config)
     with torch.device("meta"):
         model = family.model_class(family.parse_config(config))
-    weights = random_weights(model, seed=DEMO_VERSION)
-    if model_type == "bailing_hybrid":
+    weights = random_weights(model, seed)
+    if adjust is not None:
+        adjust(weights)
+    if config["model_type"] == "bailing_hybrid":
         weights = ling_checkpoint_tensors(weights, config["num_hidden_layers"])
-    # Routers and selection biases stay fp32, as in real checkpoints; everything else is stored in bf16.
     weights = {name: t if name.endswith(("balancing_biases", "expert_bias", "mlp.gate.weight"))
                else t.to(torch.bfloat16) for name, t in weights.items()}
-    directory.mkdir(parents=True)
+    directory.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def copy_bundled_tokenizer(directory: Path) -> None:
     for name in _TOKENIZER_FILES:
-        shutil.copy(tokenizer_dir / name, directory / name)
+        shutil.copy(bundled_tokenizer_dir() / name, directory / name)
+
+
+def write_demo_checkpoint(directory: Path, model_type: str = "zaya") -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer_dir = bundled_tokenizer_dir()
+    tokenizer_config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    vocab = -(-len(tokenizer) // 128) * 128
+    eos = [tokenizer.convert_tokens_to_ids(tokenizer_config["eos_token"]), tokenizer.pad_token_id]
+    write_random_checkpoint(directory, _DEMO_CONFIGS[model_type](vocab, eos), seed=DEMO_VERSION)
+    copy_bundled_tokenizer(directory)
     (directory / "README.md").write_text(f"hybridserve demo checkpoint: {model_type} architecture, RANDOM weights.\n")
 
 

@@ -1,23 +1,19 @@
 """Shared test helpers: tokenizer files for tiny checkpoints, and running a model on a hand-built batch."""
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
 
 from hybridserve.cache.kv_pool import KVPool
 from hybridserve.cache.state_pool import StatePool
-from hybridserve.demo import bundled_tokenizer_dir
+from hybridserve.demo import copy_bundled_tokenizer
 from hybridserve.runtime.batch import ForwardBatch, ScheduledChunk, build_forward_batch
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
 
 
 def add_tokenizer(directory: Path) -> None:
     """Copy the real Qwen3 tokenizer next to a tiny checkpoint (its ids < vocab_size decode fine)."""
-    for name in TOKENIZER_FILES:
-        shutil.copy(bundled_tokenizer_dir() / name, Path(directory) / name)
+    copy_bundled_tokenizer(Path(directory))
 
 
 class CacheHarness:

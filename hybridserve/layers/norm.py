@@ -17,13 +17,15 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float):
+    """Output in the weight's dtype, so an fp32 input (a residual stream) is rounded once, after normalising."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype | None = None):
         super().__init__()
         self.eps = eps
-        self.weight = new_parameter(hidden_size)
+        self.weight = new_parameter(hidden_size, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * rms_normalize(x, self.eps)
+        return self.weight * rms_normalize(x, self.eps).to(self.weight.dtype)
 
 
 class GroupRMSNorm(nn.Module):

@@ -198,10 +198,10 @@ class ResidualScaling(nn.Module):
 class RouterMLP(nn.Module):
     def __init__(self, width: int, num_classes: int, eps: float):
         super().__init__()
-        self.norm = RMSNorm(width, eps)
-        self.fc1 = ReplicatedLinear(width, width, bias=True)
-        self.fc2 = ReplicatedLinear(width, width, bias=True)
-        self.out_proj = ReplicatedLinear(width, num_classes)
+        self.norm = RMSNorm(width, eps, dtype=torch.float32)
+        self.fc1 = ReplicatedLinear(width, width, bias=True, dtype=torch.float32)
+        self.fc2 = ReplicatedLinear(width, width, bias=True, dtype=torch.float32)
+        self.out_proj = ReplicatedLinear(width, num_classes, dtype=torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.gelu(self.fc1(self.norm(x)))
@@ -209,22 +209,26 @@ class RouterMLP(nn.Module):
 
 
 class EDARouter(nn.Module):
-    """Scores E experts + 1 skip class; the down-projected activation is carried to the next layer's router."""
+    """Scores E experts + 1 skip class; the down-projected activation is carried to the next layer's router.
+
+    The router is tiny, so it runs entirely in fp32: a top-1 choice flips on near-ties, and each flip changes a
+    token's output by a whole expert, so routing is where low precision costs most.
+    """
 
     def __init__(self, config: ZayaConfig, use_eda: bool):
         super().__init__()
         width = config.router_hidden_size
-        self.down_proj = ReplicatedLinear(config.hidden_size, width, bias=True)
-        self.router_states_scale = new_parameter(width) if use_eda else None
+        self.down_proj = ReplicatedLinear(config.hidden_size, width, bias=True, dtype=torch.float32)
+        self.router_states_scale = new_parameter(width, dtype=torch.float32) if use_eda else None
         self.router_mlp = RouterMLP(width, config.num_experts + 1, config.rms_norm_eps)
-        # Selection-only bias from training's load balancer; always fp32.
+        # Selection-only bias from training's load balancer.
         self.balancing_biases = new_parameter(config.num_experts + 1, dtype=torch.float32)
 
     def forward(self, x: torch.Tensor, carry: torch.Tensor | None):
-        z = self.down_proj(x)
+        z = self.down_proj(x.float())
         if self.router_states_scale is not None and carry is not None:
             z = z + carry * self.router_states_scale
-        probs = torch.softmax(self.router_mlp(z).float(), dim=-1)
+        probs = torch.softmax(self.router_mlp(z), dim=-1)
         choice = (probs + self.balancing_biases).argmax(dim=-1)
         return choice, probs.gather(-1, choice[:, None]), z
 
@@ -260,9 +264,8 @@ class ZayaDecoderLayer(nn.Module):
         self.post_mlp_residual_scale = ResidualScaling(config.hidden_size)
 
     def forward(self, x: torch.Tensor, carry: torch.Tensor | None, batch: ForwardBatch):
-        dtype = self.input_layernorm.weight.dtype
-        x = self.post_attention_residual_scale(self.self_attn(self.input_layernorm(x.to(dtype)), batch), x)
-        update, carry = self.mlp(self.post_attention_layernorm(x.to(dtype)), carry)
+        x = self.post_attention_residual_scale(self.self_attn(self.input_layernorm(x), batch), x)
+        update, carry = self.mlp(self.post_attention_layernorm(x), carry)
         return self.post_mlp_residual_scale(update, x), carry
 
 
@@ -281,7 +284,7 @@ class ZayaModel(nn.Module):
         carry = None
         for layer in self.layers:
             x, carry = layer(x, carry, batch)
-        return self.norm(x.to(self.norm.weight.dtype))
+        return self.norm(x)
 
 
 _LEGACY_SUBLAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")

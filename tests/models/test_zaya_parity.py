@@ -63,7 +63,8 @@ def test_states_after_prefill_equal_hf_cache(zaya):
     prompts = _prompts([9, 1, 4], seed=5)
     harness.run([harness.chunk(slot + 1, p, 0) for slot, p in enumerate(prompts)])
     for slot, prompt in enumerate(prompts, start=1):
-        cache = hf(torch.tensor([prompt]), use_cache=True).cache
+        out = hf(torch.tensor([prompt]), use_cache=True)
+        cache = out.cache if hasattr(out, "cache") else out.past_key_values  # renamed in transformers 5.2x
         for layer in range(hf.config.num_hidden_layers):
             conv = harness.state.buffers["conv"][layer, slot]
             lag = harness.state.buffers["lag"][layer, slot]
