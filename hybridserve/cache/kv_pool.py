@@ -84,3 +84,11 @@ class KVPool:
 
     def layer(self, index: int) -> dict[str, torch.Tensor]:
         return {name: buf[index] for name, buf in self.buffers.items()}
+
+    def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's rows of page dst[i] = those of page src[i] (a fork's copy of a partly filled page)."""
+        offsets = torch.arange(self.page_size, device=src.device)
+        src_rows = (src[:, None] * self.page_size + offsets).flatten()
+        dst_rows = (dst[:, None] * self.page_size + offsets).flatten()
+        for buf in self.buffers.values():
+            buf[:, dst_rows] = buf[:, src_rows]

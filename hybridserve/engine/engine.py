@@ -24,16 +24,30 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
-class _Tracked:
-    """A request plus what turns its tokens into user-facing output."""
+class _Sequence:
+    """One generated sequence plus what turns its tokens into user-facing output."""
 
     request: Request
-    prompt: str | None
+    index: int
     detokenizer: IncrementalDetokenizer
     text: StopStringMatcher
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
-    streamed: dict = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class _Group:
+    """A user's request: one prompt and its n sequences (the first forks the others once the prompt is done)."""
+
+    request_id: str
+    prompt: str | None
+    params: SamplingParams
+    sequences: list[_Sequence]
+    prompt_logprobs: list[dict[int, float] | None] | None
+
+    @property
+    def finished(self) -> bool:
+        return len(self.sequences) == self.params.n and all(s.request.finished for s in self.sequences)
 
 
 class LLMEngine:
@@ -57,7 +71,10 @@ class LLMEngine:
                                    config.max_num_batched_tokens, config.chunked_prefill_size, cache,
                                    config.state_checkpoint_interval)
         self._seeds = random.Random(config.seed)
-        self._requests: dict[str, _Tracked] = {}
+        self._groups: dict[str, _Group] = {}
+        self._sequences: dict[str, tuple[_Group, _Sequence]] = {}  # by the scheduler's request id
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
 
     # --- setup helpers ---------------------------------------------------------------------------------------
     def _eos_token_ids(self, model_dir: str) -> frozenset[int]:
@@ -86,24 +103,31 @@ class LLMEngine:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
-        if request_id in self._requests:
+        """Queue a request; bad prompts raise ValueError (nothing is queued then)."""
+        if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if params.n != 1:
-            raise ValueError("n > 1 is not supported by the engine yet; submit n requests")
         token_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(token_ids)
-        request = Request(
-            request_id=request_id, prompt_token_ids=token_ids, params=params,
-            seed=params.seed if params.seed is not None else self._seeds.getrandbits(63),
-            eos_token_ids=self.eos_token_ids,
-        )
-        detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
-        tracked = _Tracked(request, prompt if isinstance(prompt, str) else None, detok,
-                           StopStringMatcher(params.stop, params.include_stop_str_in_output),
-                           logprobs=[] if params.logprobs is not None else None,
-                           cumulative_logprob=0.0 if params.logprobs is not None else None)
-        self._requests[request_id] = tracked
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        request = Request(request_id=request_id, prompt_token_ids=token_ids, params=params, seed=seed,
+                          eos_token_ids=self.eos_token_ids, num_forks=params.n - 1)
+        group = _Group(request_id, prompt if isinstance(prompt, str) else None, params, [],
+                       [None] if params.prompt_logprobs is not None else None)
+        self._groups[request_id] = group
+        self._track(group, request)
+        self.num_prompt_tokens += len(token_ids)
         self.scheduler.add(request)
+
+    def _track(self, group: _Group, request: Request) -> _Sequence:
+        params = group.params
+        sequence = _Sequence(request, len(group.sequences),
+                             IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens),
+                             StopStringMatcher(params.stop, params.include_stop_str_in_output),
+                             logprobs=[] if params.logprobs is not None else None,
+                             cumulative_logprob=0.0 if params.logprobs is not None else None)
+        group.sequences.append(sequence)
+        self._sequences[request.request_id] = (group, sequence)
+        return sequence
 
     def validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -116,35 +140,73 @@ class LLMEngine:
                              f"{self.max_model_len}; shorten the prompt")
 
     def abort_request(self, request_id: str) -> None:
-        tracked = self._requests.pop(request_id, None)
-        if tracked is not None and not tracked.request.finished:
-            self.scheduler.finish(tracked.request, "abort")
+        """Stop a request wherever it is; its pages and state slots are freed at once."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return
+        for sequence in group.sequences:
+            self._sequences.pop(sequence.request.request_id, None)
+            if not sequence.request.finished:
+                self.scheduler.finish(sequence.request, "abort")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
 
+    def stats(self) -> dict[str, int]:
+        """Gauges (now) and counters (since start) for metrics."""
+        counts = self.scheduler.resource_counts()
+        return {
+            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            "kv_pages_used": counts["pages_protected"], "kv_pages_cached": counts["pages_evictable"],
+            "kv_pages_total": counts["pages_total"], "state_slots_used": counts["slots_protected"],
+            "state_slots_cached": counts["slots_evictable"], "state_slots_total": counts["slots_total"],
+            "prefix_cache_query_tokens": self.scheduler.prefix_query_tokens,
+            "prefix_cache_hit_tokens": self.scheduler.prefix_hit_tokens,
+            "prompt_tokens": self.num_prompt_tokens, "generation_tokens": self.num_generation_tokens,
+            "preemptions": self.scheduler.num_preemptions,
+        }
+
     # --- the step loop ---------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one forward over the scheduled batch; return outputs of the requests that produced a token."""
+        """Run one forward over the scheduled batch; return outputs of the requests that made progress."""
         scheduled = self.scheduler.schedule()
         if scheduled is None:
             return []
         results = self.runner.execute(scheduled.plan)
         self.scheduler.after_step(scheduled)
-        outputs = []
-        for request, sampled in zip(scheduled.requests, results):
-            if sampled is not None:
-                tracked = self._requests[request.request_id]
-                self._append_token(tracked, sampled)
-                outputs.append(self._output(tracked))
-                if request.finished:
-                    del self._requests[request.request_id]
+        progressed: dict[str, _Group] = {}
+        for request, result in zip(scheduled.requests, results):
+            group, sequence = self._sequences[request.request_id]
+            if result.prompt_logprobs:
+                group.prompt_logprobs.extend(result.prompt_logprobs)
+            if result.sampled:
+                first, *forks = result.sampled
+                for sampled in forks:  # fork before the parent can finish and free what the children copy
+                    self._append_token(self._fork(group, request), sampled)
+                request.num_forks = 0
+                self._append_token(sequence, first)
+                progressed[group.request_id] = group
+        outputs = [self._output(group) for group in progressed.values()]
+        for group in progressed.values():
+            if group.finished:
+                del self._groups[group.request_id]
+                for sequence in group.sequences:
+                    del self._sequences[sequence.request.request_id]
         return outputs
 
-    def _append_token(self, tracked: _Tracked, sampled: SampledToken) -> None:
+    def _fork(self, group: _Group, parent: Request) -> _Sequence:
+        index = len(group.sequences)
+        child = Request(request_id=f"{group.request_id}#{index}", prompt_token_ids=parent.prompt_token_ids,
+                        params=group.params, seed=parent.seed + index, eos_token_ids=self.eos_token_ids)
+        sequence = self._track(group, child)
+        self.scheduler.fork(parent, child)
+        return sequence
+
+    def _append_token(self, tracked: _Sequence, sampled: SampledToken) -> None:
         request, params = tracked.request, tracked.request.params
         stops = request.stop_token_hit(sampled.token_id)
         request.output_token_ids.append(sampled.token_id)
+        self.num_generation_tokens += 1
         if tracked.logprobs is not None:
             entry = dict(sampled.top_logprobs or [])
             entry[sampled.token_id] = sampled.logprob
@@ -161,13 +223,14 @@ class LLMEngine:
                 or request.num_tokens >= self.max_model_len:
             self.scheduler.finish(request, "length")
 
-    def _output(self, tracked: _Tracked) -> RequestOutput:
-        request = tracked.request
-        completion = CompletionOutput(
-            index=0, text=tracked.text.visible(request.finished), token_ids=list(request.output_token_ids),
-            finish_reason=request.finish_reason, stop_reason=request.stop_reason,
-            cumulative_logprob=tracked.cumulative_logprob, logprobs=tracked.logprobs,
-        )
-        return RequestOutput(request_id=request.request_id, prompt=tracked.prompt,
-                             prompt_token_ids=request.prompt_token_ids, outputs=[completion],
-                             finished=request.finished, num_cached_tokens=request.num_cached_tokens or 0)
+    def _output(self, group: _Group) -> RequestOutput:
+        completions = [CompletionOutput(
+            index=seq.index, text=seq.text.visible(seq.request.finished), token_ids=list(seq.request.output_token_ids),
+            finish_reason=seq.request.finish_reason, stop_reason=seq.request.stop_reason,
+            cumulative_logprob=seq.cumulative_logprob, logprobs=seq.logprobs,
+        ) for seq in group.sequences]
+        first = group.sequences[0].request
+        return RequestOutput(request_id=group.request_id, prompt=group.prompt,
+                             prompt_token_ids=first.prompt_token_ids, outputs=completions, finished=group.finished,
+                             num_cached_tokens=first.num_cached_tokens or 0,
+                             prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs else None)

@@ -32,6 +32,8 @@ class Request:
     cache_node: TreeNode | None = None  # deepest prefix-cache node whose path this request has locked
     cached_len: int = 0  # tokens of this request already inserted into the prefix cache
     branch_point: int = 0  # sparse checkpoints: where the cached KV match went past the last checkpoint
+    num_forks: int = 0  # sequences still to fork off when the prompt completes (n > 1)
+    num_prompt_scored: int = 0  # prompt positions whose logprobs were already computed
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 

@@ -23,7 +23,10 @@ from hybridserve.cache.state_pool import SlotAllocator
 from hybridserve.engine.request import Request, RequestStatus
 from hybridserve.layers.sampler import SamplingRow
 from hybridserve.runtime.batch import ScheduledChunk
-from hybridserve.runtime.step import StepPlan
+from hybridserve.runtime.step import PromptLogprobTargets, StepPlan
+
+# Prompt-logprob chunks produce [tokens, vocab] fp32 logits; this bounds them per request and step.
+PROMPT_LOGPROB_CHUNK = 512
 
 
 @dataclass
@@ -50,6 +53,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+        # Copies a fork needs before the next forward (whatever that step schedules).
+        self._pending_page_copies: list[tuple[int, int]] = []
+        self._pending_restores: list[tuple[int, int]] = []
 
     # --- queue management ------------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -104,7 +112,9 @@ class Scheduler:
 
     # --- one step --------------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledStep | None:
-        step = ScheduledStep(StepPlan(chunks=[], samples=[]), [])
+        step = ScheduledStep(StepPlan(chunks=[], samples=[], prompt_logprobs=[],
+                                      page_copies=self._pending_page_copies, restores=self._pending_restores), [])
+        self._pending_page_copies, self._pending_restores = [], []
         budget = self.max_tokens
         for request in list(self.running):
             if budget == 0:
@@ -123,7 +133,11 @@ class Scheduler:
             count = self._chunk_length(request, budget)
             self._add_chunk(step, request, count)
             budget -= count
-        return step if step.requests else None
+        if not step.requests:
+            # Nothing to run, so nothing can overwrite a fork's source yet: keep its copies for the next plan.
+            self._pending_page_copies, self._pending_restores = step.plan.page_copies, step.plan.restores
+            return None
+        return step
 
     def _next_snapshot(self, request: Request, done: int) -> int | None:
         """The first position after `done` where a sparse checkpoint must be taken, if any."""
@@ -135,7 +149,8 @@ class Scheduler:
         return min(later) if later else None
 
     def _chunk_length(self, request: Request, budget: int) -> int:
-        count = min(request.num_tokens - request.num_computed_tokens, budget, self.chunk_cap)
+        cap = self.chunk_cap if request.params.prompt_logprobs is None else min(self.chunk_cap, PROMPT_LOGPROB_CHUNK)
+        count = min(request.num_tokens - request.num_computed_tokens, budget, cap)
         if self.sparse:
             snapshot = self._next_snapshot(request, request.num_computed_tokens)
             if snapshot is not None:
@@ -165,8 +180,10 @@ class Scheduler:
         if slot is None:
             return False
         hit = None
-        if self.cache is not None:
+        if self.cache is not None and request.params.prompt_logprobs is None:  # scoring needs every position
             hit = self.cache.match(request.token_ids(0, request.num_tokens), max_tokens=request.num_tokens - 1)
+            self.prefix_query_tokens += request.num_tokens
+            self.prefix_hit_tokens += hit.num_tokens
             self.pages.share(hit.pages)
             self.cache.lock(hit.node)
             request.page_ids, request.cache_node = list(hit.pages), hit.node
@@ -186,7 +203,7 @@ class Scheduler:
                 step.plan.restores.append((hit.restore_slot, slot))
             else:
                 step.plan.page_restores.append((hit.pages[-1], slot))
-        if self.sparse and hit.kv_tokens > hit.num_tokens:
+        if self.sparse and hit is not None and hit.kv_tokens > hit.num_tokens:
             request.branch_point = hit.kv_tokens  # snapshot there, so the next request sharing it can hit
         self.running.append(request)
         return True
@@ -203,25 +220,71 @@ class Scheduler:
         step.requests.append(request)
         start = request.num_computed_tokens
         end = start + count
-        completes = end == request.num_tokens
+        targets, scored = self._prompt_targets(request, start, end)
+        draws = self._draws(request) if end == request.num_tokens else []
         plan.chunks.append(ScheduledChunk(
             token_ids=request.token_ids(start, end),
             prefix_len=start,
             page_ids=list(request.page_ids),
             state_slot=request.state_slot,
             has_initial_state=start > 0,
-            logits_offsets=[count - 1] if completes else [],
+            logits_offsets=scored + ([count - 1] if draws else []),
         ))
-        plan.samples.append(SamplingRow(
-            params=request.params, seed=request.seed, output_token_ids=request.output_token_ids,
-            prompt_token_ids=request.prompt_token_ids, banned_token_ids=request.banned_token_ids(),
-        ) if completes else None)
+        plan.samples.append(draws)
+        plan.prompt_logprobs.append(targets)
         request.num_computed_tokens = end
         if self.sparse and end == self._next_snapshot(request, start):
             checkpoint = self._allocate_slot()
             if checkpoint is not None:
                 plan.snapshots.append((request.state_slot, checkpoint))
                 step.snapshots.append((request, end, checkpoint))
+
+    @staticmethod
+    def _prompt_targets(request: Request, start: int, end: int) -> tuple[PromptLogprobTargets | None, list[int]]:
+        """Prompt positions of this chunk still to score (a recomputed chunk is not scored twice), and their
+        offsets in the chunk. Position p scores prompt token p + 1; the last prompt position samples instead."""
+        top_k = request.params.prompt_logprobs
+        first, stop = max(start, request.num_prompt_scored), min(end, request.num_prompt_tokens - 1)
+        if top_k is None or first >= stop:
+            return None, []
+        request.num_prompt_scored = stop
+        return PromptLogprobTargets(top_k, request.token_ids(first + 1, stop + 1)), list(range(first - start,
+                                                                                                 stop - start))
+
+    @staticmethod
+    def _draws(request: Request) -> list[SamplingRow]:
+        """The request's next draw; right after its prompt also one per sequence it forks into (seed + i)."""
+        forks = request.num_forks if not request.output_token_ids else 0
+        return [SamplingRow(params=request.params, seed=request.seed + i,
+                            output_token_ids=request.output_token_ids if i == 0 else [],
+                            prompt_token_ids=request.prompt_token_ids, banned_token_ids=request.banned_token_ids())
+                for i in range(1 + forks)]
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Start `child` from `parent`'s state right after the prompt: full pages are shared, the partly filled
+        page and the state slot are copied before the next forward. Without a free slot or page (or room under
+        max_running_requests) the child waits and is recomputed, which the prefix cache makes cheap."""
+        size = self.page_size
+        full, partial = divmod(parent.num_computed_tokens, size)
+        slot = self._allocate_slot() if len(self.running) < self.max_running else None
+        page = self._allocate_pages(1 if partial else 0) if slot is not None else None
+        if page is None:
+            if slot is not None:
+                self.slots.release(slot)
+            self.waiting.appendleft(child)
+            return
+        self.pages.share(parent.page_ids[:full])
+        child.page_ids = parent.page_ids[:full] + page
+        if partial:
+            self._pending_page_copies.append((parent.page_ids[full], page[0]))
+        self._pending_restores.append((parent.state_slot, slot))
+        child.state_slot, child.num_computed_tokens = slot, parent.num_computed_tokens
+        child.num_cached_tokens, child.num_prompt_scored = parent.num_cached_tokens, parent.num_prompt_scored
+        if self.cache is not None:
+            self.cache.lock(parent.cache_node)
+            child.cache_node, child.cached_len = parent.cache_node, parent.cached_len
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
 
     # --- after the step has run --------------------------------------------------------------------------------
     def after_step(self, step: ScheduledStep) -> None:

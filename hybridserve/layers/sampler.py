@@ -52,6 +52,12 @@ def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> tuple[
     return chosen_lp, [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
 
 
+def logprob_dicts(logprobs: torch.Tensor, chosen: list[int], k: int) -> list[dict[int, float]]:
+    """Per row {token: logprob} for the chosen token and the row's top-k (the chosen one included)."""
+    chosen_lp, tops = top_logprobs(logprobs, torch.tensor(chosen, device=logprobs.device), k)
+    return [dict(top) | {token: lp} for token, lp, top in zip(chosen, chosen_lp, tops)]
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
         device = logits.device

@@ -9,11 +9,11 @@ from hybridserve.cache.kv_pool import KVPool
 from hybridserve.cache.memory import GiB, MemoryPlan, plan_memory
 from hybridserve.cache.state_pool import StatePool
 from hybridserve.config import EngineConfig
-from hybridserve.layers.sampler import SampledToken, Sampler
+from hybridserve.layers.sampler import Sampler, logprob_dicts
 from hybridserve.loader import read_config
 from hybridserve.runtime.batch import ScheduledChunk, build_forward_batch
 from hybridserve.runtime.model_loader import build_model, resolve_dtype
-from hybridserve.runtime.step import StepPlan
+from hybridserve.runtime.step import ChunkResult, StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -95,20 +95,33 @@ class ModelRunner:
                                       torch.tensor(dst, device=self.device))
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> list[SampledToken | None]:
-        """Run one step: restores -> forward -> snapshots, then sample where asked."""
+    def execute(self, plan: StepPlan) -> list[ChunkResult]:
+        """Run one step: copies and restores -> forward -> snapshots, then prompt logprobs and sampling."""
         batch = build_forward_batch(plan.chunks, self.config.page_size, self.device, self.model.history_len)
+        if plan.page_copies:
+            src, dst = zip(*plan.page_copies)
+            self.kv_pool.copy_pages(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
         self._copy_slots(plan.restores, self.state_pool)
         self._copy_slots(plan.page_restores, self.footer_pool)
         hidden = self.model(batch)
         self._copy_slots(plan.snapshots, self.state_pool)
-        sampled_rows = [i for i, row in enumerate(plan.samples) if row is not None]
-        if not sampled_rows:
-            return [None] * len(plan.chunks)
-        # Each sampled chunk asks for exactly one logits row: its last token.
+        results = [ChunkResult() for _ in plan.chunks]
+        if batch.logits_indices.numel() == 0:
+            return results
+        # Logits rows come chunk by chunk: the scored prompt positions, then the last token when it samples.
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        tokens = self.sampler(logits, [plan.samples[i] for i in sampled_rows])
-        results: list[SampledToken | None] = [None] * len(plan.chunks)
-        for row, token in zip(sampled_rows, tokens):
-            results[row] = token
+        row, draw_rows, draws = 0, [], []
+        for result, targets, rows in zip(results, plan.prompt_logprobs, plan.samples):
+            if targets is not None:
+                scored = torch.log_softmax(logits[row:row + len(targets.token_ids)], dim=-1)
+                result.prompt_logprobs = logprob_dicts(scored, targets.token_ids, targets.top_k)
+                row += len(targets.token_ids)
+            if rows:
+                draw_rows.extend([row] * len(rows))
+                draws.extend(rows)
+                row += 1
+        if draws:
+            tokens = iter(self.sampler(logits[torch.tensor(draw_rows, device=logits.device)], draws))
+            for result, rows in zip(results, plan.samples):
+                result.sampled = [next(tokens) for _ in rows]
         return results

@@ -1,16 +1,37 @@
-"""StepPlan: everything the model runner needs for one step, as host data (what rank 0 would broadcast)."""
+"""StepPlan: everything the model runner needs for one step, as host data (what rank 0 would broadcast), and what
+the runner hands back per chunk."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybridserve.layers.sampler import SamplingRow
+from hybridserve.layers.sampler import SampledToken, SamplingRow
 from hybridserve.runtime.batch import ScheduledChunk
+
+
+@dataclass
+class PromptLogprobTargets:
+    """Score prompt tokens: logits row j of the chunk predicts `token_ids[j]`."""
+
+    top_k: int
+    token_ids: list[int]
 
 
 @dataclass
 class StepPlan:
     chunks: list[ScheduledChunk]
-    samples: list[SamplingRow | None]  # per chunk: draw the next token after it (None = mid-prompt chunk)
-    restores: list[tuple[int, int]] = field(default_factory=list)  # (checkpoint slot -> working slot), before
-    page_restores: list[tuple[int, int]] = field(default_factory=list)  # (page footer -> working slot), before
-    snapshots: list[tuple[int, int]] = field(default_factory=list)  # (working slot -> checkpoint slot), after
+    # Per chunk: draws from its last token's logits (several when a request forks into n > 1 sequences; none for
+    # a chunk that does not finish its prompt), and the prompt tokens to score (or None).
+    samples: list[list[SamplingRow]]
+    prompt_logprobs: list[PromptLogprobTargets | None]
+    # State and page copies, all executed on the device in this order: page copies, restores, page restores
+    # (before the forward), snapshots (after it).
+    page_copies: list[tuple[int, int]] = field(default_factory=list)  # (KV page -> KV page)
+    restores: list[tuple[int, int]] = field(default_factory=list)  # (slot -> working slot)
+    page_restores: list[tuple[int, int]] = field(default_factory=list)  # (page footer -> working slot)
+    snapshots: list[tuple[int, int]] = field(default_factory=list)  # (working slot -> checkpoint slot)
+
+
+@dataclass
+class ChunkResult:
+    sampled: list[SampledToken] = field(default_factory=list)  # one per SamplingRow of the chunk
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)  # per scored token: {id: logprob}

@@ -1,0 +1,204 @@
+"""AsyncEngine: the single-threaded LLMEngine on its own thread, beside the asyncio event loop.
+
+The event loop never calls the engine. It queues commands (add a group of requests, abort requests) under a
+condition variable; the engine thread drains them between steps, steps while there is work, sleeps on the
+condition when idle, and hands each step's outputs back to the loop in one `call_soon_threadsafe` call, which puts
+every output on the asyncio queue of the API call that owns it. A long prefill therefore never blocks accepting
+or streaming other requests, and the engine is only ever touched by one thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from hybridserve.config import EngineConfig
+from hybridserve.engine.engine import LLMEngine
+from hybridserve.outputs import RequestOutput
+from hybridserve.sampling import SamplingParams
+from hybridserve.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the API layer needs to know about the loaded model."""
+
+    model_dir: str
+    max_model_len: int
+    vocab_size: int
+    tokenizer: PreTrainedTokenizerBase  # a second instance, used only on the event-loop thread
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class EngineDead(RuntimeError):
+    """Posted to every open output queue when the engine thread fails."""
+
+
+@dataclass
+class _Add:
+    requests: list[EngineRequest]
+    sink: asyncio.Queue
+    accepted: asyncio.Future
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.info: EngineInfo | None = None  # set once the model is loaded
+        self.error: BaseException | None = None  # set if loading or a step failed; the server then stops
+        self._stats: dict[str, int] = {}
+        self._commands: list[_Add | _Abort] = []
+        self._wakeup = threading.Condition()
+        self._stopping = False
+        self._sinks: dict[str, asyncio.Queue] = {}  # engine thread only: request id -> its API call's queue
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._on_fatal: Callable[[], None] = lambda: None
+        self._thread: threading.Thread | None = None
+
+    # --- event-loop side -------------------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop, on_fatal: Callable[[], None]) -> None:
+        """Load the model and serve on a new thread; `on_fatal` runs on the loop if loading or a step fails."""
+        self._loop, self._on_fatal = loop, on_fatal
+        self._thread = threading.Thread(target=self._run, name="hybridserve-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    @property
+    def ready(self) -> bool:
+        return self.info is not None and self.error is None
+
+    def stats(self) -> dict[str, int]:
+        """The engine's stats after its latest step or command ({} while loading)."""
+        return self._stats
+
+    async def add(self, requests: list[EngineRequest], sink: asyncio.Queue) -> None:
+        """Queue requests as one group: all are accepted, or none (the engine's ValueError is raised here).
+
+        Their outputs are put on `sink` (the engine's cumulative RequestOutputs), or EngineDead if the engine fails.
+        """
+        accepted = self._loop.create_future()
+        if not self._submit(_Add(requests, sink, accepted)):
+            raise EngineDead(f"the engine has failed ({self.error}); restart the server")
+        await accepted
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Stop requests wherever they are (pages and state are freed by the engine); no output follows."""
+        self._submit(_Abort(request_ids))
+
+    def _submit(self, command: _Add | _Abort) -> bool:
+        """Queue a command for the engine thread; False once the engine has failed (nothing runs any more)."""
+        with self._wakeup:
+            if self.error is not None:
+                return False
+            self._commands.append(command)
+            self._wakeup.notify()
+            return True
+
+    # --- engine thread ---------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            engine = LLMEngine(self.config)
+            tokenizer = load_tokenizer(self.config.tokenizer or engine.model_dir)
+        except Exception as err:  # a bad model directory or engine option: report it and stop the server
+            self._fail(err, "the engine could not start")
+            return
+        self._stats = engine.stats()
+        self.info = EngineInfo(engine.model_dir, engine.max_model_len, engine.vocab_size, tokenizer)
+        logger.info("engine ready: %s, max_model_len=%d", engine.model_dir, engine.max_model_len)
+        try:
+            while (commands := self._wait_for_work(engine)) is not None:
+                for command in commands:
+                    self._apply(engine, command)
+                if engine.has_unfinished_requests():
+                    self._deliver(engine.step())
+                self._stats = engine.stats()
+        except Exception as err:  # an engine bug: its state can no longer be trusted
+            self._fail(err, "the engine failed")
+
+    def _wait_for_work(self, engine: LLMEngine) -> list[_Add | _Abort] | None:
+        with self._wakeup:
+            while not (self._commands or self._stopping or engine.has_unfinished_requests()):
+                self._wakeup.wait()
+            if self._stopping:
+                return None
+            commands, self._commands = self._commands, []
+            return commands
+
+    def _apply(self, engine: LLMEngine, command: _Add | _Abort) -> None:
+        if isinstance(command, _Abort):
+            for request_id in command.request_ids:
+                engine.abort_request(request_id)
+                self._sinks.pop(request_id, None)
+            return
+        added = []
+        try:
+            for request in command.requests:
+                engine.add_request(request.request_id, request.prompt_token_ids, request.params)
+                added.append(request.request_id)
+        except ValueError as err:
+            for request_id in added:
+                engine.abort_request(request_id)
+            self._loop.call_soon_threadsafe(_settle, command.accepted, err)
+            return
+        self._sinks.update((request_id, command.sink) for request_id in added)
+        self._loop.call_soon_threadsafe(_settle, command.accepted, None)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        batch = []
+        for output in outputs:
+            sink = self._sinks.pop(output.request_id) if output.finished else self._sinks.get(output.request_id)
+            if sink is not None:
+                batch.append((sink, output))
+        if batch:
+            self._loop.call_soon_threadsafe(_put_all, batch)
+
+    def _fail(self, err: Exception, what: str) -> None:
+        if isinstance(err, (ValueError, FileNotFoundError)):
+            logger.error("%s: %s", what, err)
+        else:
+            logger.exception(what)
+        dead = EngineDead(f"{what}: {type(err).__name__}: {err}")
+        with self._wakeup:  # from now on nothing is queued, and what was queued is answered here
+            self.error = err
+            waiting, self._commands = [c.accepted for c in self._commands if isinstance(c, _Add)], []
+        for future in waiting:
+            self._loop.call_soon_threadsafe(_settle, future, dead)
+        self._loop.call_soon_threadsafe(_put_all, [(sink, dead) for sink in set(self._sinks.values())])
+        self._loop.call_soon_threadsafe(self._on_fatal)
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():  # the API call went away while waiting; it has queued an abort for its requests
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
