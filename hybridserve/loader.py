@@ -30,6 +30,13 @@ def read_config(model_dir: str | Path, overrides: dict | None = None) -> dict:
     return {**json.loads(path.read_text()), **(overrides or {})}
 
 
+def eos_token_list(value) -> list[int]:
+    """config.json's eos_token_id may be an int, a list or null."""
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"

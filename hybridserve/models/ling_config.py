@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hybridserve.loader import eos_token_list
+
 DECAY_VARIANTS = ("training", "hf_remote_code")
 
 
@@ -46,7 +48,6 @@ class LingConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 32768
     eos_token_ids: list[int] = field(default_factory=list)
-    torch_dtype: str | None = None
 
     def is_mla(self, layer: int) -> bool:
         """Layer i is full attention (MLA) iff (i + 1) % layer_group_size == 0, else lightning (spec §5)."""
@@ -82,11 +83,6 @@ class LingConfig:
         if int(self.head_dim * self.partial_rotary_factor) % 2:
             raise ValueError("head_dim * partial_rotary_factor must be even")
 
-
-def _eos_list(value) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
 def _refuse_unsupported(cfg: dict) -> None:
@@ -148,8 +144,7 @@ def parse_ling_config(cfg: dict) -> LingConfig:
         lightning_layerwise_decay=cfg.get("lightning_layerwise_decay", True),
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         max_position_embeddings=cfg.get("max_position_embeddings", 32768),
-        eos_token_ids=_eos_list(cfg.get("eos_token_id")),
-        torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        eos_token_ids=eos_token_list(cfg.get("eos_token_id")),
     )
     parsed.validate()
     return parsed

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hybridserve.loader import eos_token_list
+
 MOD_SKIP_MODES = ("scaled_identity", "zero")
 _DEFAULT_ROPE = {
     "hybrid": {"rope_type": "default", "rope_theta": 5_000_000.0, "partial_rotary_factor": 0.5},
@@ -39,7 +41,6 @@ class ZayaConfig:
     mod_skip_mode: str = "scaled_identity"
     max_position_embeddings: int = 131072
     eos_token_ids: list[int] = field(default_factory=list)
-    torch_dtype: str | None = None
     legacy_layout: bool = False
 
     @property
@@ -65,11 +66,6 @@ class ZayaConfig:
             if kind not in self.rope:
                 raise ValueError(f"rope_parameters has no entry for layer type {kind!r}")
 
-
-def _eos_list(value) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
 def _rope_params(raw: dict | None) -> dict[str, RopeParams]:
@@ -112,8 +108,7 @@ def _native(cfg: dict) -> ZayaConfig:
         tie_word_embeddings=cfg.get("tie_word_embeddings", True),
         mod_skip_mode=cfg.get("mod_skip_mode", "scaled_identity"),
         max_position_embeddings=cfg.get("max_position_embeddings", 131072),
-        eos_token_ids=_eos_list(cfg.get("eos_token_id", 106)),
-        torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        eos_token_ids=eos_token_list(cfg.get("eos_token_id", 106)),
     )
 
 
@@ -175,8 +170,7 @@ def _legacy(cfg: dict) -> ZayaConfig:
         tie_word_embeddings=cfg.get("tie_word_embeddings", True),
         mod_skip_mode=cfg.get("mod_skip_mode", "scaled_identity"),
         max_position_embeddings=cfg.get("max_position_embeddings", 131072),
-        eos_token_ids=_eos_list(cfg.get("eos_token_id")),
-        torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        eos_token_ids=eos_token_list(cfg.get("eos_token_id")),
         legacy_layout=True,
     )
 
