@@ -2,8 +2,8 @@
 
 The event loop never calls the engine. It queues commands (add a group of requests, abort requests) under a
 condition variable; the engine thread drains them between steps, steps while there is work, sleeps on the
-condition when idle, and hands each step's outputs back to the loop in one `call_soon_threadsafe` call, which puts
-every output on the asyncio queue of the API call that owns it. A long prefill therefore never blocks accepting
+condition when idle, and hands each step's outputs back to the loop in one `call_soon_threadsafe` call, which
+leaves every output in the mailbox of the API call that owns it. A long prefill therefore never blocks accepting
 or streaming other requests, and the engine is only ever touched by one thread.
 """
 from __future__ import annotations
@@ -43,13 +43,45 @@ class EngineRequest:
 
 
 class EngineDead(RuntimeError):
-    """Posted to every open output queue when the engine thread fails."""
+    """Raised to every open API call when the engine thread fails."""
+
+
+class OutputMailbox:
+    """Where one API call's outputs arrive (event-loop side).
+
+    Outputs are cumulative, so a newer output replaces an unread older one of the same request: a slow reader
+    costs no memory and simply gets bigger deltas.
+    """
+
+    def __init__(self):
+        self._latest: dict[str, RequestOutput] = {}
+        self._interrupt: BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, output: RequestOutput) -> None:
+        self._latest[output.request_id] = output
+        self._ready.set()
+
+    def interrupt(self, reason: BaseException) -> None:
+        """Make the reader's next `get` raise `reason` (the engine failed, the client went away)."""
+        self._interrupt = reason
+        self._ready.set()
+
+    async def get(self) -> list[RequestOutput]:
+        """The outputs left since the last call (at least one), latest per request."""
+        while not self._latest and self._interrupt is None:
+            self._ready.clear()
+            await self._ready.wait()
+        if self._interrupt is not None:
+            raise self._interrupt
+        outputs, self._latest = list(self._latest.values()), {}
+        return outputs
 
 
 @dataclass
 class _Add:
     requests: list[EngineRequest]
-    sink: asyncio.Queue
+    mailbox: OutputMailbox
     accepted: asyncio.Future
 
 
@@ -67,7 +99,7 @@ class AsyncEngine:
         self._commands: list[_Add | _Abort] = []
         self._wakeup = threading.Condition()
         self._stopping = False
-        self._sinks: dict[str, asyncio.Queue] = {}  # engine thread only: request id -> its API call's queue
+        self._mailboxes: dict[str, OutputMailbox] = {}  # engine thread only: request id -> its API call's mailbox
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_fatal: Callable[[], None] = lambda: None
         self._thread: threading.Thread | None = None
@@ -94,13 +126,13 @@ class AsyncEngine:
         """The engine's stats after its latest step or command ({} while loading)."""
         return self._stats
 
-    async def add(self, requests: list[EngineRequest], sink: asyncio.Queue) -> None:
+    async def add(self, requests: list[EngineRequest], mailbox: OutputMailbox) -> None:
         """Queue requests as one group: all are accepted, or none (the engine's ValueError is raised here).
 
-        Their outputs are put on `sink` (the engine's cumulative RequestOutputs), or EngineDead if the engine fails.
+        Their outputs (the engine's cumulative RequestOutputs) arrive in `mailbox`.
         """
         accepted = self._loop.create_future()
-        if not self._submit(_Add(requests, sink, accepted)):
+        if not self._submit(_Add(requests, mailbox, accepted)):
             raise EngineDead(f"the engine has failed ({self.error}); restart the server")
         await accepted
 
@@ -151,7 +183,7 @@ class AsyncEngine:
         if isinstance(command, _Abort):
             for request_id in command.request_ids:
                 engine.abort_request(request_id)
-                self._sinks.pop(request_id, None)
+                self._mailboxes.pop(request_id, None)
             return
         added = []
         try:
@@ -163,15 +195,16 @@ class AsyncEngine:
                 engine.abort_request(request_id)
             self._loop.call_soon_threadsafe(_settle, command.accepted, err)
             return
-        self._sinks.update((request_id, command.sink) for request_id in added)
+        self._mailboxes.update((request_id, command.mailbox) for request_id in added)
         self._loop.call_soon_threadsafe(_settle, command.accepted, None)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         batch = []
         for output in outputs:
-            sink = self._sinks.pop(output.request_id) if output.finished else self._sinks.get(output.request_id)
-            if sink is not None:
-                batch.append((sink, output))
+            pop = self._mailboxes.pop if output.finished else self._mailboxes.get
+            mailbox = pop(output.request_id, None)
+            if mailbox is not None:
+                batch.append((mailbox, output))
         if batch:
             self._loop.call_soon_threadsafe(_put_all, batch)
 
@@ -186,7 +219,8 @@ class AsyncEngine:
             waiting, self._commands = [c.accepted for c in self._commands if isinstance(c, _Add)], []
         for future in waiting:
             self._loop.call_soon_threadsafe(_settle, future, dead)
-        self._loop.call_soon_threadsafe(_put_all, [(sink, dead) for sink in set(self._sinks.values())])
+        for mailbox in set(self._mailboxes.values()):
+            self._loop.call_soon_threadsafe(mailbox.interrupt, dead)
         self._loop.call_soon_threadsafe(self._on_fatal)
 
 
@@ -199,6 +233,6 @@ def _settle(future: asyncio.Future, error: BaseException | None) -> None:
         future.set_exception(error)
 
 
-def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)
+def _put_all(items: list[tuple[OutputMailbox, RequestOutput]]) -> None:
+    for mailbox, output in items:
+        mailbox.put(output)

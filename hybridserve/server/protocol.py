@@ -6,7 +6,7 @@ send extras such as `user`. Optional fields default to None so that an explicit 
 """
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator
 from pydantic_core import PydanticCustomError
@@ -28,6 +28,9 @@ def _one_of(message: str) -> WrapValidator:
 PromptInput = Annotated[str | list[str] | list[int] | list[list[int]], _one_of(
     "must be a string, a list of strings, a list of token ids or a list of token-id lists")]
 StopInput = Annotated[str | list[str], _one_of("must be a string or a list of strings")]
+
+
+MAX_N = 128  # samples per prompt: each is a running sequence with its own state slot
 
 
 class _Body(BaseModel):
@@ -61,23 +64,26 @@ class SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
 
-    _SAMPLING = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-                 "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos",
-                 "skip_special_tokens", "include_stop_str_in_output")
+    SAMPLING_FIELDS: ClassVar[tuple[str, ...]] = (
+        "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
+        "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
+        "include_stop_str_in_output")
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def check_supported(self) -> None:
-        """Features that would change the result if silently ignored are refused."""
+        """Features that would change the result if silently ignored are refused, and so is an absurd `n`."""
+        if self.n is not None and self.n > MAX_N:
+            raise APIError(f"n={self.n} is too large; ask for at most {MAX_N} samples per prompt", param="n")
         if self.logit_bias:
             raise APIError("logit_bias is not supported; remove it", param="logit_bias")
 
     def sampling_params(self, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
                         rename: dict[str, str] | None = None) -> SamplingParams:
         """The engine's SamplingParams; fields left null take SamplingParams' defaults."""
-        given = {name: getattr(self, name) for name in self._SAMPLING if getattr(self, name) is not None}
+        given = {name: getattr(self, name) for name in self.SAMPLING_FIELDS if getattr(self, name) is not None}
         try:
             return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, **given)
         except ValueError as err:

@@ -1,0 +1,136 @@
+"""Many concurrent streams, a client killed mid-stream, and the metrics that show both."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+MODEL = "tiny-zaya"
+IDLE = {"hybridserve:num_requests_running": 0, "hybridserve:num_requests_waiting": 0,
+        "hybridserve:kv_cache_pages_used": 0, "hybridserve:state_slots_used": 0,
+        "hybridserve:kv_cache_usage_perc": 0, "hybridserve:state_cache_usage_perc": 0}
+
+
+def _idle_view(metrics: dict[str, float]) -> dict[str, float]:
+    return {name: metrics[name] for name in IDLE}
+
+
+def wait_until_idle(server, timeout: float = 60) -> dict[str, float]:
+    """Poll GET /metrics until no request runs or waits (the server is another process: nothing to wait on)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = server.metrics()
+        if metrics["hybridserve:num_requests_running"] == metrics["hybridserve:num_requests_waiting"] == 0:
+            return metrics
+        assert time.monotonic() < deadline, metrics
+        time.sleep(0.05)
+
+
+async def _stream(client: httpx.AsyncClient, prompt: list[int]) -> tuple[str, str, dict]:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    text, finish, usage, done = "", None, None, False
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                event = json.loads(line.removeprefix("data: "))
+                if event["choices"]:
+                    text += event["choices"][0]["text"]
+                    finish = event["choices"][0]["finish_reason"] or finish
+                else:
+                    usage = event["usage"]
+    assert done
+    return text, finish, usage
+
+
+def test_64_concurrent_streams_all_complete(tiny_server):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 128) for _ in range(rng.randint(3, 40))] for _ in range(64)]
+    before = tiny_server.metrics()
+
+    async def run_all():
+        limits = httpx.Limits(max_connections=100)
+        async with httpx.AsyncClient(base_url=tiny_server.url, timeout=300, limits=limits) as client:
+            return await asyncio.gather(*(_stream(client, p) for p in prompts))
+
+    results = asyncio.run(run_all())
+    assert all(finish == "length" and usage["completion_tokens"] == 16 for _, finish, usage in results)
+    assert [usage["prompt_tokens"] for _, _, usage in results] == [len(p) for p in prompts]
+    client = tiny_server.client()
+    for i in (0, 31, 63):  # batching changes nothing: each equals its prompt served alone
+        alone = client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=16, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        assert alone.choices[0].text == results[i][0]
+    after = wait_until_idle(tiny_server)
+    assert _idle_view(after) == IDLE
+    assert after["hybridserve:generation_tokens_total"] - before["hybridserve:generation_tokens_total"] == 64 * 16 + 48
+    assert after["hybridserve:time_to_first_token_seconds_count"] - \
+        before["hybridserve:time_to_first_token_seconds_count"] == 67
+    assert after["hybridserve:inter_token_latency_seconds_count"] - \
+        before["hybridserve:inter_token_latency_seconds_count"] == 67 * 15
+    assert after["hybridserve:e2e_request_latency_seconds_count"] - \
+        before["hybridserve:e2e_request_latency_seconds_count"] == 67
+
+
+_CLIENT = """
+import httpx, sys
+body = {"model": "tiny-zaya", "prompt": list(range(1, 40)), "max_tokens": 900, "ignore_eos": True,
+        "stream": sys.argv[2] == "stream"}
+with httpx.stream("POST", sys.argv[1] + "/v1/completions", json=body, timeout=120) as response:
+    for line in response.iter_lines():
+        print(line, flush=True)
+"""
+
+
+def wait_until_running(server, timeout: float = 60) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while (metrics := server.metrics())["hybridserve:num_requests_running"] == 0:
+        assert time.monotonic() < deadline, metrics
+        time.sleep(0.01)
+    return metrics
+
+
+@pytest.mark.parametrize("mode", ["stream", "plain"])
+def test_killed_client_frees_its_pages_and_state(tiny_server, mode):
+    wait_until_idle(tiny_server)
+    generated_before = tiny_server.metrics()["hybridserve:generation_tokens_total"]
+    client = subprocess.Popen([sys.executable, "-c", _CLIENT, tiny_server.url, mode], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        if mode == "stream":
+            assert client.stdout.readline().startswith("data: {")  # streaming has begun
+        busy = wait_until_running(tiny_server)
+        assert busy["hybridserve:num_requests_running"] == 1
+        assert busy["hybridserve:kv_cache_pages_used"] > 0 and busy["hybridserve:state_slots_used"] == 1
+    finally:
+        client.kill()
+        client.wait()
+    after = wait_until_idle(tiny_server)
+    assert _idle_view(after) == IDLE
+    assert after["hybridserve:generation_tokens_total"] - generated_before < 900  # aborted, not run to the end
+    out = tiny_server.client().completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=4,
+                                                  extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 4  # and the server keeps serving
+
+
+def test_metrics_expose_the_contract(demo_server):
+    demo_server.client().completions.create(model="hybridserve-demo", prompt="metrics", max_tokens=3)
+    metrics = demo_server.metrics()
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "kv_cache_pages_used",
+                 "kv_cache_pages_total", "state_cache_usage_perc", "state_slots_used", "state_slots_total",
+                 "prefix_cache_queries_total", "prefix_cache_hits_total", "prompt_tokens_total",
+                 "generation_tokens_total", "num_preemptions_total"):
+        assert f"hybridserve:{name}" in metrics, name
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+        assert metrics[f"hybridserve:{name}_count"] > 0 and metrics[f"hybridserve:{name}_sum"] > 0, name
+    assert metrics["hybridserve:prompt_tokens_total"] > 0 and metrics["hybridserve:generation_tokens_total"] > 0
+    assert metrics["hybridserve:prefix_cache_queries_total"] > 0
