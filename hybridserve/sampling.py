@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_N = 128  # sequences per prompt: each runs with its own state slot
 
 
 @dataclass
@@ -46,8 +47,8 @@ class SamplingParams:
         def fail(name: str, why: str) -> None:
             raise ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            fail("n", "must be an integer >= 1")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            fail("n", f"must be an integer >= 1 and at most {MAX_N}")
         if not self.temperature >= 0.0:
             fail("temperature", "must be >= 0 (0 means greedy)")
         if not 0.0 < self.top_p <= 1.0:

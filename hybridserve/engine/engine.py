@@ -162,6 +162,7 @@ class LLMEngine:
             "state_slots_cached": counts["slots_evictable"], "state_slots_total": counts["slots_total"],
             "prefix_cache_query_tokens": self.scheduler.prefix_query_tokens,
             "prefix_cache_hit_tokens": self.scheduler.prefix_hit_tokens,
+            "prefix_cache_kv_match_tokens": self.scheduler.prefix_kv_match_tokens,
             "prompt_tokens": self.num_prompt_tokens, "generation_tokens": self.num_generation_tokens,
             "preemptions": self.scheduler.num_preemptions,
         }

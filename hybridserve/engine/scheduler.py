@@ -54,7 +54,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.prefix_query_tokens = 0
-        self.prefix_hit_tokens = 0
+        self.prefix_hit_tokens = 0  # usable hits: KV and state both restored
+        self.prefix_kv_match_tokens = 0  # attention KV matched, also beyond the deepest state checkpoint
         # Copies a fork needs before the next forward (whatever that step schedules).
         self._pending_page_copies: list[tuple[int, int]] = []
         self._pending_restores: list[tuple[int, int]] = []
@@ -184,6 +185,7 @@ class Scheduler:
             hit = self.cache.match(request.token_ids(0, request.num_tokens), max_tokens=request.num_tokens - 1)
             self.prefix_query_tokens += request.num_tokens
             self.prefix_hit_tokens += hit.num_tokens
+            self.prefix_kv_match_tokens += hit.kv_tokens
             self.pages.share(hit.pages)
             self.cache.lock(hit.node)
             request.page_ids, request.cache_node = list(hit.pages), hit.node

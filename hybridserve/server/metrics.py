@@ -31,7 +31,6 @@ _COUNTERS = [
     ("prompt_tokens", "prompt_tokens", "Prompt tokens of admitted requests."),
     ("generation_tokens", "generation_tokens", "Generated tokens."),
     ("prefix_cache_queries", "prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache."),
-    ("prefix_cache_hits", "prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache."),
     ("num_preemptions", "preemptions", "Requests preempted (to be recomputed) for lack of pages or slots."),
 ]
 # (metric name, used key, total key, help)
@@ -56,6 +55,13 @@ class _EngineStats(Collector):
         for name, key, doc in _COUNTERS:
             if key in stats:
                 yield CounterMetricFamily(PREFIX + name, doc, value=stats[key])
+        if "prefix_cache_hit_tokens" in stats:
+            hits = CounterMetricFamily(PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache, by "
+                                       "layer kind: attention = KV matched; state = also restorable (usable hit).",
+                                       labels=["layer_kind"])
+            hits.add_metric(["attention"], stats["prefix_cache_kv_match_tokens"])
+            hits.add_metric(["state"], stats["prefix_cache_hit_tokens"])
+            yield hits
 
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,

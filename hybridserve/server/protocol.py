@@ -30,7 +30,6 @@ PromptInput = Annotated[str | list[str] | list[int] | list[list[int]], _one_of(
 StopInput = Annotated[str | list[str], _one_of("must be a string or a list of strings")]
 
 
-MAX_N = 128  # samples per prompt: each is a running sequence with its own state slot
 
 
 class _Body(BaseModel):
@@ -74,9 +73,7 @@ class SamplingFields(_Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def check_supported(self) -> None:
-        """Features that would change the result if silently ignored are refused, and so is an absurd `n`."""
-        if self.n is not None and self.n > MAX_N:
-            raise APIError(f"n={self.n} is too large; ask for at most {MAX_N} samples per prompt", param="n")
+        """Features that would change the result if silently ignored are refused."""
         if self.logit_bias:
             raise APIError("logit_bias is not supported; remove it", param="logit_bias")
 

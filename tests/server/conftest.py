@@ -74,10 +74,12 @@ class Server:
         return httpx.post(f"{self.url}{path}", timeout=120, **kwargs)
 
     def metrics(self) -> dict[str, float]:
-        """Every sample of GET /metrics by name (histograms as NAME_count, NAME_sum, ...)."""
+        """Every sample of GET /metrics by name (histograms as NAME_count, NAME_sum, ...; labelled samples as
+        NAME{label="value"})."""
         text = httpx.get(f"{self.url}/metrics", timeout=30).text
-        return {sample.name: sample.value for family in text_string_to_metric_families(text)
-                for sample in family.samples if "le" not in sample.labels}
+        samples = [s for family in text_string_to_metric_families(text) for s in family.samples if "le" not in s.labels]
+        return {s.name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items())) + "}" if s.labels else ""):
+                s.value for s in samples}
 
 
 def _serve(args: list[str], tmp_path_factory) -> Server:

@@ -127,7 +127,8 @@ def test_metrics_expose_the_contract(demo_server):
     metrics = demo_server.metrics()
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "kv_cache_pages_used",
                  "kv_cache_pages_total", "state_cache_usage_perc", "state_slots_used", "state_slots_total",
-                 "prefix_cache_queries_total", "prefix_cache_hits_total", "prompt_tokens_total",
+                 "prefix_cache_queries_total", 'prefix_cache_hits_total{layer_kind="attention"}',
+                 'prefix_cache_hits_total{layer_kind="state"}', "prompt_tokens_total",
                  "generation_tokens_total", "num_preemptions_total"):
         assert f"hybridserve:{name}" in metrics, name
     for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):

@@ -168,12 +168,13 @@ def test_chat_logprobs_list_the_top_alternatives(client):
 def test_repeated_prompt_reports_cached_tokens(client, demo_server):
     prompt = " ".join(f"word{i}" for i in range(60))  # well over a few KV pages
     first = client.completions.create(model=DEMO, prompt=prompt, max_tokens=2, temperature=0)
-    hits_before = demo_server.metrics()["hybridserve:prefix_cache_hits_total"]
+    state_hits = 'hybridserve:prefix_cache_hits_total{layer_kind="state"}'
+    hits_before = demo_server.metrics()[state_hits]
     second = client.completions.create(model=DEMO, prompt=prompt, max_tokens=2, temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert 0 < cached < second.usage.prompt_tokens
-    assert demo_server.metrics()["hybridserve:prefix_cache_hits_total"] - hits_before == cached
+    assert demo_server.metrics()[state_hits] - hits_before == cached
     assert second.choices[0].text == first.choices[0].text
 
 
