@@ -201,11 +201,14 @@ class HybridPrefixCache:
             node = parent
 
     # --- accounting (for invariant checks and metrics) -------------------------------------------------------
-    def page_counts(self) -> tuple[int, int]:
-        """(evictable, locked) pages held by the tree."""
-        nodes = self.nodes()
-        locked = sum(len(n.pages) for n in nodes if n.lock_count or n.state_locks)
-        return sum(len(n.pages) for n in nodes) - locked, locked
+    def held_pages(self) -> tuple[set[int], set[int]]:
+        """(every page the tree holds, those of them that are locked)."""
+        held, locked = set(), set()
+        for node in self.nodes():
+            held.update(node.pages)
+            if node.lock_count or node.state_locks:
+                locked.update(node.pages)
+        return held, locked
 
     def checkpoint_counts(self) -> tuple[int, int]:
         """(evictable, locked) checkpoint slots owned by the tree."""

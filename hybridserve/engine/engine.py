@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from hybridserve.cache.kv_pool import PageAllocator

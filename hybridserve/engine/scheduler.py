@@ -325,10 +325,7 @@ class Scheduler:
         tree_pages, tree_locked = set(), set()
         ckpt_evictable = ckpt_locked = 0
         if self.cache is not None:
-            for node in self.cache.nodes():
-                tree_pages.update(node.pages)
-                if node.lock_count or node.state_locks:
-                    tree_locked.update(node.pages)
+            tree_pages, tree_locked = self.cache.held_pages()
             ckpt_evictable, ckpt_locked = self.cache.checkpoint_counts()
         protected_pages = request_pages | tree_locked
         working = sum(1 for r in self.running if r.state_slot is not None)

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from hybridserve import LLM, SamplingParams
+from hybridserve import SamplingParams
 from hybridserve.config import EngineConfig
 from hybridserve.engine.engine import LLMEngine
 from hybridserve.engine.scheduler import Scheduler

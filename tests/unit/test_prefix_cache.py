@@ -23,11 +23,11 @@ def _store(cache, allocator, tokens, checkpoint=None):
     return node
 
 
-def _assert_accounting(cache, allocator, slot_allocator, held_pages=0, held_slots=0):
-    evictable, locked = cache.page_counts()
-    assert allocator.num_free + evictable + locked + held_pages == allocator.capacity
+def _assert_accounting(cache, allocator, slot_allocator, request_pages=0, request_slots=0):
+    held, locked = cache.held_pages()
+    assert allocator.num_free + len(held - locked) + len(locked) + request_pages == allocator.capacity
     evictable, locked = cache.checkpoint_counts()
-    assert slot_allocator.num_free + evictable + locked + held_slots == slot_allocator.capacity
+    assert slot_allocator.num_free + evictable + locked + request_slots == slot_allocator.capacity
 
 
 def test_per_page_hits_any_full_page_match_up_to_the_cap():
@@ -53,7 +53,7 @@ def test_sparse_hits_stop_at_the_deepest_checkpoint_and_report_the_branch_point(
     assert len(hit.pages) == 2
     full = cache.match(seq + [1], max_tokens=16)
     assert full.num_tokens == 16 and full.restore_slot not in (None, ckpt)
-    _assert_accounting(cache, allocator, slots, held_slots=0)
+    _assert_accounting(cache, allocator, slots, request_slots=0)
 
 
 def test_split_keeps_the_checkpoint_below_and_duplicates_are_not_taken():
@@ -104,7 +104,7 @@ def test_checkpoint_eviction_tombstones_internal_nodes_and_prunes_leaves():
     assert cache.match(seq[:4] + [0], max_tokens=5).num_tokens == 0  # tombstone: KV kept, state gone
     assert cache.match(seq + [0], max_tokens=13).num_tokens == 12
     assert cache.evict_checkpoint()  # the leaf and then the tombstone above it are removed with their pages
-    assert cache.page_counts() == (0, 0) and allocator.num_free == allocator.capacity
+    assert cache.held_pages() == (set(), set()) and allocator.num_free == allocator.capacity
     assert not cache.evict_checkpoint()
     _assert_accounting(cache, allocator, slots)
 
