@@ -50,6 +50,11 @@ class HybridPrefixCache:
         self.per_page_state = per_page_state
         self.root = TreeNode(tokens=(), pages=[], parent=None, end=0)
         self._clock = itertools.count(1)
+        # Kept up to date on every change, so metrics never walk the tree (check_resources recounts them).
+        self.num_pages = 0  # pages the tree holds
+        self.num_locked_pages = 0  # of them, in nodes some request has locked
+        self.num_checkpoints = 0  # state slots the tree owns
+        self.num_locked_checkpoints = 0  # of them, about to be restored from
 
     # --- lookup ----------------------------------------------------------------------------------------------
     def match(self, token_ids: list[int], max_tokens: int) -> PrefixMatch:
@@ -87,8 +92,11 @@ class HybridPrefixCache:
 
     # --- locks -----------------------------------------------------------------------------------------------
     def lock(self, node: TreeNode | None) -> None:
+        """Protect the pages of `node` and all its ancestors (a request uses them)."""
         while node is not None and node is not self.root:
             node.lock_count += 1
+            if node.lock_count == 1:
+                self.num_locked_pages += len(node.pages)
             node = node.parent
 
     def unlock(self, node: TreeNode | None) -> None:
@@ -96,7 +104,20 @@ class HybridPrefixCache:
             if node.lock_count <= 0:
                 raise RuntimeError("prefix-cache node unlocked more often than locked")
             node.lock_count -= 1
+            if node.lock_count == 0:
+                self.num_locked_pages -= len(node.pages)
             node = node.parent
+
+    def lock_state(self, node: TreeNode) -> None:
+        """Protect `node`'s checkpoint until the step restoring from it has run (its path must be locked too)."""
+        node.state_locks += 1
+        if node.state_locks == 1:
+            self.num_locked_checkpoints += 1
+
+    def unlock_state(self, node: TreeNode) -> None:
+        node.state_locks -= 1
+        if node.state_locks == 0:
+            self.num_locked_checkpoints -= 1
 
     # --- insertion -------------------------------------------------------------------------------------------
     def insert(self, token_ids: list[int], pages: list[int], checkpoint: int | None = None) -> TreeNode:
@@ -115,6 +136,7 @@ class HybridPrefixCache:
             if child is None:
                 child = TreeNode(tuple(token_ids[pos:]), list(pages[pos // size:]), node, len(token_ids))
                 self.pages.share(child.pages)
+                self.num_pages += len(child.pages)
                 node.children[key] = child
                 node, pos = child, len(token_ids)
                 break
@@ -130,6 +152,7 @@ class HybridPrefixCache:
         if checkpoint is not None:
             if node.checkpoint is None and node is not self.root:
                 node.checkpoint = checkpoint
+                self.num_checkpoints += 1
             else:
                 self.slots.release(checkpoint)
         return node
@@ -156,11 +179,17 @@ class HybridPrefixCache:
     def _remove_leaf(self, leaf: TreeNode) -> None:
         del leaf.parent.children[leaf.tokens[:self.page_size]]
         self.pages.release(leaf.pages)
-        if leaf.checkpoint is not None:
-            self.slots.release(leaf.checkpoint)
-            leaf.checkpoint = None
+        self.num_pages -= len(leaf.pages)
+        self._drop_checkpoint(leaf)
 
-    def _evictable_leaf(self, node: TreeNode) -> bool:
+    def _drop_checkpoint(self, node: TreeNode) -> None:
+        if node.checkpoint is not None:
+            self.slots.release(node.checkpoint)
+            node.checkpoint = None
+            self.num_checkpoints -= 1
+
+    @staticmethod
+    def _evictable_leaf(node: TreeNode) -> bool:
         return not node.children and node.lock_count == 0 and node.state_locks == 0
 
     def evict_pages(self, needed: int) -> int:
@@ -187,8 +216,7 @@ class HybridPrefixCache:
             self._remove_leaf(node)
             self._prune_tombstones(node.parent)
         else:
-            self.slots.release(node.checkpoint)
-            node.checkpoint = None
+            self._drop_checkpoint(node)
             self._prune_tombstones(node)
         return True
 
@@ -201,20 +229,18 @@ class HybridPrefixCache:
             node = parent
 
     # --- accounting (for invariant checks and metrics) -------------------------------------------------------
-    def held_pages(self) -> tuple[set[int], set[int]]:
-        """(every page the tree holds, those of them that are locked)."""
-        held, locked = set(), set()
+    def recount(self) -> tuple[set[int], set[int], int, int]:
+        """(pages held, pages locked, checkpoints owned, checkpoints locked), recounted from the nodes: what the
+        incremental counters must equal."""
+        held, locked, checkpoints, locked_checkpoints = set(), set(), 0, 0
         for node in self.nodes():
             held.update(node.pages)
-            if node.lock_count or node.state_locks:
+            if node.lock_count:
                 locked.update(node.pages)
-        return held, locked
-
-    def checkpoint_counts(self) -> tuple[int, int]:
-        """(evictable, locked) checkpoint slots owned by the tree."""
-        owners = [n for n in self.nodes() if n.checkpoint is not None]
-        locked = sum(1 for n in owners if n.state_locks)
-        return len(owners) - locked, locked
+            if node.checkpoint is not None:
+                checkpoints += 1
+                locked_checkpoints += node.state_locks > 0
+        return held, locked, checkpoints, locked_checkpoints
 
     def clear(self) -> None:
         """Drop every unlocked entry (e.g. when prefix caching is reset)."""

@@ -200,7 +200,7 @@ class Scheduler:
             request.num_cached_tokens = hit.num_tokens if hit else 0
         if hit is not None and hit.num_tokens:
             if hit.restore_slot is not None:
-                hit.node.state_locks += 1
+                self.cache.lock_state(hit.node)
                 step.state_locked.append(hit.node)
                 step.plan.restores.append((hit.restore_slot, slot))
             else:
@@ -292,7 +292,7 @@ class Scheduler:
     def after_step(self, step: ScheduledStep) -> None:
         """Hand this step's checkpoints and completed pages to the prefix cache; release restore locks."""
         for node in step.state_locked:
-            node.state_locks -= 1
+            self.cache.unlock_state(node)
         if self.cache is None:
             return
         for request, position, checkpoint in step.snapshots:
@@ -320,27 +320,37 @@ class Scheduler:
 
     # --- bookkeeping --------------------------------------------------------------------------------------------
     def resource_counts(self) -> dict[str, int]:
-        """Free / evictable / protected pages and slots; free + evictable + protected == total always holds."""
-        request_pages = {p for r in self.running for p in r.page_ids}
-        tree_pages, tree_locked = set(), set()
-        ckpt_evictable = ckpt_locked = 0
-        if self.cache is not None:
-            tree_pages, tree_locked = self.cache.held_pages()
-            ckpt_evictable, ckpt_locked = self.cache.checkpoint_counts()
-        protected_pages = request_pages | tree_locked
-        working = sum(1 for r in self.running if r.state_slot is not None)
+        """Free / evictable (held only by the prefix cache) / protected (in use) pages and slots. Cheap: kept by
+        counters; `check_resources` recounts everything and checks free + evictable + protected == total."""
+        cache = self.cache
+        pages_evictable = cache.num_pages - cache.num_locked_pages if cache else 0
+        slots_evictable = cache.num_checkpoints - cache.num_locked_checkpoints if cache else 0
         return {
-            "pages_total": self.pages.capacity, "pages_free": self.pages.num_free,
-            "pages_evictable": len(tree_pages - protected_pages), "pages_protected": len(protected_pages),
-            "slots_total": self.slots.capacity, "slots_free": self.slots.num_free,
-            "slots_evictable": ckpt_evictable, "slots_protected": working + ckpt_locked,
+            "pages_total": self.pages.capacity, "pages_free": self.pages.num_free, "pages_evictable": pages_evictable,
+            "pages_protected": self.pages.capacity - self.pages.num_free - pages_evictable,
+            "slots_total": self.slots.capacity, "slots_free": self.slots.num_free, "slots_evictable": slots_evictable,
+            "slots_protected": self.slots.capacity - self.slots.num_free - slots_evictable,
         }
 
     def check_resources(self) -> None:
-        """Raise if any page or slot is unaccounted for (a leak) or counted twice."""
+        """Recount who holds every page and slot; raise on a leak, a double count or a drifted counter."""
+        request_pages = {p for r in self.running for p in r.page_ids}
+        working = [r.state_slot for r in self.running if r.state_slot is not None]
+        tree_pages, tree_locked, checkpoints, locked_checkpoints = set(), set(), 0, 0
+        if self.cache is not None:
+            tree_pages, tree_locked, checkpoints, locked_checkpoints = self.cache.recount()
+        recounted = {
+            "pages_evictable": len(tree_pages - tree_locked - request_pages),
+            "pages_protected": len(request_pages | tree_locked),
+            "slots_evictable": checkpoints - locked_checkpoints,
+            "slots_protected": len(set(working)) + locked_checkpoints,
+        }
         counts = self.resource_counts()
         for kind in ("pages", "slots"):
-            parts = counts[f"{kind}_free"] + counts[f"{kind}_evictable"] + counts[f"{kind}_protected"]
-            if parts != counts[f"{kind}_total"]:
-                raise RuntimeError(f"{kind} accounting broken: free + evictable + protected = {parts}, "
-                                   f"total {counts[f'{kind}_total']} ({counts})")
+            parts = counts[f"{kind}_free"] + recounted[f"{kind}_evictable"] + recounted[f"{kind}_protected"]
+            if parts != counts[f"{kind}_total"] or len(working) != len(set(working)):
+                raise RuntimeError(f"{kind} accounting broken: free + evictable + protected = {parts}, total "
+                                   f"{counts[f'{kind}_total']} ({recounted}, {counts})")
+        drifted = {k: (v, counts[k]) for k, v in recounted.items() if counts[k] != v}
+        if drifted:
+            raise RuntimeError(f"resource counters drifted from a recount (recount, counter): {drifted}")

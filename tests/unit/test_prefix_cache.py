@@ -24,10 +24,11 @@ def _store(cache, allocator, tokens, checkpoint=None):
 
 
 def _assert_accounting(cache, allocator, slot_allocator, request_pages=0, request_slots=0):
-    held, locked = cache.held_pages()
-    assert allocator.num_free + len(held - locked) + len(locked) + request_pages == allocator.capacity
-    evictable, locked = cache.checkpoint_counts()
-    assert slot_allocator.num_free + evictable + locked + request_slots == slot_allocator.capacity
+    held, locked, checkpoints, locked_checkpoints = cache.recount()
+    assert (cache.num_pages, cache.num_locked_pages) == (len(held), len(locked))
+    assert (cache.num_checkpoints, cache.num_locked_checkpoints) == (checkpoints, locked_checkpoints)
+    assert allocator.num_free + len(held) + request_pages == allocator.capacity
+    assert slot_allocator.num_free + checkpoints + request_slots == slot_allocator.capacity
 
 
 def test_per_page_hits_any_full_page_match_up_to_the_cap():
@@ -104,7 +105,7 @@ def test_checkpoint_eviction_tombstones_internal_nodes_and_prunes_leaves():
     assert cache.match(seq[:4] + [0], max_tokens=5).num_tokens == 0  # tombstone: KV kept, state gone
     assert cache.match(seq + [0], max_tokens=13).num_tokens == 12
     assert cache.evict_checkpoint()  # the leaf and then the tombstone above it are removed with their pages
-    assert cache.held_pages() == (set(), set()) and allocator.num_free == allocator.capacity
+    assert cache.num_pages == 0 and allocator.num_free == allocator.capacity
     assert not cache.evict_checkpoint()
     _assert_accounting(cache, allocator, slots)
 
@@ -114,8 +115,9 @@ def test_state_locked_checkpoints_are_not_evicted():
     seq = list(range(1, 9))
     _store(cache, allocator, seq, slots.allocate())
     hit = cache.match(seq + [1], max_tokens=8)
-    hit.node.state_locks += 1
+    cache.lock(hit.node)
+    cache.lock_state(hit.node)
     assert not cache.evict_checkpoint()
     _assert_accounting(cache, allocator, slots)
-    hit.node.state_locks -= 1
-    assert cache.evict_checkpoint()
+    cache.unlock_state(hit.node)
+    assert cache.evict_checkpoint()  # the checkpoint goes; the path-locked node stays as a tombstone
