@@ -228,7 +228,8 @@ class LLMEngine:
         completions = [CompletionOutput(
             index=seq.index, text=seq.text.visible(seq.request.finished), token_ids=list(seq.request.output_token_ids),
             finish_reason=seq.request.finish_reason, stop_reason=seq.request.stop_reason,
-            cumulative_logprob=seq.cumulative_logprob, logprobs=seq.logprobs,
+            cumulative_logprob=seq.cumulative_logprob,
+            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,  # a snapshot, like token_ids
         ) for seq in group.sequences]
         first = group.sequences[0].request
         return RequestOutput(request_id=group.request_id, prompt=group.prompt,
