@@ -1,7 +1,7 @@
 """What generation returns, in the shape vLLM users already know."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 TopLogprobs = dict[int, float]
 
@@ -30,4 +30,3 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     prompt_logprobs: list[TopLogprobs | None] | None = None  # first entry None (nothing predicts token 0)
-    metrics: dict = field(default_factory=dict)

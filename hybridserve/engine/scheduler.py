@@ -123,7 +123,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             count = self._chunk_length(request, budget)
-            if not self._reserve_pages(request, count):
+            if not self._reserve_pages(request, count, preempt=True):
                 continue
             self._add_chunk(step, request, count)
             budget -= count
@@ -162,14 +162,17 @@ class Scheduler:
         end = request.num_computed_tokens + count
         return max(0, -(-end // self.page_size) - len(request.page_ids))
 
-    def _reserve_pages(self, request: Request, count: int) -> bool:
-        """Give a running request the pages for its next `count` tokens, preempting newer requests if needed."""
+    def _reserve_pages(self, request: Request, count: int, preempt: bool) -> bool:
+        """Give the request the pages for its next `count` tokens; a running request may preempt newer ones
+        (`preempt`), an admission never does."""
         needed = self._pages_needed(request, count)
         while True:
             pages = self._allocate_pages(needed)
             if pages is not None:
                 request.page_ids.extend(pages)
                 return True
+            if not preempt:
+                return False
             victim = self.running[-1]
             self._preempt(victim)
             if victim is request:
@@ -190,7 +193,7 @@ class Scheduler:
             self.cache.lock(hit.node)
             request.page_ids, request.cache_node = list(hit.pages), hit.node
             request.num_computed_tokens = request.cached_len = hit.num_tokens
-        if not self._reserve_new(request, self._chunk_length(request, budget)):
+        if not self._reserve_pages(request, self._chunk_length(request, budget), preempt=False):
             self._free(request)  # drops the shared pages and the lock taken for the hit
             self.slots.release(slot)
             return False
@@ -208,13 +211,6 @@ class Scheduler:
         if self.sparse and hit is not None and hit.kv_tokens > hit.num_tokens:
             request.branch_point = hit.kv_tokens  # snapshot there, so the next request sharing it can hit
         self.running.append(request)
-        return True
-
-    def _reserve_new(self, request: Request, count: int) -> bool:
-        pages = self._allocate_pages(self._pages_needed(request, count))
-        if pages is None:
-            return False
-        request.page_ids.extend(pages)
         return True
 
     def _add_chunk(self, step: ScheduledStep, request: Request, count: int) -> None:
