@@ -5,7 +5,6 @@ import argparse
 import logging
 import sys
 
-
 DEMO_MODEL_NAME = "hybridserve-demo"
 
 
@@ -45,6 +44,9 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true",
                         help="accepted for vLLM compatibility; a no-op, as the engine has no CUDA graphs yet")
     parser.add_argument("--seed", type=int, default=0, help="seed for requests that bring none")
+    parser.add_argument("--kernel-backend", default="auto", choices=["auto", "triton", "torch"],
+                        help="auto: Triton kernels on CUDA, the pure-torch references elsewhere; torch: references "
+                             "everywhere (debugging); triton: fail unless the kernels can run")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -56,14 +58,16 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 chunked_prefill_size=args.chunked_prefill_size, enable_prefix_caching=args.enable_prefix_caching,
                 page_size=args.page_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 gpu_memory_utilization=args.gpu_memory_utilization, state_to_kv_ratio=args.state_to_kv_ratio,
-                max_state_slots=args.max_state_slots, seed=args.seed)
+                max_state_slots=args.max_state_slots, seed=args.seed,
+                kernel_backend=args.kernel_backend)
 
 
 def _serve(args: argparse.Namespace) -> int:
     from hybridserve.config import EngineConfig
+    from hybridserve.demo import ensure_demo_checkpoint
     from hybridserve.server.app import run_server
 
-    config = EngineConfig(model=args.model, **_engine_kwargs(args))
+    config = EngineConfig(model=args.model or str(ensure_demo_checkpoint()), **_engine_kwargs(args))
     return run_server(config, args.served_model_name or args.model or DEMO_MODEL_NAME, args.host, args.port)
 
 

@@ -8,7 +8,7 @@ import torch
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # HF-layout directory; None = the built-in demo checkpoint
+    model: str  # HF-layout directory (the CLI and LLM() substitute the built-in demo checkpoint when none is given)
     tokenizer: str | None = None  # defaults to the model directory
     dtype: str = "auto"  # auto (the checkpoint's torch_dtype) | bfloat16 | float16 | float32
     device: str = "auto"  # auto (cuda when available) | cpu | cuda | cuda:N
@@ -27,6 +27,7 @@ class EngineConfig:
     state_checkpoint_interval: int = 256  # sparse-state models: checkpoint every N tokens (a multiple of page_size)
     checkpoint_slots_per_request: int = 2  # sparse-state models: slot headroom per running request for checkpoints
     num_speculative_tokens: int = 0  # draft tokens whose intermediate states the planner reserves
+    kernel_backend: str = "auto"  # auto (Triton kernels on CUDA) | triton | torch (the pure-torch references)
 
     def __post_init__(self) -> None:
         def fail(name: str, why: str) -> None:
@@ -56,6 +57,8 @@ class EngineConfig:
             fail("num_speculative_tokens", "must be >= 0")
         if self.max_model_len is not None and self.max_model_len < 2:
             fail("max_model_len", "must be >= 2")
+        if self.kernel_backend not in ("auto", "triton", "torch"):
+            fail("kernel_backend", "must be auto, triton or torch")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             fail("device", "must be auto, cpu, cuda or cuda:N")
 

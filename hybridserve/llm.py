@@ -5,6 +5,7 @@ import itertools
 from collections.abc import Sequence
 
 from hybridserve.config import EngineConfig
+from hybridserve.demo import ensure_demo_checkpoint
 from hybridserve.engine.engine import LLMEngine
 from hybridserve.outputs import RequestOutput
 from hybridserve.sampling import SamplingParams
@@ -16,7 +17,7 @@ Prompt = str | dict
 class LLM:
     def __init__(self, model: str | None = None, **options):
         """`model`: a HF-layout directory (None = the built-in demo checkpoint); `options`: EngineConfig fields."""
-        self.engine = LLMEngine(EngineConfig(model=model, **options))
+        self.engine = LLMEngine(EngineConfig(model=model or str(ensure_demo_checkpoint()), **options))
         self._ids = itertools.count()
 
     def get_tokenizer(self):

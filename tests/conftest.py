@@ -16,7 +16,11 @@ def zaya_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ling_dir(tmp_path_factory):
-    from tests.reference.ling_naive import random_ling_checkpoint, tiny_ling_config, write_checkpoint
+    from tests.reference.ling_naive import (
+        random_ling_checkpoint,
+        tiny_ling_config,
+        write_checkpoint,
+    )
 
     config = tiny_ling_config()
     directory = tmp_path_factory.mktemp("ling-engine")

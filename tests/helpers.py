@@ -7,8 +7,8 @@ import torch
 
 from hybridserve.cache.kv_pool import KVPool
 from hybridserve.cache.state_pool import StatePool
+from hybridserve.core.batch import ForwardBatch, ScheduledChunk, build_forward_batch
 from hybridserve.demo import copy_bundled_tokenizer
-from hybridserve.runtime.batch import ForwardBatch, ScheduledChunk, build_forward_batch
 
 
 def add_tokenizer(directory: Path) -> None:

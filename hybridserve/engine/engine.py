@@ -11,14 +11,17 @@ from hybridserve.cache.kv_pool import PageAllocator
 from hybridserve.cache.prefix_cache import HybridPrefixCache
 from hybridserve.cache.state_pool import SlotAllocator
 from hybridserve.config import EngineConfig
-from hybridserve.demo import ensure_demo_checkpoint
+from hybridserve.core.step import SampledToken
 from hybridserve.engine.request import Request
 from hybridserve.engine.scheduler import Scheduler
-from hybridserve.layers.sampler import SampledToken
 from hybridserve.outputs import CompletionOutput, RequestOutput
 from hybridserve.runtime.model_runner import ModelRunner
 from hybridserve.sampling import SamplingParams
-from hybridserve.tokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
+from hybridserve.tokenizer import (
+    IncrementalDetokenizer,
+    StopStringMatcher,
+    load_tokenizer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +56,7 @@ class _Group:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        model_dir = config.model or str(ensure_demo_checkpoint())
+        model_dir = config.model
         self.model_dir = model_dir
         self.runner = ModelRunner(config, model_dir)
         self.tokenizer = load_tokenizer(config.tokenizer or model_dir)

@@ -20,10 +20,9 @@ from dataclasses import dataclass, field
 from hybridserve.cache.kv_pool import PageAllocator
 from hybridserve.cache.prefix_cache import HybridPrefixCache, TreeNode
 from hybridserve.cache.state_pool import SlotAllocator
+from hybridserve.core.batch import ScheduledChunk
+from hybridserve.core.step import PromptLogprobTargets, SamplingRow, StepPlan
 from hybridserve.engine.request import Request, RequestStatus
-from hybridserve.layers.sampler import SamplingRow
-from hybridserve.runtime.batch import ScheduledChunk
-from hybridserve.runtime.step import PromptLogprobTargets, StepPlan
 
 # Prompt-logprob chunks produce [tokens, vocab] fp32 logits; this bounds them per request and step.
 PROMPT_LOGPROB_CHUNK = 512

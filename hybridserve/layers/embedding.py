@@ -1,20 +1,20 @@
 """Vocabulary-parallel token embedding and LM head."""
 from __future__ import annotations
 
-from collections.abc import Hashable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridserve.layers.weights import check_shape, new_parameter, shard_slice
-from hybridserve.runtime.parallel import all_gather_last_dim, all_reduce, divide, tp_rank, tp_size
+from hybridserve.core.parallel import (
+    all_gather_last_dim,
+    all_reduce,
+    divide,
+    tp_rank,
+    tp_size,
+)
+from hybridserve.layers.weights import new_parameter, tp_shard_loader
 
-
-def _load_vocab_shard(param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable | None = None) -> None:
-    shard = shard_slice(loaded, 0, tp_rank(), tp_size())
-    check_shape(param.shape, shard)
-    param.data.copy_(shard)
+_load_vocab_shard = tp_shard_loader(0)
 
 
 class VocabParallelEmbedding(nn.Module):

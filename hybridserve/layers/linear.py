@@ -12,8 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridserve.layers.weights import check_shape, new_parameter, shard_slice
-from hybridserve.runtime.parallel import all_reduce, divide, tp_rank, tp_size
+from hybridserve.core.parallel import all_reduce, divide, tp_rank, tp_size
+from hybridserve.layers.weights import (
+    check_shape,
+    new_parameter,
+    shard_slice,
+    tp_shard_loader,
+)
 
 
 class ReplicatedLinear(nn.Module):
@@ -34,14 +39,8 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         local = divide(out_features, tp_size(), "output features")
-        self.weight = new_parameter(local, in_features, loader=self._load)
-        self.bias = new_parameter(local, loader=self._load) if bias else None
-
-    @staticmethod
-    def _load(param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable | None = None) -> None:
-        shard = shard_slice(loaded, 0, tp_rank(), tp_size())
-        check_shape(param.shape, shard)
-        param.data.copy_(shard)
+        self.weight = new_parameter(local, in_features, loader=tp_shard_loader(0))
+        self.bias = new_parameter(local, loader=tp_shard_loader(0)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -85,14 +84,8 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         local = divide(in_features, tp_size(), "input features")
         self.reduce_results = reduce_results
-        self.weight = new_parameter(out_features, local, loader=self._load)
+        self.weight = new_parameter(out_features, local, loader=tp_shard_loader(1))
         self.bias = new_parameter(out_features) if bias else None
-
-    @staticmethod
-    def _load(param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable | None = None) -> None:
-        shard = shard_slice(loaded, 1, tp_rank(), tp_size())
-        check_shape(param.shape, shard)
-        param.data.copy_(shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight)

@@ -14,12 +14,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from hybridserve.core.batch import ForwardBatch
+from hybridserve.core.parallel import divide, tp_size
+from hybridserve.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from hybridserve.layers.norm import RMSNorm
 from hybridserve.layers.rotary import RotaryEmbedding
 from hybridserve.ops.attention import paged_attention
-from hybridserve.runtime.batch import ForwardBatch
-from hybridserve.runtime.parallel import divide, tp_size
 
 
 class MultiLatentAttention(nn.Module):

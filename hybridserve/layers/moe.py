@@ -12,9 +12,9 @@ from collections.abc import Hashable
 import torch
 from torch import nn
 
+from hybridserve.core.parallel import divide, tp_rank, tp_size
 from hybridserve.layers.weights import check_shape, new_parameter, shard_slice
 from hybridserve.ops.moe import fused_experts
-from hybridserve.runtime.parallel import divide, tp_rank, tp_size
 
 
 def _gate_up_shard(full: torch.Tensor) -> torch.Tensor:

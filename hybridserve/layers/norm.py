@@ -1,13 +1,11 @@
 """RMS normalisation (statistics in fp32, Llama-style weight, not Gemma's 1+w), over the whole row or per group."""
 from __future__ import annotations
 
-from collections.abc import Hashable
-
 import torch
 from torch import nn
 
-from hybridserve.layers.weights import check_shape, new_parameter, shard_slice
-from hybridserve.runtime.parallel import divide, tp_rank, tp_size
+from hybridserve.core.parallel import divide, tp_size
+from hybridserve.layers.weights import new_parameter, tp_shard_loader
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -38,13 +36,8 @@ class GroupRMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.num_groups = divide(num_groups, tp_size(), "group_norm_size")
-        self.weight = new_parameter(divide(hidden_size, tp_size(), "group-normed channels"), loader=self._load)
-
-    @staticmethod
-    def _load(param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable | None = None) -> None:
-        shard = shard_slice(loaded, 0, tp_rank(), tp_size())
-        check_shape(param.shape, shard)
-        param.data.copy_(shard)
+        self.weight = new_parameter(divide(hidden_size, tp_size(), "group-normed channels"),
+                                    loader=tp_shard_loader(0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         grouped = x.unflatten(-1, (self.num_groups, -1))

@@ -6,11 +6,9 @@ the batch or on the device, and needs no per-request generator objects.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from hybridserve.sampling import SamplingParams
+from hybridserve.core.step import SampledToken, SamplingRow
 
 _MASK64 = (1 << 64) - 1
 
@@ -25,22 +23,6 @@ def splitmix64(x: int) -> int:
 def uniform_for(seed: int, step: int) -> float:
     """A uniform number in [0, 1) that depends only on the request's seed and the token index."""
     return (splitmix64(splitmix64(seed & _MASK64) ^ step) >> 11) / float(1 << 53)
-
-
-@dataclass
-class SamplingRow:
-    params: SamplingParams
-    seed: int
-    output_token_ids: list[int]
-    prompt_token_ids: list[int]
-    banned_token_ids: list[int]  # tokens that may not be sampled yet (stop tokens before min_tokens)
-
-
-@dataclass
-class SampledToken:
-    token_id: int
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
 
 
 def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> tuple[list[float], list[list]]:

@@ -11,6 +11,8 @@ from collections.abc import Callable, Hashable
 import torch
 from torch import nn
 
+from hybridserve.core.parallel import tp_rank, tp_size
+
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, Hashable | None], None]
 
 
@@ -49,6 +51,16 @@ def shard_slice(full: torch.Tensor, dim: int, rank: int, size: int) -> torch.Ten
         raise WeightShapeError(f"dimension {dim} of shape {tuple(full.shape)} does not split into {size} shards")
     step = full.shape[dim] // size
     return full.narrow(dim, rank * step, step)
+
+
+def tp_shard_loader(dim: int) -> WeightLoader:
+    """A loader that copies this rank's contiguous slice of the full tensor along `dim` (column-parallel: 0,
+    row-parallel: 1, vocab-parallel: 0)."""
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable | None = None) -> None:
+        shard = shard_slice(loaded, dim, tp_rank(), tp_size())
+        check_shape(param.shape, shard)
+        param.data.copy_(shard)
+    return load
 
 
 def stacked_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable | None) -> None:

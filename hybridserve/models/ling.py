@@ -18,6 +18,8 @@ from torch import nn
 
 from hybridserve.cache.kv_pool import KVCacheSpec
 from hybridserve.cache.state_pool import StateField, StateSpec
+from hybridserve.core.batch import ForwardBatch
+from hybridserve.core.parallel import all_reduce, divide, tp_rank, tp_size
 from hybridserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from hybridserve.layers.linear import (
     ColumnParallelLinear,
@@ -32,8 +34,6 @@ from hybridserve.layers.rotary import RotaryEmbedding
 from hybridserve.layers.weights import new_parameter
 from hybridserve.models.ling_config import LingConfig
 from hybridserve.ops.lightning import lightning_attention
-from hybridserve.runtime.batch import ForwardBatch
-from hybridserve.runtime.parallel import all_reduce, divide, tp_rank, tp_size
 
 
 def alibi_slopes(num_heads: int) -> list[float]:

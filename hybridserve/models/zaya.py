@@ -17,16 +17,20 @@ from torch import nn
 
 from hybridserve.cache.kv_pool import KVCacheSpec
 from hybridserve.cache.state_pool import StateField, StateSpec
+from hybridserve.core.batch import ForwardBatch
+from hybridserve.core.parallel import all_reduce, divide, tp_rank, tp_size
 from hybridserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from hybridserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from hybridserve.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from hybridserve.layers.moe import StackedExperts
 from hybridserve.layers.norm import RMSNorm
 from hybridserve.layers.rotary import RotaryEmbedding
 from hybridserve.layers.weights import check_shape, new_parameter
 from hybridserve.models.zaya_config import ZayaConfig
 from hybridserve.ops.attention import paged_attention
-from hybridserve.runtime.batch import ForwardBatch
-from hybridserve.runtime.parallel import all_reduce, divide, tp_rank, tp_size
 
 
 def _head_rows(q_heads: int, k_heads: int, head_dim: int) -> torch.Tensor:

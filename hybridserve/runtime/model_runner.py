@@ -9,11 +9,12 @@ from hybridserve.cache.kv_pool import KVPool
 from hybridserve.cache.memory import GiB, MemoryPlan, plan_memory
 from hybridserve.cache.state_pool import StatePool
 from hybridserve.config import EngineConfig
+from hybridserve.core.batch import ScheduledChunk, build_forward_batch
+from hybridserve.core.step import ChunkResult, StepPlan
 from hybridserve.layers.sampler import Sampler, logprob_dicts
 from hybridserve.loader import read_config
-from hybridserve.runtime.batch import ScheduledChunk, build_forward_batch
+from hybridserve.ops.backends import select_kernels
 from hybridserve.runtime.model_loader import build_model, resolve_dtype
-from hybridserve.runtime.step import ChunkResult, StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +25,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: str):
         self.config = config
         self.device = config.torch_device()
+        select_kernels(self.device, config.kernel_backend)
         raw = read_config(model_dir, config.hf_overrides)
         self.dtype = resolve_dtype(config.dtype, raw.get("torch_dtype") or raw.get("dtype"))
         self.model, self.model_config = build_model(model_dir, self.dtype, self.device, config.hf_overrides)

@@ -23,7 +23,12 @@ from hybridserve.server.errors import APIError, install_error_handlers
 from hybridserve.server.generation import ClientDisconnected
 from hybridserve.server.metrics import ServerMetrics
 from hybridserve.server.prompts import chat_prompt
-from hybridserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from hybridserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from hybridserve.server.state import ServerState
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hybridserve.outputs import RequestOutput, TopLogprobs
 from hybridserve.sampling import SamplingParams
-from hybridserve.server.async_engine import AsyncEngine, EngineDead, EngineRequest, OutputMailbox
+from hybridserve.server.async_engine import (
+    AsyncEngine,
+    EngineDead,
+    EngineRequest,
+    OutputMailbox,
+)
 from hybridserve.server.errors import APIError
 from hybridserve.server.metrics import RequestTimer, ServerMetrics
 

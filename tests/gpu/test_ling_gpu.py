@@ -7,12 +7,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from hybridserve.core.batch import ScheduledChunk, build_forward_batch
 from hybridserve.models.ling import LingMoE, alibi_slopes
-from hybridserve.ops.lightning import lightning_decode, lightning_prefill
-from hybridserve.runtime.batch import ScheduledChunk, build_forward_batch
+from hybridserve.ops.reference.lightning import lightning_decode, lightning_prefill
 from hybridserve.runtime.model_loader import build_model
 from tests.helpers import CacheHarness
-from tests.reference.ling_naive import random_ling_checkpoint, tiny_ling_config, write_checkpoint
+from tests.reference.ling_naive import (
+    random_ling_checkpoint,
+    tiny_ling_config,
+    write_checkpoint,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = torch.device("cuda")
@@ -28,7 +32,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_fla_lightning_matches_torch_reference() -> None:
     """Varlen prefill (chunk edges, restored and fresh rows mixed, fresh slots poisoned), then one decode step;
     bf16 q/k/v, fp32 states; outputs and final states within 2e-3 relative."""
-    lightning_fla = pytest.importorskip("hybridserve.ops.lightning_fla")
+    lightning_fla = pytest.importorskip("hybridserve.ops.triton.lightning_fla")
     heads, dim, num_slots, page = 8, 128, 8, 16
     log_decay = -torch.tensor(alibi_slopes(heads), device=CUDA)  # per-token decay 0.5 .. 0.996
     lengths, slots = [1, 37, 64, 200, 129, 5], [3, 1, 5, 2, 7, 4]

@@ -22,7 +22,12 @@ from hybridserve.models.ling import alibi_slopes, lightning_log_decay
 from hybridserve.models.ling_config import parse_ling_config
 from hybridserve.runtime.model_loader import build_model
 from tests.helpers import CacheHarness, add_tokenizer
-from tests.reference.ling_naive import NaiveLing, random_ling_checkpoint, tiny_ling_config, write_checkpoint
+from tests.reference.ling_naive import (
+    NaiveLing,
+    random_ling_checkpoint,
+    tiny_ling_config,
+    write_checkpoint,
+)
 
 CPU = torch.device("cpu")
 # Tiny configs: layer_group_size 2 and 3; 4 and 6 (not a power of two) heads; group_norm_size 2 and 3; 8 experts

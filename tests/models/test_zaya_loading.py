@@ -10,7 +10,12 @@ from safetensors.torch import load_file, save_file
 from hybridserve.loader import CheckpointError
 from hybridserve.runtime.model_loader import build_model
 from tests.helpers import CacheHarness
-from tests.models.zaya_fixtures import convert_to_legacy, random_hf_zaya, save_hf, tiny_config
+from tests.models.zaya_fixtures import (
+    convert_to_legacy,
+    random_hf_zaya,
+    save_hf,
+    tiny_config,
+)
 
 PROMPTS = [[5, 9, 1, 44, 3, 7, 100], [8, 2, 2, 61]]
 

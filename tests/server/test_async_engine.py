@@ -10,7 +10,12 @@ from hybridserve.demo import bundled_tokenizer_dir
 from hybridserve.outputs import CompletionOutput, RequestOutput
 from hybridserve.sampling import SamplingParams
 from hybridserve.server import async_engine
-from hybridserve.server.async_engine import AsyncEngine, EngineDead, EngineRequest, OutputMailbox
+from hybridserve.server.async_engine import (
+    AsyncEngine,
+    EngineDead,
+    EngineRequest,
+    OutputMailbox,
+)
 
 
 class StepFailsEngine:
@@ -48,7 +53,7 @@ def test_groups_are_atomic_outputs_arrive_and_a_failure_reaches_everyone(monkeyp
     monkeypatch.setattr(async_engine, "LLMEngine", StepFailsEngine)
 
     async def scenario() -> None:
-        engine = AsyncEngine(EngineConfig(tokenizer=str(bundled_tokenizer_dir())))
+        engine = AsyncEngine(EngineConfig(model="unused-fake-engine", tokenizer=str(bundled_tokenizer_dir())))
         fatal = asyncio.Event()
         engine.start(asyncio.get_running_loop(), fatal.set)
         params = SamplingParams()

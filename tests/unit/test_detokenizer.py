@@ -4,7 +4,11 @@ from __future__ import annotations
 import pytest
 
 from hybridserve.demo import bundled_tokenizer_dir
-from hybridserve.tokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
+from hybridserve.tokenizer import (
+    IncrementalDetokenizer,
+    StopStringMatcher,
+    load_tokenizer,
+)
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybridserve.core.batch import ScheduledChunk, build_forward_batch
 from hybridserve.layers.norm import GroupRMSNorm
-from hybridserve.ops.lightning import lightning_decode, lightning_prefill
-from hybridserve.runtime.batch import ScheduledChunk, build_forward_batch
+from hybridserve.ops.reference.lightning import lightning_decode, lightning_prefill
 from tests.reference.ling_naive import group_rms_norm, lightning_recurrence
 
 PAGE = 16

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from hybridserve.layers.sampler import Sampler, SamplingRow, uniform_for
+from hybridserve.core.step import SamplingRow
+from hybridserve.layers.sampler import Sampler, uniform_for
 from hybridserve.sampling import SamplingParams
 
 

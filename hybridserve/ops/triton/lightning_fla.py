@@ -12,8 +12,8 @@ from itertools import accumulate
 import torch
 from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
 
-from hybridserve.ops.lightning import initial_states
-from hybridserve.runtime.batch import ForwardBatch
+from hybridserve.core.batch import ForwardBatch
+from hybridserve.ops.reference.lightning import initial_states
 
 
 def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,

@@ -1,11 +1,28 @@
 """StepPlan: everything the model runner needs for one step, as host data (what rank 0 would broadcast), and what
-the runner hands back per chunk."""
+the runner hands back per chunk. Imports only `core.batch` and the leaf `sampling` module, so the scheduler and the
+runner share it without either importing the other (or `layers/`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybridserve.layers.sampler import SampledToken, SamplingRow
-from hybridserve.runtime.batch import ScheduledChunk
+from hybridserve.core.batch import ScheduledChunk
+from hybridserve.sampling import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    seed: int
+    output_token_ids: list[int]
+    prompt_token_ids: list[int]
+    banned_token_ids: list[int]  # tokens that may not be sampled yet (stop tokens before min_tokens)
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 @dataclass

@@ -1,0 +1,56 @@
+"""Which implementation each op runs: Triton kernels on CUDA, the pure-torch references everywhere else.
+
+The model runner calls `select_kernels` once at start-up; it decides per op, logs the choice in one line, and warns
+in one line when the Triton path was wanted but cannot be imported (the optional `gpu` extra). The references stay
+the oracle of every kernel's tests, and the only path on CPU: CPU installs never import Triton.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+OPS = ("attention", "moe", "conv", "lightning", "norm")
+CHOICES = ("auto", "triton", "torch")
+
+_selected: dict[str, str] = {}
+
+
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def select_kernels(device: torch.device, preference: str = "auto") -> dict[str, str]:
+    """Fix the backend of every op for this process: 'triton' on CUDA (unless `preference` is 'torch'), else 'torch'.
+
+    `preference='triton'` on a device or install where the kernels cannot run is an error, not a silent fallback.
+    """
+    if preference not in CHOICES:
+        raise ValueError(f"kernel backend must be one of {', '.join(CHOICES)}; got {preference!r}")
+    backend = "torch"
+    if device.type == "cuda" and preference != "torch":
+        if _triton_importable():
+            backend = "triton"
+        elif preference == "triton":
+            raise ValueError("kernel_backend='triton' needs the triton package: pip install 'hybridserve[gpu]'")
+        else:
+            logger.warning("Triton is not installed: every op runs its pure-torch reference on %s "
+                           "(pip install 'hybridserve[gpu]' for the kernels)", device)
+    elif preference == "triton":
+        raise ValueError(f"kernel_backend='triton' needs a CUDA device; the engine runs on {device}")
+    _selected.clear()
+    _selected.update({op: backend for op in OPS})
+    logger.info("kernels: %s", " ".join(f"{op}={name}" for op, name in _selected.items()))
+    return dict(_selected)
+
+
+def use_triton(op: str, device: torch.device) -> bool:
+    """True when `op` should run its Triton kernel for tensors on `device` (never for CPU tensors)."""
+    if device.type != "cuda":
+        return False
+    if not _selected:  # a model used outside an engine (tests, scripts): decide as `select_kernels` would
+        return _triton_importable()
+    return _selected[op] == "triton"
