@@ -49,9 +49,13 @@ class ForwardBatch:
     prefix_lens: list[int]
     page_size: int
     is_decode: bool  # every row runs exactly one token
+    max_query_len: int  # longest row of this step (kernel grids)
+    max_kv_len: int  # longest prefix + new tokens of this step (kernel grids, split-K)
     # Device tensors.
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
+    query_start_loc: torch.Tensor  # [B + 1] int32: row b's tokens are [query_start_loc[b], query_start_loc[b + 1])
+    seq_ids: torch.Tensor  # [T] int32: the row each token belongs to
     kv_lens: torch.Tensor  # [B] prefix + new tokens
     page_table: torch.Tensor  # [B, W] padded with the dummy page 0
     slot_mapping: torch.Tensor  # [T] KV row written by each token
@@ -112,6 +116,8 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_size: int, device: to
     query_starts = [0, *accumulate(query_lens)][:-1]
     width = max(len(c.page_ids) for c in chunks)
     input_ids, positions, slot_mapping, logits_indices, page_end_tokens, page_end_pages = [], [], [], [], [], []
+    seq_ids = [row for row, n in enumerate(query_lens) for _ in range(n)]
+    kv_lens = [c.prefix_len + len(c.token_ids) for c in chunks]
     for chunk, start in zip(chunks, query_starts):
         end = chunk.prefix_len + len(chunk.token_ids)
         if len(chunk.page_ids) * page_size < end:
@@ -130,9 +136,13 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_size: int, device: to
         prefix_lens=[c.prefix_len for c in chunks],
         page_size=page_size,
         is_decode=all(n == 1 for n in query_lens),
+        max_query_len=max(query_lens),
+        max_kv_len=max(kv_lens),
         input_ids=_device_tensor(input_ids, torch.long, device),
         positions=_device_tensor(positions, torch.long, device),
-        kv_lens=_device_tensor([c.prefix_len + len(c.token_ids) for c in chunks], torch.long, device),
+        query_start_loc=_device_tensor([*query_starts, query_starts[-1] + query_lens[-1]], torch.int32, device),
+        seq_ids=_device_tensor(seq_ids, torch.int32, device),
+        kv_lens=_device_tensor(kv_lens, torch.long, device),
         page_table=_device_tensor([c.page_ids + [0] * (width - len(c.page_ids)) for c in chunks], torch.long, device),
         slot_mapping=_device_tensor(slot_mapping, torch.long, device),
         state_slots=_device_tensor([c.state_slot for c in chunks], torch.long, device),
