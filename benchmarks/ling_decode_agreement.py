@@ -121,10 +121,11 @@ def main() -> None:
     tensors = {name: t.bfloat16() for name, t in random_ling_checkpoint(FLASH_2_LAYERS, seed=0).items()}
     write_checkpoint(directory, FLASH_2_LAYERS, tensors)
     add_tokenizer(directory)
-    common = dict(device="cuda", gpu_memory_utilization=0.3, max_model_len=1024, enable_prefix_caching=False)
-    oracle = LLM(str(directory), dtype="float32", kernel_backend="torch", **common)
+    # The planner counts memory already in use against each engine's share, so the second one gets a larger one.
+    common = dict(device="cuda", max_model_len=1024, enable_prefix_caching=False)
+    oracle = LLM(str(directory), dtype="float32", kernel_backend="torch", gpu_memory_utilization=0.35, **common)
     oracle_selection = dict(backends._selected)
-    engine = LLM(str(directory), dtype="bfloat16", **common)
+    engine = LLM(str(directory), dtype="bfloat16", gpu_memory_utilization=0.7, **common)
     selection = dict(backends._selected)
     batch = prompts()
     rows = []
