@@ -34,6 +34,7 @@ from hybridserve.layers.rotary import RotaryEmbedding
 from hybridserve.layers.weights import new_parameter
 from hybridserve.models.ling_config import LingConfig
 from hybridserve.ops.lightning import lightning_attention
+from hybridserve.ops.router import grouped_topk
 
 
 def alibi_slopes(num_heads: int) -> list[float]:
@@ -117,7 +118,8 @@ class LingMLP(nn.Module):
 
 class LingRouter(nn.Module):
     """Sigmoid scores in fp32; `expert_bias` (aux-loss-free balancing) steers the group-limited top-k selection
-    only, the weights are the unbiased scores of the chosen experts, renormalised and scaled (spec §4.1).
+    only, the weights are the unbiased scores of the chosen experts, renormalised and scaled (spec §4.1). The
+    logits GEMM stays in torch (fp32); the selection is `ops.router.grouped_topk` (one kernel on CUDA).
     Replicated: every rank needs all scores for the group ranking."""
 
     def __init__(self, config: LingConfig):
@@ -129,15 +131,9 @@ class LingRouter(nn.Module):
             else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = torch.sigmoid(F.linear(x.float(), self.weight))  # [T, E]
-        choice = scores if self.expert_bias is None else scores + self.expert_bias
-        grouped = choice.view(x.shape[0], self.n_group, -1)
-        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, n_group]
-        kept = group_scores.topk(self.topk_group, dim=-1).indices
-        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
-        ids = grouped.masked_fill(~keep[:, :, None], float("-inf")).flatten(1).topk(self.top_k, dim=-1).indices
-        weights = scores.gather(1, ids)
-        return ids, weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.routed_scaling_factor
+        logits = F.linear(x.float(), self.weight)  # [T, E] fp32
+        return grouped_topk(logits, self.expert_bias, self.n_group, self.topk_group, self.top_k,
+                            self.routed_scaling_factor)
 
 
 class LingMoE(nn.Module):
