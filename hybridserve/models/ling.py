@@ -20,6 +20,7 @@ from hybridserve.cache.kv_pool import KVCacheSpec
 from hybridserve.cache.state_pool import StateField, StateSpec
 from hybridserve.core.batch import ForwardBatch
 from hybridserve.core.parallel import all_reduce, divide, tp_rank, tp_size
+from hybridserve.core.streams import run_beside
 from hybridserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from hybridserve.layers.linear import (
     ColumnParallelLinear,
@@ -137,6 +138,10 @@ class LingRouter(nn.Module):
 
 
 class LingMoE(nn.Module):
+    # Up to this many tokens (CUDA only) the shared expert runs on a side stream beside the router and routed
+    # experts: at decode sizes both are short, latency-bound GEMM chains; beyond, either alone fills the GPU.
+    overlap_max_tokens = 1024
+
     def __init__(self, config: LingConfig):
         super().__init__()
         self.gate = LingRouter(config)
@@ -145,12 +150,18 @@ class LingMoE(nn.Module):
         self.shared_experts = LingMLP(config.hidden_size, config.shared_expert_width, reduce_results=False) \
             if config.shared_expert_width else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)
-        out = self.experts(x, ids, weights)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)  # unscaled, no gate
-        return all_reduce(out)  # routed and shared partial sums reduced together
+        return self.experts(x, ids, weights)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shared_experts is None:
+            return all_reduce(self._routed(x))
+        if x.shape[0] <= self.overlap_max_tokens:  # sequential on CPU
+            shared, out = run_beside(lambda: self.shared_experts(x), lambda: self._routed(x), x.device)
+        else:
+            out, shared = self._routed(x), self.shared_experts(x)
+        return all_reduce(out + shared)  # shared expert unscaled, no gate; partial sums reduced together
 
 
 def _mla(config: LingConfig) -> MultiLatentAttention:
