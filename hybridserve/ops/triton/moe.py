@@ -68,6 +68,7 @@ def _place_kernel(ids, ranks, counts, sorted_pairs, block_expert, num_pairs, chu
         pair = c * chunk + start + tl.arange(0, SUB)  # chunk is a multiple of SUB
         mine = pair < num_pairs
         e = tl.load(ids + pair, mask=mine, other=-1)
+        mine = mine & (e >= 0) & (e < EXPERTS)  # an invalid id is dropped, never written out of bounds
         base = tl.sum(tl.where(e[:, None] == expert[None, :], row_start[None, :] + before[None, :], 0), axis=1)
         tl.store(sorted_pairs + base + tl.load(ranks + pair, mask=mine, other=0), pair, mask=mine)
 
@@ -86,13 +87,22 @@ def _place_kernel(ids, ranks, counts, sorted_pairs, block_expert, num_pairs, chu
 
 
 @triton.jit
-def _tile(max_blocks, n_tiles, GROUP_M: tl.constexpr):
-    """(block, column tile) of this program, GROUP_M blocks at a time so neighbours share weight tiles in L2."""
+def _tile(block_expert, max_blocks, n_tiles, GROUP_M: tl.constexpr):
+    """(block, column tile, expert or -1) of this program, GROUP_M blocks at a time so that neighbours share
+    weight tiles in L2."""
     pid = tl.program_id(0)
     per_group = GROUP_M * n_tiles
     first = (pid // per_group) * GROUP_M
     size = tl.minimum(max_blocks - first, GROUP_M)
-    return first + (pid % per_group) % size, (pid % per_group) // size
+    block = first + (pid % per_group) % size
+    return block, (pid % per_group) // size, tl.load(block_expert + block).to(tl.int64)
+
+
+@triton.jit
+def _block_rows(sorted_pairs, block, num_pairs, BLOCK_M: tl.constexpr):
+    """The pair index of each row of `block`, and which rows are real (not padding)."""
+    pair = tl.load(sorted_pairs + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    return pair, pair < num_pairs
 
 
 @triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
@@ -101,12 +111,10 @@ def _gate_up_kernel(x, w13, out, sorted_pairs, block_expert, num_pairs, max_bloc
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                     EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
     HALF: tl.constexpr = BLOCK_N // 2
-    block, tile = _tile(max_blocks, tl.cdiv(inter, HALF), GROUP_M)
-    expert = tl.load(block_expert + block).to(tl.int64)
+    block, tile, expert = _tile(block_expert, max_blocks, tl.cdiv(inter, HALF), GROUP_M)
     if expert < 0:
         return
-    pair = tl.load(sorted_pairs + block * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = pair < num_pairs
+    pair, row_ok = _block_rows(sorted_pairs, block, num_pairs, BLOCK_M)
     col = tile * HALF + tl.arange(0, HALF)
     col_ok = col < inter
     k = tl.arange(0, BLOCK_K)
@@ -140,12 +148,10 @@ def _down_kernel(act, w2, out, weights, sorted_pairs, block_expert, num_pairs, m
                  stride_at, stride_ai, stride_we, stride_wh, stride_wi, stride_ot, stride_oh,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                  EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
-    block, tile = _tile(max_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
-    expert = tl.load(block_expert + block).to(tl.int64)
+    block, tile, expert = _tile(block_expert, max_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if expert < 0:
         return
-    pair = tl.load(sorted_pairs + block * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = pair < num_pairs
+    pair, row_ok = _block_rows(sorted_pairs, block, num_pairs, BLOCK_M)
     col = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = col < hidden
     k = tl.arange(0, BLOCK_K)
@@ -201,8 +207,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
                   topk_weights: torch.Tensor, config: dict[str, int] | None = None) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] (gate rows first); w2 [E, H, I]; topk_ids/weights [T, K] -> [T, H] in x's dtype.
 
-    Every id must lie in [0, E) (not checked: that would need a sync). `config` overrides the table/heuristic
-    choice (the tuner uses it).
+    Every id must lie in [0, E) (not checked: that would need a sync; a pair with another id is dropped and its
+    token's row left undefined). `config` overrides the table/heuristic choice (the tuner uses it).
     """
     tokens, hidden = x.shape
     experts, inter = w13.shape[0], w13.shape[1] // 2
