@@ -1,10 +1,19 @@
 """Session-wide fixtures: one tiny ZAYA1 checkpoint (HF layout, with a real tokenizer) for engine tests."""
 from __future__ import annotations
 
-import pytest
+import os
 
-from tests.helpers import add_tokenizer
-from tests.models.zaya_fixtures import random_hf_zaya, save_hf, tiny_config
+import torch
+
+# Before anything imports Triton (torch._dynamo does, through transformers): `triton.language` decorates its own
+# helpers (tl.sum, tl.sigmoid, ...) for the interpreter only if this is set when it is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from tests.helpers import add_tokenizer  # noqa: E402
+from tests.models.zaya_fixtures import random_hf_zaya, save_hf, tiny_config  # noqa: E402
 
 
 @pytest.fixture(scope="session")
