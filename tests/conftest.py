@@ -1,10 +1,19 @@
 """Session-wide fixtures: one tiny ZAYA1 checkpoint (HF layout, with a real tokenizer) for engine tests."""
 from __future__ import annotations
 
-import pytest
+import os
 
-from tests.helpers import add_tokenizer
-from tests.models.zaya_fixtures import random_hf_zaya, save_hf, tiny_config
+import pytest
+import torch
+
+# Kernel tests run Triton's interpreter on CPU (tests/ops/conftest.py). It must be chosen before anything imports
+# triton: transformers pulls in torch._dynamo, which does, and triton.language's own jit functions (tl.max, tl.sum,
+# ...) are bound to the compiler or the interpreter when triton is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tests.helpers import add_tokenizer  # noqa: E402
+from tests.models.zaya_fixtures import random_hf_zaya, save_hf, tiny_config  # noqa: E402
 
 
 @pytest.fixture(scope="session")

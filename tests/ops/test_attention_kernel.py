@@ -1,0 +1,201 @@
+"""Triton paged attention (ops/triton/attention.py) against the torch reference (ops/reference/attention.py).
+
+Every cache row that a batch must not read (other pages, the dummy page 0, rows past a row's length, keys before a
+sliding window) is NaN in the cache the kernel sees, so any read of one shows up in the output; the reference runs
+on the same cache without the poison. Pages entirely before a window are also unmapped (page-table entry 0), as
+the scheduler may free them.
+
+Tolerances (kernel vs the fp32 reference on the same rounded inputs): fp32 2e-5 absolute + relative (only the
+summation order differs); fp16 2e-3 (probabilities are rounded to fp16 before P·V, 2^-11 relative, and so is the
+output); bf16 1e-2 (the same roundings at 2^-8). Outputs are weighted means of N(0, 1) values, |o| < ~3.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from hybridserve.core.batch import ForwardBatch, ScheduledChunk, build_forward_batch
+from hybridserve.ops.reference import attention as reference
+from hybridserve.ops.triton import attention as kernel  # conftest already set TRITON_INTERPRET where needed
+from tests.ops.conftest import DEVICE, KERNEL_DTYPES
+
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+GQA = [(8, 2), (4, 1)]  # ZAYA1's 8 q / 2 kv heads, and one KV head for a group of 4
+
+
+@dataclasses.dataclass
+class Case:
+    batch: ForwardBatch
+    q: torch.Tensor
+    k: torch.Tensor  # poisoned: NaN wherever the batch must not read
+    v: torch.Tensor
+    clean_k: torch.Tensor
+    clean_v: torch.Tensor
+    window: int | None
+
+
+def make_case(rows: list[tuple[int, int]], page_size: int, heads: tuple[int, int], head_dim: int, v_dim: int,
+              dtype: torch.dtype, window: int | None = None, v_in_k: bool = False, seed: int = 0) -> Case:
+    """rows: (prefix_len, query_len) per sequence. Pages are shuffled and every row owns one spare page."""
+    gen = torch.Generator().manual_seed(seed)
+    num_q_heads, num_kv_heads = heads
+    needs = [-(-(p + n) // page_size) + 1 for p, n in rows]
+    ids = (torch.randperm(sum(needs), generator=gen) + 1).tolist()
+    chunks, used = [], 0
+    for (prefix, length), need in zip(rows, needs):
+        chunks.append(ScheduledChunk([0] * length, prefix, ids[used:used + need], 0, prefix > 0))
+        used += need
+    batch = build_forward_batch(chunks, page_size, DEVICE)
+    num_rows = (sum(needs) + 1) * page_size
+    readable = torch.zeros(num_rows, dtype=torch.bool)
+    table = batch.page_table.clone()
+    for b, (chunk, (prefix, length)) in enumerate(zip(chunks, rows)):
+        first = max(0, prefix - window + 1) if window else 0  # the earliest key any query of this row sees
+        for pos in range(first, prefix + length):
+            readable[chunk.page_ids[pos // page_size] * page_size + pos % page_size] = True
+        table[b, : first // page_size] = 0  # pages entirely before the window: freed, unmapped
+    batch = dataclasses.replace(batch, page_table=table)
+    width = head_dim if v_in_k else head_dim + v_dim
+    store = torch.randn(num_rows, num_kv_heads, width, generator=gen).to(dtype).to(DEVICE)
+    clean_k, clean_v = store[..., :head_dim], store[..., :v_dim] if v_in_k else store[..., head_dim:]
+    poisoned = store.clone()
+    poisoned[~readable.to(DEVICE)] = float("nan")
+    k, v = poisoned[..., :head_dim], poisoned[..., :v_dim] if v_in_k else poisoned[..., head_dim:]
+    q = torch.randn(sum(n for _, n in rows), num_q_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    return Case(batch, q, k, v, clean_k, clean_v, window)
+
+
+def check(case: Case, num_splits: int | None = None) -> None:
+    scale = case.q.shape[-1] ** -0.5
+    got = kernel.paged_attention(case.q, case.k, case.v, case.batch, scale, case.window, num_splits)
+    want = reference.paged_attention(case.q.float(), case.clean_k.float(), case.clean_v.float(), case.batch, scale,
+                                     case.window)
+    assert got.dtype == case.q.dtype and got.shape == want.shape
+    tol = TOLERANCE[case.q.dtype]
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+def edge_lengths(page_size: int) -> list[int]:
+    return [1, page_size - 1, page_size, page_size + 1, 2 * page_size + 3, 70]  # 70 > BLOCK_N: several tiles
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("heads", GQA, ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_decode(page_size: int, heads: tuple[int, int], dtype: torch.dtype) -> None:
+    case = make_case([(n - 1, 1) for n in edge_lengths(page_size)], page_size, heads, 32, 32, dtype)
+    assert case.batch.is_decode
+    check(case)
+    check(case, num_splits=4)  # the 70-key row fills 2 splits; the rest are empty and must contribute nothing
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("heads", GQA, ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_prefill_with_prefix_hits_chunk_resumes_and_decode_rows(page_size: int, heads: tuple[int, int],
+                                                                dtype: torch.dtype) -> None:
+    rows = [(0, n) for n in edge_lengths(page_size)[1:4]]  # fresh prompts of page - 1, page, page + 1 tokens
+    rows += [(page_size, 5),  # a prefix-cache hit of one page
+             (2 * page_size + 3, page_size + 2),  # a chunk resumed mid-page
+             (9, 1), (0, 1)]  # decode rows (and a 1-token prompt) inside a prefill batch
+    case = make_case(rows, page_size, heads, 32, 32, dtype, seed=1)
+    assert not case.batch.is_decode
+    check(case)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_many_sequences_of_mixed_lengths(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(2)
+    rows = [(int(p), int(n)) for p, n in zip(torch.randint(0, 40, (12,), generator=gen),
+                                             torch.randint(1, 20, (12,), generator=gen))]
+    check(make_case(rows, 4, (8, 2), 32, 32, dtype, seed=3))
+    decode = make_case([(p, 1) for p, _ in rows], 16, (8, 2), 32, 32, dtype, seed=4)
+    check(decode)
+    check(decode, num_splits=3)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("window,page_size", [(6, 4), (17, 16)])
+def test_sliding_window_reads_only_the_window(window: int, page_size: int, dtype: torch.dtype) -> None:
+    """Rows shorter than, equal to and longer than the window; pages before it are unmapped and poisoned."""
+    lengths = [1, window - 1, window, window + 1, window + page_size + 3, 3 * window + 2]
+    decode = make_case([(n - 1, 1) for n in lengths], page_size, (8, 2), 32, 32, dtype, window=window, seed=5)
+    check(decode)
+    check(decode, num_splits=3)
+    prefill = make_case([(n - 1, 1) for n in lengths[:3]] + [(0, 2 * window + 1), (window + page_size + 3, 9),
+                                                             (3 * window, window + 2)],
+                        page_size, (8, 2), 32, 32, dtype, window=window, seed=6)
+    check(prefill)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_mla_dims_with_v_a_strided_view_of_k(page_size: int, dtype: torch.dtype) -> None:
+    """A small analogue of MLA's absorbed form: one KV head, Dk = 64 + 8, V = the first 64 channels of each row."""
+    lengths = edge_lengths(page_size)
+    decode = make_case([(n - 1, 1) for n in lengths], page_size, (8, 1), 72, 64, dtype, v_in_k=True, seed=7)
+    assert decode.v.data_ptr() == decode.k.data_ptr() and not decode.v.is_contiguous()
+    check(decode)
+    check(decode, num_splits=5)
+    check(make_case([(0, 9), (page_size, page_size + 1), (30, 1)], page_size, (8, 1), 72, 64, dtype, v_in_k=True,
+                    seed=8))
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_head_dims_beyond_one_power_of_two(dtype: torch.dtype) -> None:
+    """ZAYA1's D = 128; D = 48 (32 + 16) with Dv = 24 (padded, masked); MHA (group 1) as MLA's unabsorbed form."""
+    rows = [(0, 7), (5, 1), (20, 6)]
+    check(make_case(rows, 16, (8, 2), 128, 128, dtype, seed=9))
+    check(make_case(rows, 4, (2, 2), 48, 24, dtype, seed=10))
+    check(make_case([(p + n - 1, 1) for p, n in rows], 4, (3, 3), 48, 24, dtype, seed=11), num_splits=2)
+
+
+def test_fixed_split_counts_larger_than_needed() -> None:
+    """A count fixed for the longest context (CUDA graphs): most splits of short rows are empty, also in a mixed
+    batch, where splits cut each query block's keys."""
+    decode = make_case([(0, 1), (2, 1), (5, 1)], 4, (8, 2), 32, 32, torch.float32, seed=12)
+    check(decode, num_splits=16)
+    check(make_case([(0, 5), (3, 1), (40, 30)], 4, (8, 2), 32, 32, torch.float32, seed=13), num_splits=3)
+
+
+def test_split_heuristic_follows_the_host_lengths() -> None:
+    def splits(batch_size: int, kv_len: int, query_len: int = 1) -> int:
+        batch = dataclasses.replace(make_case([(0, 1)], 4, (2, 1), 16, 16, torch.float32).batch,
+                                    query_lens=[query_len] * batch_size, max_kv_len=kv_len)
+        return kernel.choose_splits(batch, 2, 1 if query_len == 1 else 32, 132)
+
+    assert splits(1, 4096) == 32  # 2 programs: ~2 waves would want 132, capped at 128 keys per split
+    assert splits(1, 100) == 1  # too few keys to split
+    assert splits(64, 4096) == 3  # 128 programs: 3 splits give ~2 waves
+    assert splits(256, 4096) == 1  # 512 programs already fill 132 SMs
+    assert splits(1, 1 << 20) == kernel.MAX_SPLITS
+    assert splits(1, 8192, query_len=8192) == 1  # a big prefill has programs enough
+
+
+def test_bad_input_is_refused() -> None:
+    case = make_case([(3, 1)], 4, (8, 2), 32, 32, torch.float32)
+    with pytest.raises(ValueError, match="shapes disagree"):
+        kernel.paged_attention(case.q[:, :7], case.k, case.v, case.batch, 1.0)
+    with pytest.raises(ValueError, match="sliding_window"):
+        kernel.paged_attention(case.q, case.k, case.v, case.batch, 1.0, sliding_window=0)
+    with pytest.raises(ValueError, match="num_splits"):
+        kernel.paged_attention(case.q, case.k, case.v, case.batch, 1.0, num_splits=kernel.MAX_SPLITS + 1)
+    with pytest.raises(ValueError, match="unit stride"):
+        kernel.paged_attention(case.q, case.k.transpose(1, 2).contiguous().transpose(1, 2), case.v, case.batch, 1.0)
+
+
+def test_hand_checked_softmax() -> None:
+    """Independent of the reference: one query, two keys, scores 0 and ln 3 -> weights 1/4, 3/4."""
+    batch = make_case([(1, 1)], 4, (1, 1), 16, 16, torch.float32).batch
+    rows = (batch.page_table[0, 0] * 4 + torch.arange(2, device=DEVICE)).cpu()
+    k = torch.zeros(32, 1, 16, device=DEVICE)
+    v = torch.zeros(32, 1, 16, device=DEVICE)
+    k[rows[1], 0, 0] = math.log(3.0)
+    v[rows[0], 0, 0], v[rows[1], 0, 0] = 4.0, 8.0
+    q = torch.zeros(1, 1, 16, device=DEVICE)
+    q[0, 0, 0] = 1.0
+    out = kernel.paged_attention(q, k, v, batch, 1.0)
+    assert out[0, 0, 0].item() == pytest.approx(0.25 * 4.0 + 0.75 * 8.0, rel=1e-6)
