@@ -11,8 +11,8 @@ tensor-parallel rank. Two equivalent ways to attend over it:
   then ordinary attention over nope + rope + v = 320 channels per pair.
 All-decode batches use the absorbed form. Other batches: on CPU the per-sequence unabsorbed reference; on the
 kernel path whichever form needs fewer FLOPs for this batch's lengths (`_form_flops`). At Ling-2.6-flash widths
-that is the unabsorbed form for ordinary chunks (8192 tokens from scratch: 0.76 vs 2.40 TFLOP; 512 tokens after a
-4096-token prefix: 84 vs 160 GFLOP; the bytes either form moves take ~40 us at 4.8 TB/s, far below the FLOP
+that is the unabsorbed form for ordinary chunks (8192 tokens from scratch: 0.76 vs 2.41 TFLOP; 512 tokens after a
+4096-token prefix: 84 vs 159 GFLOP; the bytes either form moves take ~40 us at 4.8 TB/s, far below the FLOP
 time), and the absorbed form when rows are short against their context (below ~170 new tokens per row at long
 contexts, e.g. mixed batches dominated by decode rows, whose contexts the unabsorbed form would have to expand).
 """

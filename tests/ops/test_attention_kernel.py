@@ -11,6 +11,7 @@ output); bf16 1e-2 (the same roundings at 2^-8). Outputs are weighted means of N
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 
@@ -18,11 +19,15 @@ import pytest
 import torch
 
 from hybridserve.core.batch import ForwardBatch, ScheduledChunk, build_forward_batch
+from hybridserve.layers.mla import MultiLatentAttention
+from hybridserve.ops import backends
 from hybridserve.ops.reference import attention as reference
 from hybridserve.ops.triton import attention as kernel  # conftest already set TRITON_INTERPRET where needed
 from tests.ops.conftest import DEVICE, KERNEL_DTYPES
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+# MLA: also q W_UK and the latent-width output are rounded to the dtype before the last einsum (7e-4 seen in fp16).
+MLA_TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 GQA = [(8, 2), (4, 1)]  # ZAYA1's 8 q / 2 kv heads, and one KV head for a group of 4
 
 
@@ -199,3 +204,73 @@ def test_hand_checked_softmax() -> None:
     q[0, 0, 0] = 1.0
     out = kernel.paged_attention(q, k, v, batch, 1.0)
     assert out[0, 0, 0].item() == pytest.approx(0.25 * 4.0 + 0.75 * 8.0, rel=1e-6)
+
+
+# ------------------------------------------------------------------------------------------- MLA (layers/mla.py)
+
+MLA_WIDTHS = dict(hidden_size=32, num_heads=4, q_lora_rank=16, kv_lora_rank=32, qk_nope_head_dim=16,
+                  qk_rope_head_dim=8, v_head_dim=16, rope_theta=10000.0, rope_interleave=True, eps=1e-6)
+
+
+def tiny_mla(dtype: torch.dtype, latent_rows: int, seed: int) -> tuple[MultiLatentAttention, MultiLatentAttention]:
+    """(fp32 module, `dtype` module) with the same `dtype`-representable weights. Latent rows: [32 + 8] (absorbed:
+    Dk = 40 = 32 + 8, Dv = 32, one KV head; unabsorbed: Dk = 24 = 16 + 8, Dv = 16, 4 heads)."""
+    gen = torch.Generator().manual_seed(seed)
+    reference_mla = MultiLatentAttention(**MLA_WIDTHS)
+    for param in reference_mla.parameters():
+        param.data = (torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[-1])).to(dtype).float()
+    mla = copy.deepcopy(reference_mla).to(DEVICE, dtype)
+    reference_mla.to(DEVICE).kv["latent"] = torch.empty(latent_rows, 1, 40, device=DEVICE)
+    mla.kv["latent"] = torch.empty(latent_rows, 1, 40, dtype=dtype, device=DEVICE)
+    return reference_mla, mla
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch-op"])
+def test_mla_forms_agree(kernels: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Absorbed (MQA over the latent cache) == batched unabsorbed (packed context, one kv_b GEMM) == whichever the
+    layer picks == the per-sequence reference, on prefill with prefix hits and decode rows, and on decode.
+    On the kernel path latent rows the batch must not read are NaN: the packed context gathers whole pages, so it
+    holds such rows too, and their expansion must never be read."""
+    monkeypatch.setattr(backends, "use_triton", lambda op, device: kernels)
+    if not kernels and dtype != torch.float32:
+        pytest.skip("the torch op path is checked in fp32")
+    rows = [(0, 9), (4, 6), (13, 1), (7, 1)]
+    prefill = make_case(rows, 4, (1, 1), 40, 32, dtype, v_in_k=True, seed=14)
+    # The last token of every row as a decode step over the same cache.
+    decode = dataclasses.replace(prefill.batch, query_lens=[1] * 4, query_starts=list(range(4)),
+                                 prefix_lens=[p + n - 1 for p, n in rows], is_decode=True, max_query_len=1,
+                                 query_start_loc=torch.arange(5, device=DEVICE, dtype=torch.int32))
+    reference_mla, mla = tiny_mla(dtype, prefill.k.shape[0], seed=15)
+    mla.kv["latent"].copy_(prefill.k if kernels else prefill.clean_k)  # the torch op's decode reads padding rows
+    reference_mla.kv["latent"].copy_(prefill.clean_k)
+    gen = torch.Generator().manual_seed(16)
+    for batch in (prefill.batch, decode):
+        tokens = sum(batch.query_lens)
+        q_nope = torch.randn(tokens, 4, 16, generator=gen).to(DEVICE, dtype)
+        q_rope = torch.randn(tokens, 4, 8, generator=gen).to(DEVICE, dtype)
+        want = reference_mla._attend_unabsorbed_reference(q_nope.float(), q_rope.float(), batch)
+        tol = MLA_TOLERANCE[dtype]
+        for form in (mla._attend_absorbed, mla._attend_unabsorbed, mla._attend):
+            got = form(q_nope, q_rope, batch).float()
+            torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_mla_picks_the_form_with_fewer_flops_at_flash_widths() -> None:
+    """Ling-2.6-flash widths: unabsorbed for ordinary chunks, absorbed when decode rows' contexts dominate."""
+    with torch.device("meta"):
+        mla = MultiLatentAttention(4096, 32, 1536, 512, 128, 64, 128, 10000.0, True, 1e-6)
+    base = make_case([(0, 1)], 16, (1, 1), 16, 16, torch.float32).batch
+
+    def flops(rows: list[tuple[int, int]]) -> tuple[int, int]:
+        return mla._form_flops(dataclasses.replace(base, prefix_lens=[p for p, _ in rows],
+                                                   query_lens=[n for _, n in rows]))
+
+    absorbed, unabsorbed = flops([(0, 8192)])
+    assert round(absorbed / 1e12, 2) == 2.41 and round(unabsorbed / 1e12, 2) == 0.76
+    absorbed, unabsorbed = flops([(4096, 512)])
+    assert round(absorbed / 1e9) == 159 and round(unabsorbed / 1e9) == 84
+    absorbed, unabsorbed = flops([(4096, 512)] + [(4095, 1)] * 64)  # a chunk among 64 decode rows
+    assert absorbed < unabsorbed
+    absorbed, unabsorbed = flops([(32768, 128)])  # a short chunk after a long prefix
+    assert absorbed < unabsorbed
