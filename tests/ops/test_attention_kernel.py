@@ -1,9 +1,5 @@
-"""Triton paged attention (ops/triton/attention.py) against the torch reference (ops/reference/attention.py).
-
-Every cache row that a batch must not read (other pages, the dummy page 0, rows past a row's length, keys before a
-sliding window) is NaN in the cache the kernel sees, so any read of one shows up in the output; the reference runs
-on the same cache without the poison. Pages entirely before a window are also unmapped (page-table entry 0), as
-the scheduler may free them.
+"""Triton paged attention (ops/triton/attention.py) against the torch reference (ops/reference/attention.py), on
+caches whose unreadable rows are NaN (tests/ops/attention_cases.py).
 
 Tolerances (kernel vs the fp32 reference on the same rounded inputs): fp32 2e-5 absolute + relative (only the
 summation order differs); fp16 2e-3 (probabilities are rounded to fp16 before P·V, 2^-11 relative, and so is the
@@ -13,71 +9,30 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 
 import pytest
 import torch
 
-from hybridserve.core.batch import ForwardBatch, ScheduledChunk, build_forward_batch
 from hybridserve.layers.mla import MultiLatentAttention
 from hybridserve.ops import backends
-from hybridserve.ops.reference import attention as reference
 from hybridserve.ops.triton import attention as kernel  # conftest already set TRITON_INTERPRET where needed
+from tests.ops import attention_cases
+from tests.ops.attention_cases import Case, reference_output
 from tests.ops.conftest import DEVICE, KERNEL_DTYPES
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 # MLA: also q W_UK and the latent-width output are rounded to the dtype before the last einsum (7e-4 seen in fp16).
 MLA_TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 GQA = [(8, 2), (4, 1)]  # ZAYA1's 8 q / 2 kv heads, and one KV head for a group of 4
-
-
-@dataclasses.dataclass
-class Case:
-    batch: ForwardBatch
-    q: torch.Tensor
-    k: torch.Tensor  # poisoned: NaN wherever the batch must not read
-    v: torch.Tensor
-    clean_k: torch.Tensor
-    clean_v: torch.Tensor
-    window: int | None
-
-
-def make_case(rows: list[tuple[int, int]], page_size: int, heads: tuple[int, int], head_dim: int, v_dim: int,
-              dtype: torch.dtype, window: int | None = None, v_in_k: bool = False, seed: int = 0) -> Case:
-    """rows: (prefix_len, query_len) per sequence. Pages are shuffled and every row owns one spare page."""
-    gen = torch.Generator().manual_seed(seed)
-    num_q_heads, num_kv_heads = heads
-    needs = [-(-(p + n) // page_size) + 1 for p, n in rows]
-    ids = (torch.randperm(sum(needs), generator=gen) + 1).tolist()
-    chunks, used = [], 0
-    for (prefix, length), need in zip(rows, needs):
-        chunks.append(ScheduledChunk([0] * length, prefix, ids[used:used + need], 0, prefix > 0))
-        used += need
-    batch = build_forward_batch(chunks, page_size, DEVICE)
-    num_rows = (sum(needs) + 1) * page_size
-    readable = torch.zeros(num_rows, dtype=torch.bool)
-    table = batch.page_table.clone()
-    for b, (chunk, (prefix, length)) in enumerate(zip(chunks, rows)):
-        first = max(0, prefix - window + 1) if window else 0  # the earliest key any query of this row sees
-        for pos in range(first, prefix + length):
-            readable[chunk.page_ids[pos // page_size] * page_size + pos % page_size] = True
-        table[b, : first // page_size] = 0  # pages entirely before the window: freed, unmapped
-    batch = dataclasses.replace(batch, page_table=table)
-    width = head_dim if v_in_k else head_dim + v_dim
-    store = torch.randn(num_rows, num_kv_heads, width, generator=gen).to(dtype).to(DEVICE)
-    clean_k, clean_v = store[..., :head_dim], store[..., :v_dim] if v_in_k else store[..., head_dim:]
-    poisoned = store.clone()
-    poisoned[~readable.to(DEVICE)] = float("nan")
-    k, v = poisoned[..., :head_dim], poisoned[..., :v_dim] if v_in_k else poisoned[..., head_dim:]
-    q = torch.randn(sum(n for _, n in rows), num_q_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
-    return Case(batch, q, k, v, clean_k, clean_v, window)
+make_case = functools.partial(attention_cases.make_case, device=DEVICE)
 
 
 def check(case: Case, num_splits: int | None = None) -> None:
-    scale = case.q.shape[-1] ** -0.5
-    got = kernel.paged_attention(case.q, case.k, case.v, case.batch, scale, case.window, num_splits)
-    want = reference.paged_attention(case.q.float(), case.clean_k.float(), case.clean_v.float(), case.batch, scale,
-                                     case.window)
+    got = kernel.paged_attention(case.q, case.k, case.v, case.batch, case.q.shape[-1] ** -0.5, case.window,
+                                 num_splits)
+    want = reference_output(case)
     assert got.dtype == case.q.dtype and got.shape == want.shape
     tol = TOLERANCE[case.q.dtype]
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
