@@ -157,13 +157,13 @@ def _pow2(n: int) -> int:
 
 def launch_config(decode: bool, group: int, d_main: int, dv_pad: int) -> LaunchConfig:
     """Tile shapes from the batch kind and head dims (a plain function: deterministic, CUDA-graph friendly)."""
-    wide = max(d_main, dv_pad) > 128  # MLA's 512-channel latent: smaller tiles keep acc and K in registers
+    wide = max(d_main, dv_pad) > 128  # MLA's 512-channel latent: smaller tiles keep acc and K on chip
     group_pad = _pow2(group)
     rows = 16 if decode else (32 if wide else 128)
     block_q = 1 if decode else max(1, rows // group_pad)
     group_pad = max(group_pad, 16 // block_q)
-    return LaunchConfig(block_q, group_pad, block_n=32 if wide else 64, num_warps=8 if wide else 4,
-                        num_stages=2 if wide else 3)
+    return LaunchConfig(block_q, group_pad, block_n=32 if wide else 64,
+                        num_warps=4 if decode and not wide else 8, num_stages=2 if wide else 3)
 
 
 @functools.lru_cache(maxsize=None)
