@@ -121,6 +121,17 @@ def test_fixed_split_counts_larger_than_needed() -> None:
     check(make_case([(0, 5), (3, 1), (40, 30)], 4, (8, 2), 32, 32, torch.float32, seed=13), num_splits=3)
 
 
+def test_padding_rows_without_keys_give_zeros() -> None:
+    """CUDA-graph padding: a decode row with kv_len 0 reads nothing and outputs zeros, split or not."""
+    case = make_case([(4, 1), (0, 1)], 4, (8, 2), 32, 32, torch.float32, seed=14)
+    case.batch.kv_lens[1] = 0
+    case.k[case.batch.page_table[1, 0] * 4:][:4] = float("nan")
+    for splits in (None, 3):
+        out = kernel.paged_attention(case.q, case.k, case.v, case.batch, 32 ** -0.5, num_splits=splits)
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+        torch.testing.assert_close(out[:1], reference_output(case)[:1], atol=2e-5, rtol=2e-5)
+
+
 def test_split_heuristic_follows_the_host_lengths() -> None:
     def splits(batch_size: int, kv_len: int, query_len: int = 1) -> int:
         batch = dataclasses.replace(make_case([(0, 1)], 4, (2, 1), 16, 16, torch.float32).batch,

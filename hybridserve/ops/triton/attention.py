@@ -133,11 +133,13 @@ def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh
     s_valid = s < num_splits
     part = (token.to(tl.int64) * num_q_heads + head) * num_splits + s
     lse = tl.load(part_lse_ptr + part, mask=s_valid, other=float("-inf"))
-    weight = tl.exp2(lse - tl.max(lse, 0))  # empty splits weigh 0 (every token sees its own key in some split)
+    top = tl.max(lse, 0)
+    weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # empty splits weigh 0, the top one 1
     dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     o = tl.load(part_o_ptr + part[:, None] * DV + dv[None, :], mask=s_valid[:, None] & (dv[None, :] < DV),
                 other=0.0)
-    merged = tl.sum(o * weight[:, None], 0) / tl.sum(weight, 0)
+    # A row without keys (kv_len 0: CUDA-graph padding) has only empty splits and gets zeros, as unsplit.
+    merged = tl.sum(o * weight[:, None], 0) / tl.maximum(tl.sum(weight, 0), 1.0)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dv, merged.to(out_ptr.dtype.element_ty),
              mask=dv < DV)
 
@@ -190,7 +192,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q [T, Hq, D]; k_cache [rows, Hk, D]; v_cache [rows, Hk, Dv] (this step's K/V already written) -> [T, Hq, Dv].
 
     Same contract as `ops.reference.attention.paged_attention`. `num_splits` overrides the split-K heuristic
-    (any count >= 1 is correct; splits without keys contribute nothing).
+    (any count >= 1 is correct; splits without keys contribute nothing). Rows with kv_len 0 (padding) give zeros.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, v_dim = k_cache.shape[1], v_cache.shape[-1]
