@@ -1,10 +1,19 @@
 """Session-wide fixtures: one tiny ZAYA1 checkpoint (HF layout, with a real tokenizer) for engine tests."""
 from __future__ import annotations
 
-import pytest
+import os
 
-from tests.helpers import add_tokenizer
-from tests.models.zaya_fixtures import random_hf_zaya, save_hf, tiny_config
+import pytest
+import torch
+
+# Triton reads TRITON_INTERPRET when triton.language is first imported (its own @jit helpers such as tl.zeros are
+# decorated then), and transformers imports triton below: so the kernel tests' interpreter mode (tests/ops/conftest.py)
+# must already be chosen here, before that import.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tests.helpers import add_tokenizer  # noqa: E402
+from tests.models.zaya_fixtures import random_hf_zaya, save_hf, tiny_config  # noqa: E402
 
 
 @pytest.fixture(scope="session")
