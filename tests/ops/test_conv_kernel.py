@@ -18,7 +18,6 @@ from tests.ops.conftest import DEVICE, KERNEL_DTYPES, ON_GPU
 from hybridserve.ops.triton import conv as kernel  # noqa: E402  (after conftest set TRITON_INTERPRET)
 
 P = 2  # cca_time0 = cca_time1 = 2
-SLOTS, PAGES = 12, 64
 POISON = float("nan")
 
 
@@ -41,9 +40,13 @@ def _batch(rows: list[tuple[int, int, bool]], page_size: int):
     return build_forward_batch(chunks, page_size, DEVICE, history_len=P)
 
 
-def _run(rows, dtype, page_size=4, q_heads=4, k_heads=2, d=16, full_k_heads=None, kv_head_offset=0,
-         bias=True, footers=True, seed=0):
+def run_conv_case(rows, dtype, page_size=4, q_heads=4, k_heads=2, d=16, full_k_heads=None, kv_head_offset=0,
+                  bias=True, footers=True, seed=0):
+    """Kernel vs reference on `rows` (see _batch), with every slot and page of the pools not used by a row (and
+    every fresh row's slot) poisoned; returns the batch."""
     gen = torch.Generator().manual_seed(seed)
+    slots = len(rows) + 3
+    pages = sum(-(-(prefix + n) // page_size) for prefix, n, _ in rows) + 3
     full_k_heads = full_k_heads or k_heads
     lag_width = full_k_heads * d // 2
     c = (q_heads + k_heads) * d
@@ -52,13 +55,13 @@ def _run(rows, dtype, page_size=4, q_heads=4, k_heads=2, d=16, full_k_heads=None
     proj = torch.randn(tokens, c + 2 * lag_width, generator=gen).to(dtype)
     weights = [w.to(dtype) for w in _weights(q_heads, k_heads, d, bias, gen)]
     lag_bias = (torch.randn(lag_width, generator=gen) * 0.1).to(dtype) if bias else None
-    conv = torch.randn(SLOTS, c, P, generator=gen).to(dtype)
-    lag = torch.randn(SLOTS, lag_width, generator=gen).to(dtype)
+    conv = torch.randn(slots, c, P, generator=gen).to(dtype)
+    lag = torch.randn(slots, lag_width, generator=gen).to(dtype)
     for slot, (_, _, init) in enumerate(rows, start=1):
         if not init:  # a fresh row must never read its slot
             conv[slot], lag[slot] = POISON, POISON
-    conv_footer = torch.full((PAGES, c, P), -7.0).to(dtype) if footers else None
-    lag_footer = torch.full((PAGES, lag_width), -7.0).to(dtype) if footers else None
+    conv_footer = torch.full((pages, c, P), -7.0).to(dtype) if footers else None
+    lag_footer = torch.full((pages, lag_width), -7.0).to(dtype) if footers else None
 
     def f32(t):
         return None if t is None else t.float().clone()
@@ -77,7 +80,7 @@ def _run(rows, dtype, page_size=4, q_heads=4, k_heads=2, d=16, full_k_heads=None
     for name, want, have in zip(("conv", "lag", "conv footer", "lag footer"), ref_state, dev):
         if want is not None:  # untouched slots and pages keep their (poison / sentinel) contents, NaN included
             assert torch.equal(have.float().cpu().nan_to_num(123.0), want.nan_to_num(123.0)), name
-    return batch, dev
+    return batch
 
 
 # (prefix_len, new tokens, has_initial_state) rows; chunk lengths 1, P - 1, P, P + 1 and long.
@@ -90,7 +93,7 @@ MIXED = [(0, 5, False), (6, 1, True), (2, 2, True), (0, 1, False), (11, 19, True
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("rows", [FRESH, RESUMED, DECODE, MIXED], ids=["fresh", "resumed", "decode", "mixed"])
 def test_conv_kernel_matches_reference(rows, dtype):
-    _run(rows, dtype)
+    run_conv_case(rows, dtype)
 
 
 @pytest.mark.parametrize("page_size", [4, 16])
@@ -98,21 +101,21 @@ def test_footers_at_page_ends(page_size):
     """Pages completed by a row's first token (window partly from the old state), mid-chunk and at its end."""
     rows = [(page_size - 1, 1, True), (page_size - 2, page_size + 3, True), (0, 2 * page_size, False),
             (2 * page_size - 1, 2, True)]
-    batch, _ = _run(rows, torch.float32, page_size=page_size)
+    batch = run_conv_case(rows, torch.float32, page_size=page_size)
     assert batch.page_end_tokens.numel() >= 4  # the case exercises several footers
 
 
 def test_tensor_parallel_rank_heads_and_no_bias():
     """Rank 1 of 2: local q/k heads, the full replicated value projections, this rank's KV heads (2 of 4)."""
-    _run(MIXED, torch.float32, q_heads=2, k_heads=2, d=8, full_k_heads=4, kv_head_offset=2, bias=False)
+    run_conv_case(MIXED, torch.float32, q_heads=2, k_heads=2, d=8, full_k_heads=4, kv_head_offset=2, bias=False)
 
 
 def test_single_kv_head_group_of_one_without_footers():
-    _run(MIXED, torch.float32, q_heads=1, k_heads=1, d=12, footers=False)
+    run_conv_case(MIXED, torch.float32, q_heads=1, k_heads=1, d=12, footers=False)
 
 
 def test_blocks_of_many_rows_split_across_programs():
     """More rows than one program's token block (15 tokens per program at small T): first tokens of rows land at
     every block position, including the overlap column."""
     rows = [(i % 5, 1 + (i % 3), i % 4 != 0) for i in range(11)]
-    _run(rows, torch.float32)
+    run_conv_case(rows, torch.float32)
