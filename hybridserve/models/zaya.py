@@ -28,6 +28,7 @@ from hybridserve.layers.norm import RMSNorm
 from hybridserve.layers.rotary import RotaryEmbedding
 from hybridserve.layers.weights import check_shape, new_parameter
 from hybridserve.models.zaya_config import ZayaConfig
+from hybridserve.ops import backends
 from hybridserve.ops.attention import paged_attention
 from hybridserve.ops.conv import cca_conv
 from hybridserve.ops.norm import residual_rms_norm
@@ -299,7 +300,10 @@ class ZayaForCausalLM(nn.Module):
 
     @property
     def history_len(self) -> int:
-        return self.config.conv_history
+        """Carried rows the batch lays out in front of each sequence: only the torch reference of the conv reads
+        that layout (`batch.token_history`); the kernel reads the state pool directly."""
+        device = self.model.embed_tokens.weight.device
+        return 0 if backends.use_triton("conv", device) else self.config.conv_history
 
     def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
         attn = self.model.layers[0].self_attn.qkv_proj

@@ -2,8 +2,9 @@
 16 experts), bf16 inputs against fp32 references on the same bf16-rounded inputs, and free of device-to-host syncs.
 
 Bounds: the conv computes in fp32 but its [128, 128] stage-2 product runs as a TF32 tl.dot (10-bit mantissa), 3e-3
-of the output scale (tests/ops/test_conv_kernel.py). QKNorm/RoPE and the norm round once to bf16 at the end: one
-bf16 ulp. The router is fp32 end to end: 1e-5, and choices equal wherever the reference has no near-tie.
+of the output scale (tests/ops/test_conv_kernel.py). QKNorm/RoPE rounds once to bf16 at the end: one bf16 ulp.
+The norm rounds twice (normalised row, then times the weight), against the fp32 result: two bf16 ulps. The router
+is fp32 end to end: 1e-5, and choices equal wherever the reference has no near-tie.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ if torch.cuda.is_available():
     from hybridserve.ops.reference import zaya_router as router_reference
     from hybridserve.ops.triton import conv, norm, zaya_qk, zaya_router
     from tests.ops.test_conv_kernel import run_conv_case
-    from tests.ops.test_zaya_qk_kernel import test_qk_norm_rope_cache_matches_reference
+    from tests.ops.test_zaya_qk_kernel import check_qk_case
     from tests.ops.test_zaya_router_kernel import biased_probs, check_routing, router_inputs
 
 HIDDEN, Q_HEADS, K_HEADS, HEAD_DIM, ROUTER, EXPERTS = 2048, 8, 2, 128, 256, 16
@@ -35,7 +36,7 @@ def test_conv_at_zaya1_8b_widths(rows):
 
 
 def test_qk_norm_rope_at_zaya1_8b_widths():
-    test_qk_norm_rope_cache_matches_reference(torch.bfloat16, Q_HEADS, K_HEADS, HEAD_DIM, HEAD_DIM // 2)
+    check_qk_case(300, Q_HEADS, K_HEADS, HEAD_DIM, HEAD_DIM // 2, torch.bfloat16)
 
 
 @pytest.mark.parametrize("tokens", [1, 256, 4096])
@@ -52,7 +53,7 @@ def test_residual_norm_at_zaya1_8b_widths(tokens):
                                        **{k: v.cuda() for k, v in args.items()})
     assert torch.allclose(x.cpu(), want[0], rtol=1e-6, atol=1e-5)
     ulp = torch.finfo(torch.bfloat16).eps
-    assert ((h.cpu().float() - want[1]).abs() <= ulp * want[1].abs() + 1e-6).all()
+    assert ((h.cpu().float() - want[1]).abs() <= 2 * ulp * want[1].abs() + 1e-6).all()
     assert torch.equal(h32, h.float())
 
 

@@ -17,7 +17,7 @@ from tests.ops.conftest import DEVICE, KERNEL_DTYPES
 
 from hybridserve.ops.triton import zaya_qk as kernel  # noqa: E402  (after conftest set TRITON_INTERPRET)
 
-ROWS = 64
+ROWS = 512
 
 
 def _case(tokens: int, q_heads: int, k_heads: int, d: int, rotary_dim: int, dtype: torch.dtype, seed: int = 0):
@@ -32,11 +32,8 @@ def _case(tokens: int, q_heads: int, k_heads: int, d: int, rotary_dim: int, dtyp
     return qk[:, :q_heads], qk[:, q_heads:], v, temp.to(dtype), inv_freq, positions, slots, caches
 
 
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-@pytest.mark.parametrize("q_heads, k_heads, d, rotary_dim", [(4, 2, 16, 8), (2, 2, 12, 6), (8, 2, 32, 32),
-                                                             (2, 1, 16, 0)])
-def test_qk_norm_rope_cache_matches_reference(dtype, q_heads, k_heads, d, rotary_dim):
-    q, k, v, temp, inv_freq, positions, slots, caches = _case(11, q_heads, k_heads, d, rotary_dim, dtype)
+def check_qk_case(tokens: int, q_heads: int, k_heads: int, d: int, rotary_dim: int, dtype: torch.dtype) -> None:
+    q, k, v, temp, inv_freq, positions, slots, caches = _case(tokens, q_heads, k_heads, d, rotary_dim, dtype)
     want_caches = [c.clone() for c in caches]
     want = reference.qk_norm_rope_cache(q, k, v, temp, inv_freq, positions, slots, *want_caches, dtype)
     got_caches = [c.to(DEVICE) for c in caches]
@@ -48,3 +45,10 @@ def test_qk_norm_rope_cache_matches_reference(dtype, q_heads, k_heads, d, rotary
         ulp = torch.finfo(dtype).eps if dtype != torch.float32 else 0.0
         assert ((a - b).abs() <= 1e-5 * d ** 0.5 * 2 + ulp * b.abs()).all(), name
     assert torch.equal(got_caches[1].cpu(), want_caches[1])
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("q_heads, k_heads, d, rotary_dim", [(4, 2, 16, 8), (2, 2, 12, 6), (8, 2, 32, 32),
+                                                             (2, 1, 16, 0)])
+def test_qk_norm_rope_cache_matches_reference(dtype, q_heads, k_heads, d, rotary_dim):
+    check_qk_case(11, q_heads, k_heads, d, rotary_dim, dtype)

@@ -224,5 +224,5 @@ def cca_conv(proj: torch.Tensor, weight0: torch.Tensor, bias0: torch.Tensor, wei
         batch.positions, batch.page_table, batch.page_table.stride(0), batch.page_size, tokens, kv_head_offset,
         HQ=q_heads, HK=k_heads, D=d, VH=lag_width, K0=k0, K1=k1, P=history, OVERLAP=overlap, BLOCK_T=block_t,
         BLOCK_D=block_d, BLOCK_P=triton.next_power_of_2(max(history, 1)), HAS_LAG_BIAS=lag_bias is not None, HAS_FOOTER=has_footer,
-        PRECISION="ieee" if proj.dtype == torch.float32 else "tf32", num_warps=4)
+        PRECISION="ieee" if proj.dtype == torch.float32 else "tf32", num_warps=8 if block_d >= 128 else 4)
     return qk[:, :q_heads], qk[:, q_heads:], value
