@@ -1,12 +1,11 @@
-"""Launches one ZAYA1 decoder layer issues per decode step: the counts of a 3-layer model minus a 2-layer one.
+"""Launches one ZAYA1 decoder layer issues per decode step, counted on CPU: a 3-layer model minus a 2-layer one.
 
-CPU (default, no GPU needed): the ZAYA kernels (conv, norm, zaya_qk, zaya_router) run through Triton's interpreter
-and each call counts as one launch; every other aten op that would launch a CUDA kernel is counted by a dispatch
-mode (views and allocations launch nothing); attention and MoE, other kernels' work, count as calls of their entry
-points, reported apart (their launches come from their own kernels). CUDA: every kernel, memcpy and memset the
-profiler records, attributed by name.
+The ZAYA kernels (conv, norm, zaya_qk, zaya_router) run through Triton's interpreter and each call counts as one
+launch; every other aten op that would launch a CUDA kernel is counted by a dispatch mode (views and allocations
+launch nothing); attention and MoE, other kernels' work, count as calls of their entry points, reported apart.
+This checks the design without a GPU; on one, benchmarks/decode_launches.py counts the real CUDA launches.
 
-    python benchmarks/zaya_layer_ops.py [--device cuda] [--batch 64]
+    python benchmarks/zaya_layer_ops.py [--batch 4]
 """
 from __future__ import annotations
 
@@ -29,16 +28,11 @@ _NO_LAUNCH = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_st
               "alias", "_unsafe_view", "_reshape_alias"}
 
 
-def zaya_config(num_layers: int, full_size: bool) -> dict:
-    """ZAYA1-8B widths (vocab reduced), or tiny widths for the interpreter."""
-    widths = (dict(vocab_size=32768, hidden_size=2048, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
-                   moe_intermediate_size=2048, num_experts=16, router_hidden_size=256) if full_size else
-              dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                   moe_intermediate_size=32, num_experts=4, router_hidden_size=16))
+def tiny_zaya_config(num_layers: int) -> dict:
     return {"model_type": "zaya", "architectures": ["ZayaForCausalLM"], "num_hidden_layers": num_layers,
-            "num_experts_per_tok": 1, "cca_time0": 2, "cca_time1": 2, "rms_norm_eps": 1e-5,
-            "max_position_embeddings": 4096, "tie_word_embeddings": True, "eos_token_id": 1,
-            "layer_types": ["hybrid"] * num_layers, **widths}
+            "vocab_size": 128, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "moe_intermediate_size": 32, "num_experts": 4, "router_hidden_size": 16, "num_experts_per_tok": 1,
+            "max_position_embeddings": 4096, "eos_token_id": 1, "layer_types": ["hybrid"] * num_layers}
 
 
 class _AtenCounter(TorchDispatchMode):
@@ -92,18 +86,7 @@ def _counted_cpu_step(counts: Counter):
     counts.update(aten.ops)
 
 
-def _cuda_step_launches(step) -> Counter:
-    from torch.profiler import ProfilerActivity, profile
-
-    step()  # compile / autotune / allocate outside the profile
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    return Counter(f"cuda.{e.name}" for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-
-
-def decode_step_launches(num_layers: int, device: torch.device, batch_size: int) -> Counter:
+def decode_step_launches(num_layers: int, batch_size: int) -> Counter:
     """Launch counts of one decode forward (rows at prefix 3 over zeroed caches: the values do not matter)."""
     from hybridserve.cache.kv_pool import KVPool
     from hybridserve.cache.state_pool import StatePool
@@ -111,10 +94,9 @@ def decode_step_launches(num_layers: int, device: torch.device, batch_size: int)
     from hybridserve.demo import write_random_checkpoint
     from hybridserve.runtime.model_loader import build_model
 
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    page_size = 16
+    dtype, device, page_size = torch.float32, torch.device("cpu"), 16
     with tempfile.TemporaryDirectory() as directory:
-        write_random_checkpoint(Path(directory), zaya_config(num_layers, full_size=device.type == "cuda"))
+        write_random_checkpoint(Path(directory), tiny_zaya_config(num_layers))
         model, _ = build_model(directory, dtype, device)
     kv = KVPool(model.kv_cache_spec(dtype), batch_size + 1, page_size, device)
     state = StatePool(model.state_spec(dtype), batch_size, device)
@@ -122,38 +104,30 @@ def decode_step_launches(num_layers: int, device: torch.device, batch_size: int)
     chunks = [ScheduledChunk([5], 3, [row + 1], row + 1, True, [0]) for row in range(batch_size)]
     batch = build_forward_batch(chunks, page_size, device, model.history_len)
 
-    def step():
-        with torch.inference_mode():
-            model(batch)
-
-    if device.type == "cuda":
-        return _cuda_step_launches(step)
     counts: Counter = Counter()
-    with _counted_cpu_step(counts):
-        step()
+    with _counted_cpu_step(counts), torch.inference_mode():
+        model(batch)
     return counts
 
 
-def launches_per_layer(device: torch.device, batch_size: int) -> Counter:
+def launches_per_layer(batch_size: int) -> Counter:
     """What one more decoder layer adds to a decode step."""
-    more, fewer = (decode_step_launches(n, device, batch_size) for n in (3, 2))
+    more, fewer = (decode_step_launches(n, batch_size) for n in (3, 2))
     more.subtract(fewer)
     return +more
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--batch", type=int, default=4, help="decode rows")
     args = parser.parse_args()
-    if args.device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    per_layer = launches_per_layer(torch.device(args.device), args.batch)
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+    per_layer = launches_per_layer(args.batch)
     for name, count in sorted(per_layer.items()):
         print(f"{count:4d}  {name}")
     entries = {n: c for n, c in per_layer.items() if n.startswith("entry.")}
-    print(f"total {sum(per_layer.values())} per layer"
-          + (f" (attention and MoE counted as {sum(entries.values())} entry calls)" if entries else ""))
+    print(f"total {sum(per_layer.values())} per layer (attention and MoE counted as {sum(entries.values())} entry "
+          "calls; their kernels add their own launches)")
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.helpers import add_tokenizer  # noqa: E402
-from tests.models.zaya_fixtures import random_hf_zaya, save_hf, tiny_config  # noqa: E402
+from tests.helpers import add_tokenizer
+from tests.models.zaya_fixtures import random_hf_zaya, save_hf, tiny_config
 
 
 @pytest.fixture(scope="session")

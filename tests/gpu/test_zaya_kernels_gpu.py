@@ -16,7 +16,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 if torch.cuda.is_available():
     from hybridserve.core.batch import ScheduledChunk, build_forward_batch
     from hybridserve.ops.reference import norm as norm_reference
-    from hybridserve.ops.reference import zaya_qk as qk_reference
     from hybridserve.ops.reference import zaya_router as router_reference
     from hybridserve.ops.triton import conv, norm, zaya_qk, zaya_router
     from tests.ops.test_conv_kernel import run_conv_case
@@ -90,7 +89,7 @@ def test_kernels_issue_no_device_to_host_sync():
         q, k, v = conv.cca_conv(proj, *weights, None, Q_HEADS, 0, batch, *state, *footers)
         q = zaya_qk.qk_norm_rope_cache(q, k, v, torch.ones(K_HEADS, **bf16), inv_freq, batch.positions,
                                        batch.slot_mapping, *caches, torch.bfloat16)
-        x, h, h32 = norm.residual_rms_norm(q.view(rows, -1).repeat(1, 2), norm_weight, 1e-5, residual,
+        _, _, h32 = norm.residual_rms_norm(q.view(rows, -1).repeat(1, 2), norm_weight, 1e-5, residual,
                                            fp32_copy=True)
         routing = zaya_router.eda_route(**route)
     finally:

@@ -13,9 +13,8 @@ import torch
 
 from hybridserve.core.batch import ScheduledChunk, build_forward_batch
 from hybridserve.ops.reference import conv as reference
+from hybridserve.ops.triton import conv as kernel
 from tests.ops.conftest import DEVICE, KERNEL_DTYPES, ON_GPU
-
-from hybridserve.ops.triton import conv as kernel  # noqa: E402  (after conftest set TRITON_INTERPRET)
 
 P = 2  # cca_time0 = cca_time1 = 2
 POISON = float("nan")

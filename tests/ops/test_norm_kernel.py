@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from hybridserve.ops.reference import norm as reference
+from hybridserve.ops.triton import norm as kernel
 from tests.ops.conftest import DEVICE, KERNEL_DTYPES
-
-from hybridserve.ops.triton import norm as kernel  # noqa: E402  (after conftest set TRITON_INTERPRET)
 
 
 def _inputs(rows: int, width: int, dtype: torch.dtype, seed: int = 0):

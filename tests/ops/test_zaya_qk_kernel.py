@@ -13,9 +13,8 @@ import torch
 
 from hybridserve.layers.rotary import RotaryEmbedding
 from hybridserve.ops.reference import zaya_qk as reference
+from hybridserve.ops.triton import zaya_qk as kernel
 from tests.ops.conftest import DEVICE, KERNEL_DTYPES
-
-from hybridserve.ops.triton import zaya_qk as kernel  # noqa: E402  (after conftest set TRITON_INTERPRET)
 
 ROWS = 512
 

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from hybridserve.ops.reference import zaya_router as reference
+from hybridserve.ops.triton import zaya_router as kernel
 from tests.ops.conftest import DEVICE
-
-from hybridserve.ops.triton import zaya_router as kernel  # noqa: E402  (after conftest set TRITON_INTERPRET)
 
 
 def router_inputs(tokens: int, width: int, experts: int, skip_bias: float, seed: int = 0, device=DEVICE):
