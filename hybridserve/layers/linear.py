@@ -49,14 +49,20 @@ class ColumnParallelLinear(nn.Module):
 class MergedColumnParallelLinear(nn.Module):
     """Several column-parallel projections fused into one GEMM (gate+up, or Q|K|V blocks).
 
-    Each block is sharded on its own, so a rank holds [block0 shard | block1 shard | ...]. A checkpoint may give
-    the blocks separately (shard_id = block index) or already concatenated (shard_id None).
+    Each block is sharded on its own, so a rank holds [block0 shard | block1 shard | ...]; a block marked in
+    `replicated` is kept whole on every rank instead. A checkpoint may give the blocks separately (shard_id = block
+    index) or already concatenated (shard_id None).
     """
 
-    def __init__(self, in_features: int, block_sizes: list[int], bias: bool = False):
+    def __init__(self, in_features: int, block_sizes: list[int], bias: bool = False,
+                 replicated: list[bool] | None = None):
         super().__init__()
         self.block_sizes = list(block_sizes)
-        self.local_sizes = [divide(n, tp_size(), "block output features") for n in block_sizes]
+        self.replicated = list(replicated) if replicated is not None else [False] * len(block_sizes)
+        if len(self.replicated) != len(self.block_sizes):
+            raise ValueError("replicated needs one flag per block")
+        self.local_sizes = [n if whole else divide(n, tp_size(), "block output features")
+                            for n, whole in zip(block_sizes, self.replicated)]
         ids = frozenset(range(len(block_sizes)))
         self.weight = new_parameter(sum(self.local_sizes), in_features, loader=self._load, shard_ids=ids)
         self.bias = new_parameter(sum(self.local_sizes), loader=self._load, shard_ids=ids) if bias else None
@@ -68,7 +74,7 @@ class MergedColumnParallelLinear(nn.Module):
                 self._load(param, block, i)
             return
         offset = sum(self.local_sizes[:shard_id])
-        shard = shard_slice(loaded, 0, tp_rank(), tp_size())
+        shard = loaded if self.replicated[shard_id] else shard_slice(loaded, 0, tp_rank(), tp_size())
         target = param.data.narrow(0, offset, self.local_sizes[shard_id])
         check_shape(target.shape, shard)
         target.copy_(shard)

@@ -6,12 +6,7 @@ from torch import nn
 
 from hybridserve.core.parallel import divide, tp_size
 from hybridserve.layers.weights import new_parameter, tp_shard_loader
-
-
-def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) over the last dim, computed in fp32 and returned in x's dtype."""
-    x32 = x.float()
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+from hybridserve.ops.reference.norm import rms_normalize
 
 
 class RMSNorm(nn.Module):
