@@ -1,7 +1,16 @@
 """Session-wide fixtures: one tiny ZAYA1 checkpoint (HF layout, with a real tokenizer) for engine tests."""
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Kernel tests run through Triton's interpreter on CPU. The switch is read when a function is decorated, and the
+    # imports below load triton.language (through torch._dynamo), whose own jit'd helpers (tl.sum, tl.max, ...)
+    # must be interpreted too: so it is set here, before anything imports Triton (see tests/ops/conftest.py).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.helpers import add_tokenizer
 from tests.models.zaya_fixtures import random_hf_zaya, save_hf, tiny_config
