@@ -1,12 +1,14 @@
 """Rotary position embeddings, applied to the leading `rotary_dim` channels of each head.
 
 Angles are computed in fp32 from absolute positions on every call (no length-limited cache), and the rotation is
-done in fp32; the result is returned in the input's dtype.
+done in fp32; the result is returned in the input's dtype (ops/reference/rotary.py).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from hybridserve.ops.reference.rotary import apply_rotary
 
 
 class RotaryEmbedding(nn.Module):
@@ -20,13 +22,4 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim]; positions: [T]."""
-        angles = positions.float()[:, None] * self.inv_freq[None, :]
-        cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
-        rot = x[..., : self.rotary_dim].float()
-        if self.interleaved:
-            x1, x2 = rot[..., 0::2], rot[..., 1::2]
-            rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-        else:
-            x1, x2 = rot.chunk(2, dim=-1)
-            rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return torch.cat((rotated.to(x.dtype), x[..., self.rotary_dim :]), dim=-1)
+        return apply_rotary(x, positions, self.inv_freq, self.interleaved)
