@@ -6,7 +6,7 @@ from torch import nn
 
 from hybridserve.core.parallel import divide, tp_size
 from hybridserve.layers.weights import new_parameter, tp_shard_loader
-from hybridserve.ops.norm import add_rms_norm, group_rms_norm
+from hybridserve.ops.ling_norm import add_rms_norm, group_rms_norm
 from hybridserve.ops.reference.norm import rms_normalize
 
 

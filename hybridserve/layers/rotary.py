@@ -1,7 +1,7 @@
 """Rotary position embeddings, applied to the leading `rotary_dim` channels of each head.
 
 Angles are computed in fp32 from absolute positions on every call (no length-limited cache), and the rotation is
-done in fp32; the result is returned in the input's dtype (ops/reference/rotary.py).
+done in fp32; the result is returned in the input's dtype (`ops.reference.rotary`).
 """
 from __future__ import annotations
 
@@ -22,4 +22,4 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim]; positions: [T]."""
-        return apply_rotary(x, positions, self.inv_freq, self.interleaved)
+        return apply_rotary(positions, x, self.inv_freq, self.interleaved)

@@ -33,7 +33,7 @@ from hybridserve.layers.rotary import RotaryEmbedding
 from hybridserve.layers.weights import new_parameter
 from hybridserve.models.ling_config import LingConfig
 from hybridserve.ops.lightning import lightning_attention
-from hybridserve.ops.norm import qk_norm_rope
+from hybridserve.ops.ling_norm import qk_norm_rope
 
 
 def alibi_slopes(num_heads: int) -> list[float]:

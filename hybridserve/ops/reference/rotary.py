@@ -1,20 +1,20 @@
-"""Rotary position embedding of the leading channels of each head: the one formula every RoPE path uses."""
+"""Rotary position embedding of the leading `rotary_dim` channels of each head: the pure-torch form.
+
+Angles are computed in fp32 from absolute positions on every call (no length-limited cache), and the rotation is
+done in fp32; the result is returned in the input's dtype.
+"""
 from __future__ import annotations
 
 import torch
 
 
-def apply_rotary(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+def apply_rotary(positions: torch.Tensor, x: torch.Tensor, inv_freq: torch.Tensor,
                  interleaved: bool = False) -> torch.Tensor:
-    """Rotate the first 2 * len(inv_freq) channels of x [T, ..., head_dim] by the angles positions * inv_freq.
-
-    Angles and the rotation in fp32 (angles from absolute positions on every call: no length-limited cache); the
-    result in x's dtype. `interleaved=False`: NeoX rotate-half pairs (i, i + rot/2); True: GPT-J pairs (2i, 2i + 1).
-    """
-    rotary_dim = 2 * inv_freq.numel()
+    """x [T, heads, head_dim], positions [T], inv_freq [rotary_dim / 2] fp32. `interleaved=False`: NeoX rotate-half
+    pairs (i, i + rot/2); True: GPT-J adjacent pairs (2i, 2i + 1)."""
+    rotary_dim = 2 * inv_freq.shape[0]
     angles = positions.float()[:, None] * inv_freq[None, :]
-    shape = (angles.shape[0],) + (1,) * (x.dim() - 2) + (angles.shape[1],)
-    cos, sin = angles.cos().view(shape), angles.sin().view(shape)
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
     rot = x[..., :rotary_dim].float()
     if interleaved:
         x1, x2 = rot[..., 0::2], rot[..., 1::2]

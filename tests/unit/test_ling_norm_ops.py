@@ -11,7 +11,11 @@ from hybridserve.core.parallel import set_tensor_parallel_group
 from hybridserve.layers.norm import RMSNorm
 from hybridserve.layers.rotary import RotaryEmbedding
 from hybridserve.models.ling_config import parse_ling_config
-from hybridserve.ops.reference.norm import add_rms_norm, group_rms_norm, qk_norm_rope
+from hybridserve.ops.reference.ling_norm import (
+    add_rms_norm,
+    group_rms_norm,
+    qk_norm_rope,
+)
 from hybridserve.runtime.model_loader import build_model
 from tests.reference.ling_naive import (
     group_rms_norm as naive_group_rms_norm,

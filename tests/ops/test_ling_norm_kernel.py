@@ -1,6 +1,7 @@
-"""Triton RMS-norm fusions (ops/triton/norm.py) against their torch references (ops/reference/norm.py): residual
+"""Triton RMS-norm fusions (ops/triton/ling_norm.py) against their torch references (ops/reference/ling_norm.py): residual
 add + RMSNorm, gated GroupRMSNorm, per-head QK RMSNorm + partial NeoX RoPE. Widths that are not powers of two
-(masked lanes) and strided inputs (views of one fused projection output, as the model passes them).
+(masked lanes), more rows than one program's tile, and strided inputs (views of one fused projection output, as
+the model passes them).
 
 Tolerances: fp32 1e-6 relative (only the order of the fp32 sums and the cos/sin implementation differ); 16-bit
 outputs may differ by one rounding step where the fp32 values before rounding differ in the last bits, so they are
@@ -11,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridserve.ops.reference import norm as reference
-from hybridserve.ops.triton import norm as kernel
+from hybridserve.ops.reference import ling_norm as reference
+from hybridserve.ops.triton import ling_norm as kernel
 from tests.ops.conftest import DEVICE, KERNEL_DTYPES
 
 EPS = 1e-6
@@ -32,8 +33,8 @@ def _randn(*shape: int, gen: torch.Generator, dtype: torch.dtype = torch.float32
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 def test_add_rms_norm(dtype: torch.dtype) -> None:
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    x = _randn(5, 2, 48, gen=gen, dtype=dtype)[:, 0]  # row stride 96: a strided view
-    residual = 10 * _randn(5, 48, gen=gen, dtype=dtype)
+    x = _randn(70, 2, 48, gen=gen, dtype=dtype)[:, 0]  # row stride 96: a strided view; 32 rows per program
+    residual = 10 * _randn(70, 48, gen=gen, dtype=dtype)
     weight = 1 + 0.1 * _randn(48, gen=gen, dtype=dtype)
     out, new_residual = kernel.add_rms_norm(x, residual, weight, EPS)
     expected, expected_residual = reference.add_rms_norm(x, residual, weight, EPS)
@@ -46,10 +47,10 @@ def test_add_rms_norm(dtype: torch.dtype) -> None:
 def test_group_rms_norm(dtype: torch.dtype, gated: bool) -> None:
     """x fp32 (the lightning output), weight and gate in the model dtype, the gate a view of a fused output."""
     gen = torch.Generator(device=DEVICE).manual_seed(1)
-    x = _randn(6, 60, gen=gen)
+    x = _randn(70, 60, gen=gen)  # 64 rows per program
     x[:, :20] *= 30.0  # groups of very different scale: a whole-row statistic would differ
     weight = 1 + 0.1 * _randn(60, gen=gen, dtype=dtype)
-    gate = _randn(6, 3, 60, gen=gen, dtype=dtype)[:, 2] if gated else None
+    gate = _randn(70, 3, 60, gen=gen, dtype=dtype)[:, 2] if gated else None
     _close(kernel.group_rms_norm(x, weight, 3, EPS, gate), reference.group_rms_norm(x, weight, 3, EPS, gate))
 
 
@@ -57,13 +58,14 @@ def test_group_rms_norm(dtype: torch.dtype, gated: bool) -> None:
 @pytest.mark.parametrize(("heads", "head_dim", "rotary_dim", "norm"),
                          [(3, 16, 8, True), (5, 24, 8, True), (3, 16, 16, False)])
 def test_qk_norm_rope(dtype: torch.dtype, heads: int, head_dim: int, rotary_dim: int, norm: bool) -> None:
-    """q and k heads of a [T, 4, H, d] projection output (the model's Q|K|V|G view), positions up to 5000."""
+    """q and k heads of a [T, 4, H, d] projection output (the model's Q|K|V|G view), positions up to 5000;
+    T * 2 * H rows span several programs' tiles (128 rows of d = 16, 64 of d = 24)."""
     gen = torch.Generator(device=DEVICE).manual_seed(2)
-    tokens = 7
+    tokens = 28
     qkvg = 3 * _randn(tokens, 4, heads, head_dim, gen=gen, dtype=dtype)
     q_weight, k_weight = (1 + 0.2 * _randn(head_dim, gen=gen, dtype=dtype) for _ in range(2))
     weights = (q_weight, k_weight) if norm else (None, None)
-    positions = torch.tensor([0, 1, 2, 17, 63, 1000, 4999], device=DEVICE)
+    positions = torch.tensor([0, 1, 2, 17, 63, 1000, 4999] * 4, device=DEVICE)
     inv_freq = 1.0 / (6e6 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=DEVICE) / rotary_dim))
     got = kernel.qk_norm_rope(qkvg[:, :2], *weights, positions, inv_freq, EPS)
     _close(got, reference.qk_norm_rope(qkvg[:, :2], *weights, positions, inv_freq, EPS))
