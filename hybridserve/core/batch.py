@@ -23,6 +23,7 @@ class ScheduledChunk:
     state_slot: int
     has_initial_state: bool  # the slot holds the state after `prefix_len` tokens (else start from zero)
     logits_offsets: list[int] = field(default_factory=list)  # which new tokens need logits (0-based in chunk)
+    table_row: int = 0  # the sequence's row in the device PageTables while it runs (engine steps only)
 
 
 @dataclass
@@ -82,14 +83,73 @@ class ForwardBatch:
         return rows.flatten(1)
 
 
-def _device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    host = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
+class _HostPack:
+    """Every per-step index tensor packed into one pinned host buffer and moved with one host-to-device copy.
+
+    Segments are 8-byte aligned, so each is a typed view of the same device buffer (int64, int32 or bool).
+    """
+
+    def __init__(self) -> None:
+        self._segments: list[tuple[str, torch.dtype, torch.Tensor]] = []
+
+    def add(self, name: str, values: list, dtype: torch.dtype = torch.long) -> None:
+        self._segments.append((name, dtype, torch.tensor(values, dtype=dtype)))
+
+    def upload(self, device: torch.device) -> dict[str, torch.Tensor]:
+        offsets, total = [], 0
+        for _, _, host in self._segments:
+            offsets.append(total)
+            total += -(-host.numel() * host.element_size() // 8) * 8
+        buffer = torch.empty(max(total, 8), dtype=torch.uint8, pin_memory=device.type == "cuda")
+        for (_, dtype, host), offset in zip(self._segments, offsets):
+            nbytes = host.numel() * host.element_size()
+            buffer[offset:offset + nbytes].view(dtype).view(host.shape).copy_(host)
+        buffer = buffer.to(device, non_blocking=True)
+        views = {}
+        for (name, dtype, host), offset in zip(self._segments, offsets):
+            nbytes = host.numel() * host.element_size()
+            views[name] = buffer[offset:offset + nbytes].view(dtype).view(host.shape)
+        return views
 
 
-def _token_history(chunks: list[ScheduledChunk], length: int, device: torch.device) -> TokenHistory:
+class PageTables:
+    """The page table and the state-slot table on the device, one row per running sequence, kept across steps.
+
+    The scheduler gives each running sequence a table row for as long as it runs (`ScheduledChunk.table_row`) and
+    names the rows it handed to a new sequence since the last step (`reset`). A step then uploads only the pages
+    appended to each row since the step before, and the row's slot when the row is new; the batch's page table is
+    a gather of its rows. CUDA graphs replay over these same tensors.
+    """
+
+    def __init__(self, max_rows: int, max_pages: int, device: torch.device):
+        self.pages = torch.zeros(max_rows, max_pages, dtype=torch.long, device=device)  # padded with page 0
+        self.slots = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self._synced = [0] * max_rows  # pages of each row already on the device (0: a new row)
+
+    def reset(self, rows: list[int]) -> None:
+        for row in rows:
+            self._synced[row] = 0
+
+    def updates(self, chunks: list[ScheduledChunk]) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+        """(rows, columns, pages) of the entries to write, and (rows, slots) of rows whose slot is new."""
+        rows, cols, pages, slot_rows, slots = [], [], [], [], []
+        for chunk in chunks:
+            row, synced = chunk.table_row, self._synced[chunk.table_row]
+            if len(chunk.page_ids) > self.pages.shape[1]:
+                raise ValueError(f"{len(chunk.page_ids)} pages exceed the page table's width {self.pages.shape[1]}")
+            if synced == 0:
+                slot_rows.append(row)
+                slots.append(chunk.state_slot)
+            new = chunk.page_ids[synced:]
+            rows.extend([row] * len(new))
+            cols.extend(range(synced, len(chunk.page_ids)))
+            pages.extend(new)
+            self._synced[row] = len(chunk.page_ids)
+        return rows, cols, pages, slot_rows, slots
+
+
+def _token_history_rows(chunks: list[ScheduledChunk], length: int) -> tuple[int, list[int], list, list]:
+    """(total rows, token_index, history_index, final_index) of the extended layout."""
     token_index, history_index, final_index = [], [], []
     row = 0
     for chunk in chunks:
@@ -98,18 +158,16 @@ def _token_history(chunks: list[ScheduledChunk], length: int, device: torch.devi
         token_index.extend(range(row, row + len(chunk.token_ids)))
         row += len(chunk.token_ids)
         final_index.append(list(range(row - length, row)))
-    return TokenHistory(
-        length=length,
-        total_rows=row,
-        token_index=_device_tensor(token_index, torch.long, device),
-        history_index=_device_tensor(history_index, torch.long, device),
-        final_index=_device_tensor(final_index, torch.long, device),
-    )
+    return row, token_index, history_index, final_index
 
 
 def build_forward_batch(chunks: list[ScheduledChunk], page_size: int, device: torch.device,
-                        history_len: int = 0) -> ForwardBatch:
-    """Pack scheduled chunks into one ForwardBatch (host work + non-blocking uploads only)."""
+                        history_len: int = 0, tables: PageTables | None = None) -> ForwardBatch:
+    """Pack scheduled chunks into one ForwardBatch: host work, then one non-blocking upload.
+
+    With `tables` (the engine) the page table and the slots come from the persistent device tables, updated by
+    this step's new entries; without (tests driving a model by hand) they are built from the chunks' lists.
+    """
     if not chunks or any(not c.token_ids for c in chunks):
         raise ValueError("a forward batch needs at least one row and every row needs at least one token")
     query_lens = [len(c.token_ids) for c in chunks]
@@ -130,6 +188,44 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_size: int, device: to
                 page_end_tokens.append(start + pos - chunk.prefix_len)
                 page_end_pages.append(chunk.page_ids[pos // page_size])
         logits_indices.extend(start + i for i in chunk.logits_offsets)
+    pack = _HostPack()
+    pack.add("input_ids", input_ids)
+    pack.add("positions", positions)
+    pack.add("query_start_loc", [*query_starts, query_starts[-1] + query_lens[-1]], torch.int32)
+    pack.add("seq_ids", seq_ids, torch.int32)
+    pack.add("kv_lens", kv_lens)
+    pack.add("slot_mapping", slot_mapping)
+    pack.add("has_initial_state", [c.has_initial_state for c in chunks], torch.bool)
+    pack.add("logits_indices", logits_indices)
+    pack.add("page_offsets", list(range(page_size)))
+    pack.add("page_end_tokens", page_end_tokens)
+    pack.add("page_end_pages", page_end_pages)
+    if tables is None:
+        pack.add("page_table", [c.page_ids + [0] * (width - len(c.page_ids)) for c in chunks])
+        pack.add("state_slots", [c.state_slot for c in chunks])
+    else:
+        rows, cols, pages, slot_rows, slots = tables.updates(chunks)
+        pack.add("table_rows", [c.table_row for c in chunks])
+        for name, values in (("update_rows", rows), ("update_cols", cols), ("update_pages", pages),
+                             ("slot_rows", slot_rows), ("slots", slots)):
+            pack.add(name, values)
+    if history_len:
+        total_rows, token_index, history_index, final_index = _token_history_rows(chunks, history_len)
+        pack.add("token_index", token_index)
+        pack.add("history_index", history_index)
+        pack.add("final_index", final_index)
+    t = pack.upload(device)
+    if tables is not None:
+        tables.pages.index_put_((t["update_rows"], t["update_cols"]), t["update_pages"])
+        tables.slots.index_put_((t["slot_rows"],), t["slots"])
+        page_table = tables.pages[:, :width].index_select(0, t["table_rows"])
+        state_slots = tables.slots.index_select(0, t["table_rows"])
+    else:
+        page_table, state_slots = t["page_table"], t["state_slots"]
+    history = None
+    if history_len:
+        history = TokenHistory(length=history_len, total_rows=total_rows, token_index=t["token_index"],
+                               history_index=t["history_index"], final_index=t["final_index"])
     return ForwardBatch(
         query_lens=query_lens,
         query_starts=query_starts,
@@ -138,18 +234,18 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_size: int, device: to
         is_decode=all(n == 1 for n in query_lens),
         max_query_len=max(query_lens),
         max_kv_len=max(kv_lens),
-        input_ids=_device_tensor(input_ids, torch.long, device),
-        positions=_device_tensor(positions, torch.long, device),
-        query_start_loc=_device_tensor([*query_starts, query_starts[-1] + query_lens[-1]], torch.int32, device),
-        seq_ids=_device_tensor(seq_ids, torch.int32, device),
-        kv_lens=_device_tensor(kv_lens, torch.long, device),
-        page_table=_device_tensor([c.page_ids + [0] * (width - len(c.page_ids)) for c in chunks], torch.long, device),
-        slot_mapping=_device_tensor(slot_mapping, torch.long, device),
-        state_slots=_device_tensor([c.state_slot for c in chunks], torch.long, device),
-        has_initial_state=_device_tensor([c.has_initial_state for c in chunks], torch.bool, device),
-        logits_indices=_device_tensor(logits_indices, torch.long, device),
-        page_offsets=torch.arange(page_size, device=device),
-        page_end_tokens=_device_tensor(page_end_tokens, torch.long, device),
-        page_end_pages=_device_tensor(page_end_pages, torch.long, device),
-        token_history=_token_history(chunks, history_len, device) if history_len else None,
+        input_ids=t["input_ids"],
+        positions=t["positions"],
+        query_start_loc=t["query_start_loc"],
+        seq_ids=t["seq_ids"],
+        kv_lens=t["kv_lens"],
+        page_table=page_table,
+        slot_mapping=t["slot_mapping"],
+        state_slots=state_slots,
+        has_initial_state=t["has_initial_state"],
+        logits_indices=t["logits_indices"],
+        page_offsets=t["page_offsets"],
+        page_end_tokens=t["page_end_tokens"],
+        page_end_pages=t["page_end_pages"],
+        token_history=history,
     )

@@ -46,6 +46,7 @@ class StepPlan:
     restores: list[tuple[int, int]] = field(default_factory=list)  # (slot -> working slot)
     page_restores: list[tuple[int, int]] = field(default_factory=list)  # (page footer -> working slot)
     snapshots: list[tuple[int, int]] = field(default_factory=list)  # (working slot -> checkpoint slot)
+    table_resets: list[int] = field(default_factory=list)  # device-table rows given to a new sequence
 
 
 @dataclass

@@ -66,6 +66,7 @@ class LLMEngine:
         plan = self.runner.memory_plan
         kv_tokens = plan.num_pages * config.page_size
         self.max_model_len = self._max_model_len(kv_tokens)
+        self.runner.create_tables(plan.max_running_requests, self.max_model_len)
         pages, slots = PageAllocator(plan.num_pages + 1), SlotAllocator(plan.num_state_slots)
         cache = None
         if config.enable_prefix_caching:

@@ -27,6 +27,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     page_ids: list[int] = field(default_factory=list)
     state_slot: int | None = None
+    table_row: int | None = None  # its row in the device page/slot tables while it runs
     num_computed_tokens: int = 0  # tokens whose KV is written and whose state is folded into state_slot
     num_cached_tokens: int | None = None  # prompt tokens reused from the prefix cache at first admission
     cache_node: TreeNode | None = None  # deepest prefix-cache node whose path this request has locked

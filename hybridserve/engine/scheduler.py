@@ -55,9 +55,12 @@ class Scheduler:
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0  # usable hits: KV and state both restored
         self.prefix_kv_match_tokens = 0  # attention KV matched, also beyond the deepest state checkpoint
-        # Copies a fork needs before the next forward (whatever that step schedules).
+        # Copies a fork needs before the next forward (whatever that step schedules), and the table rows handed
+        # to new sequences since the last plan.
         self._pending_page_copies: list[tuple[int, int]] = []
         self._pending_restores: list[tuple[int, int]] = []
+        self._pending_row_resets: list[int] = []
+        self._free_rows = list(range(max_running_requests - 1, -1, -1))  # running sequences <= max_running
 
     # --- queue management ------------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -87,6 +90,9 @@ class Scheduler:
         if request.state_slot is not None:
             self.slots.release(request.state_slot)
             request.state_slot = None
+        if request.table_row is not None:
+            self._free_rows.append(request.table_row)
+            request.table_row = None
         request.num_computed_tokens = request.cached_len = request.branch_point = 0
 
     def _preempt(self, request: Request) -> None:
@@ -104,6 +110,10 @@ class Scheduler:
             pages = self.pages.allocate(count)
         return pages
 
+    def _take_row(self) -> int:
+        """A device-table row; callers check `max_running` first, so one is always free."""
+        return self._free_rows.pop()
+
     def _allocate_slot(self) -> int | None:
         slot = self.slots.allocate()
         while slot is None and self.cache is not None and self.cache.evict_checkpoint():
@@ -113,8 +123,9 @@ class Scheduler:
     # --- one step --------------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledStep | None:
         step = ScheduledStep(StepPlan(chunks=[], samples=[], prompt_logprobs=[],
-                                      page_copies=self._pending_page_copies, restores=self._pending_restores), [])
-        self._pending_page_copies, self._pending_restores = [], []
+                                      page_copies=self._pending_page_copies, restores=self._pending_restores,
+                                      table_resets=self._pending_row_resets), [])
+        self._pending_page_copies, self._pending_restores, self._pending_row_resets = [], [], []
         budget = self.max_tokens
         for request in list(self.running):
             if budget == 0:
@@ -136,6 +147,7 @@ class Scheduler:
         if not step.requests:
             # Nothing to run, so nothing can overwrite a fork's source yet: keep its copies for the next plan.
             self._pending_page_copies, self._pending_restores = step.plan.page_copies, step.plan.restores
+            self._pending_row_resets = step.plan.table_resets
             return None
         return step
 
@@ -197,6 +209,8 @@ class Scheduler:
             self.slots.release(slot)
             return False
         request.state_slot = slot
+        request.table_row = self._take_row()
+        step.plan.table_resets.append(request.table_row)
         request.status = RequestStatus.RUNNING
         if request.num_cached_tokens is None:
             request.num_cached_tokens = hit.num_tokens if hit else 0
@@ -226,6 +240,7 @@ class Scheduler:
             state_slot=request.state_slot,
             has_initial_state=start > 0,
             logits_offsets=scored + ([count - 1] if draws else []),
+            table_row=request.table_row,
         ))
         plan.samples.append(draws)
         plan.prompt_logprobs.append(targets)
@@ -276,6 +291,8 @@ class Scheduler:
             self._pending_page_copies.append((parent.page_ids[full], page[0]))
         self._pending_restores.append((parent.state_slot, slot))
         child.state_slot, child.num_computed_tokens = slot, parent.num_computed_tokens
+        child.table_row = self._take_row()
+        self._pending_row_resets.append(child.table_row)
         child.num_cached_tokens, child.num_prompt_scored = parent.num_cached_tokens, parent.num_prompt_scored
         if self.cache is not None:
             self.cache.lock(parent.cache_node)
@@ -346,6 +363,9 @@ class Scheduler:
             if parts != counts[f"{kind}_total"] or len(working) != len(set(working)):
                 raise RuntimeError(f"{kind} accounting broken: free + evictable + protected = {parts}, total "
                                    f"{counts[f'{kind}_total']} ({recounted}, {counts})")
+        rows = [r.table_row for r in self.running]
+        if sorted(rows + self._free_rows) != list(range(self.max_running)):
+            raise RuntimeError(f"device-table rows broken: running {rows}, free {self._free_rows}")
         drifted = {k: (v, counts[k]) for k, v in recounted.items() if counts[k] != v}
         if drifted:
             raise RuntimeError(f"resource counters drifted from a recount (recount, counter): {drifted}")

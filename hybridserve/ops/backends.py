@@ -23,8 +23,14 @@ def _triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def _has_kernel(op: str) -> bool:
+    """Whether `ops/triton/<op>.py` exists (found without importing it, so without importing Triton)."""
+    return importlib.util.find_spec(f"hybridserve.ops.triton.{op}") is not None
+
+
 def select_kernels(device: torch.device, preference: str = "auto") -> dict[str, str]:
-    """Fix the backend of every op for this process: 'triton' on CUDA (unless `preference` is 'torch'), else 'torch'.
+    """Fix the backend of every op for this process: 'triton' on CUDA (unless `preference` is 'torch') for every op
+    that has a kernel module, else 'torch'.
 
     `preference='triton'` on a device or install where the kernels cannot run is an error, not a silent fallback.
     """
@@ -42,7 +48,7 @@ def select_kernels(device: torch.device, preference: str = "auto") -> dict[str, 
     elif preference == "triton":
         raise ValueError(f"kernel_backend='triton' needs a CUDA device; the engine runs on {device}")
     _selected.clear()
-    _selected.update({op: backend for op in OPS})
+    _selected.update({op: backend if backend == "torch" or _has_kernel(op) else "torch" for op in OPS})
     logger.info("kernels: %s", " ".join(f"{op}={name}" for op, name in _selected.items()))
     return dict(_selected)
 
@@ -52,5 +58,5 @@ def use_triton(op: str, device: torch.device) -> bool:
     if device.type != "cuda":
         return False
     if not _selected:  # a model used outside an engine (tests, scripts): decide as `select_kernels` would
-        return _triton_importable()
+        return _triton_importable() and _has_kernel(op)
     return _selected[op] == "triton"

@@ -9,7 +9,7 @@ from hybridserve.cache.kv_pool import KVPool
 from hybridserve.cache.memory import GiB, MemoryPlan, plan_memory
 from hybridserve.cache.state_pool import StatePool
 from hybridserve.config import EngineConfig
-from hybridserve.core.batch import ScheduledChunk, build_forward_batch
+from hybridserve.core.batch import PageTables, ScheduledChunk, build_forward_batch
 from hybridserve.core.step import ChunkResult, StepPlan
 from hybridserve.layers.sampler import Sampler, logprob_dicts
 from hybridserve.loader import read_config
@@ -48,6 +48,11 @@ class ModelRunner:
         self.footer_pool = StatePool(state_spec, self.memory.num_pages, self.device) if self.page_footers else None
         self._bind(self.kv_pool, self.state_pool, self.footer_pool)
         self.sampler = Sampler()
+        self.tables: PageTables | None = None
+
+    def create_tables(self, max_rows: int, max_model_len: int) -> None:
+        """The persistent device page/slot tables: one row per running sequence, wide enough for max_model_len."""
+        self.tables = PageTables(max_rows, -(-max_model_len // self.config.page_size) + 1, self.device)
 
     @property
     def memory_plan(self) -> MemoryPlan:
@@ -99,7 +104,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[ChunkResult]:
         """Run one step: copies and restores -> forward -> snapshots, then prompt logprobs and sampling."""
-        batch = build_forward_batch(plan.chunks, self.config.page_size, self.device, self.model.history_len)
+        if self.tables is None:
+            raise RuntimeError("create_tables must be called before the first step")
+        self.tables.reset(plan.table_resets)
+        batch = build_forward_batch(plan.chunks, self.config.page_size, self.device, self.model.history_len,
+                                    self.tables)
         if plan.page_copies:
             src, dst = zip(*plan.page_copies)
             self.kv_pool.copy_pages(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))

@@ -1,0 +1,156 @@
+"""Ling-2.6 decode agreement on CUDA: how often the bf16 engine's greedy tokens are the fp32 reference's argmax,
+per lightning implementation, with requests decoded together and one at a time (issue 8's table).
+
+Setup: Ling-2.6-flash widths (hidden 4096, 32 heads x 128, MLA 1536/512/128/64/128, 256 experts top-8 in groups
+8/4 x 1024 + 1 shared), 2 layers (lightning + dense FFN, MLA + MoE), vocab 32768, random 1/sqrt(fan_in) weights,
+`lightning_decay_variant=hf_remote_code`, bf16; prompts of 33/97/211/300 tokens, 48 greedy tokens each, through
+`LLM.generate` with `prompt_logprobs=1`. The oracle is the same checkpoint in fp32 with every op on its torch
+reference, teacher-forced over each run's tokens. The lightning implementation is switched per run; every other op
+runs its selected (Triton) kernel throughout.
+
+    python benchmarks/ling_decode_agreement.py [--out results.json]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import tempfile
+import types
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hybridserve.ops.triton as triton_ops  # noqa: E402
+from hybridserve import LLM, SamplingParams  # noqa: E402
+from hybridserve.ops import backends  # noqa: E402
+from hybridserve.ops.reference import lightning as reference  # noqa: E402
+from tests.helpers import add_tokenizer  # noqa: E402
+from tests.reference.ling_naive import random_ling_checkpoint, tiny_ling_config, write_checkpoint  # noqa: E402
+
+FLASH_2_LAYERS = tiny_ling_config(
+    vocab_size=32768, hidden_size=4096, intermediate_size=9216, num_hidden_layers=2, layer_group_size=2,
+    num_attention_heads=32, num_key_value_heads=32, head_dim=128, group_norm_size=4, rope_theta=6e6,
+    q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    num_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4, moe_intermediate_size=1024,
+    num_shared_experts=1, routed_scaling_factor=2.5, first_k_dense_replace=1, num_nextn_predict_layers=0,
+    lightning_decay_variant="hf_remote_code", max_position_embeddings=4096,
+)
+PROMPT_LENGTHS = (33, 97, 211, 300)
+NEW_TOKENS = 48
+
+
+def lightning_variants() -> dict[str, types.ModuleType | None]:
+    """name -> a module with `lightning_attention` standing in for ops.triton.lightning (None: the torch path)."""
+    variants: dict[str, types.ModuleType | None] = {"torch": None}
+    try:
+        from hybridserve.ops.triton import lightning as own
+        variants["triton"] = own
+    except ImportError:
+        pass
+    try:
+        from hybridserve.ops.triton import lightning_fla as fla
+    except ImportError:
+        return variants
+
+    def split(prefill, decode) -> types.ModuleType:
+        module = types.ModuleType("lightning_variant")
+        module.lightning_attention = lambda q, k, v, g, pool, batch: (decode if batch.is_decode else prefill)(
+            q, k, v, g, pool, batch)
+        return module
+
+    variants["fla"] = fla
+    variants["fla-prefill+torch-decode"] = split(fla.lightning_attention, reference.lightning_attention)
+    variants["torch-prefill+fla-decode"] = split(reference.lightning_attention, fla.lightning_attention)
+    return variants
+
+
+@contextlib.contextmanager
+def lightning_as(module: types.ModuleType | None, selection: dict[str, str]):
+    """Run with the engine's kernel selection, the lightning op replaced by `module` (None: torch reference)."""
+    saved = (dict(backends._selected), getattr(triton_ops, "lightning", None), sys.modules.get(
+        "hybridserve.ops.triton.lightning"))
+    backends._selected.update(selection)
+    if module is None:
+        backends._selected["lightning"] = "torch"
+    else:
+        backends._selected["lightning"] = "triton"
+        triton_ops.lightning = module
+        sys.modules["hybridserve.ops.triton.lightning"] = module
+    try:
+        yield
+    finally:
+        backends._selected.clear()
+        backends._selected.update(saved[0])
+        if saved[1] is not None:
+            triton_ops.lightning = saved[1]
+            sys.modules["hybridserve.ops.triton.lightning"] = saved[2]
+
+
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(3, FLASH_2_LAYERS["vocab_size"], (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+
+
+def generate(llm: LLM, batch: list[list[int]]) -> list[tuple[list[int], list[int]]]:
+    """(generated tokens, top-1 of each prompt position's logprobs) per prompt."""
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, prompt_logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params)
+    return [(o.outputs[0].token_ids, [_top1(d) for d in o.prompt_logprobs[1:]]) for o in outs]
+
+
+def _top1(logprobs: dict[int, float]) -> int:
+    return max(logprobs, key=logprobs.get)
+
+
+def oracle_top1(oracle: LLM, sequence: list[int]) -> list[int]:
+    """The fp32 reference's argmax after every prefix of `sequence` (position p predicts token p + 1)."""
+    out = oracle.generate([{"prompt_token_ids": sequence}],
+                          SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, prompt_logprobs=1))[0]
+    return [_top1(d) for d in out.prompt_logprobs[1:]] + [out.outputs[0].token_ids[0]]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    directory = Path(tempfile.mkdtemp(prefix="ling-flash-2l-"))
+    tensors = {name: t.bfloat16() for name, t in random_ling_checkpoint(FLASH_2_LAYERS, seed=0).items()}
+    write_checkpoint(directory, FLASH_2_LAYERS, tensors)
+    add_tokenizer(directory)
+    # The planner counts memory already in use against each engine's share, so the second one gets a larger one.
+    common = dict(device="cuda", max_model_len=1024, enable_prefix_caching=False)
+    oracle = LLM(str(directory), dtype="float32", kernel_backend="torch", gpu_memory_utilization=0.35, **common)
+    oracle_selection = dict(backends._selected)
+    engine = LLM(str(directory), dtype="bfloat16", gpu_memory_utilization=0.7, **common)
+    selection = dict(backends._selected)
+    batch = prompts()
+    rows = []
+    for name, module in lightning_variants().items():
+        for arrangement in ("together", "alone"):
+            with lightning_as(module, selection):
+                runs = generate(engine, batch) if arrangement == "together" else \
+                    [generate(engine, [p])[0] for p in batch]
+            decode_hits = decode_total = prefill_hits = prefill_total = 0
+            for prompt, (tokens, prompt_top1) in zip(batch, runs):
+                with lightning_as(None, oracle_selection):
+                    expected = oracle_top1(oracle, prompt + tokens[:-1])
+                # expected[p] predicts token p + 1: prompt positions, then the NEW_TOKENS decode picks.
+                prefill_hits += sum(a == b for a, b in zip(prompt_top1, expected[:len(prompt) - 1]))
+                prefill_total += len(prompt) - 1
+                decode_hits += sum(a == b for a, b in zip(tokens, expected[len(prompt) - 1:]))
+                decode_total += len(tokens)
+            rows.append({"lightning": name, "arrangement": arrangement,
+                         "decode_agreement": decode_hits / decode_total,
+                         "prefill_agreement": prefill_hits / prefill_total})
+            print(f"{name:<28} {arrangement:<9} decode {decode_hits / decode_total:6.1%}  "
+                  f"prefill top-1 {prefill_hits / prefill_total:6.1%}", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"config": FLASH_2_LAYERS, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
