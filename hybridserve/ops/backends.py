@@ -13,7 +13,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-OPS = ("attention", "moe", "conv", "lightning", "norm")
+OPS = ("attention", "moe", "conv", "lightning", "norm", "ling_norm")
 CHOICES = ("auto", "triton", "torch")
 
 _selected: dict[str, str] = {}

@@ -47,9 +47,9 @@ def test_generate_with_triton_kernels_matches_torch_path(ling_dir: Path, monkeyp
     expected = _generate(ling_dir, prompts, together=True)  # the torch path is batch-invariant (tests/engine)
     with monkeypatch.context() as patch:
         forced = []
-        patch.setattr(backends, "use_triton", lambda op, device: forced.append(op) or op in ("lightning", "norm"))
+        patch.setattr(backends, "use_triton", lambda op, device: forced.append(op) or op in ("lightning", "ling_norm"))
         runs = [_generate(ling_dir, prompts, together=True), _generate(ling_dir, prompts, together=False)]
-    assert {"lightning", "norm"} <= set(forced)
+    assert {"lightning", "ling_norm"} <= set(forced)
     for got in runs:
         for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, expected, strict=True):
             assert len(tokens) == STEPS and tokens == ref_tokens

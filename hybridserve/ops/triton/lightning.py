@@ -32,6 +32,16 @@ PRECISIONS = ("ieee", "tf32", "tf32x3")
 
 
 @triton.jit
+def _scores(q, k, PRECISION: tl.constexpr):
+    """q k^T: 16-bit inputs multiply exactly into the fp32 accumulator; only fp32 inputs take PRECISION."""
+    if q.dtype == tl.float32:
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    else:
+        scores = tl.dot(q, tl.trans(k))
+    return scores
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, state_ptr, slots_ptr, has_state_ptr, log_decay_ptr,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                    stride_slot, stride_sh, stride_sk, scale,
@@ -93,7 +103,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, state_ptr, starts_ptr, slots_ptr
         q = tl.load(q_rows + tokens * stride_qt, mask=valid[:, None] & mask_k[None, :], other=0.0)
         k = tl.load(k_rows + tokens * stride_kt, mask=valid[:, None] & mask_k[None, :], other=0.0)
         v = tl.load(v_rows + tokens * stride_vt, mask=valid[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay_mask
+        scores = _scores(q, k, PRECISION) * decay_mask
         out = tl.dot(scores, v, input_precision=PRECISION)
         out += query_decay[:, None] * tl.dot(q.to(tl.float32), state, input_precision=PRECISION)
         tl.store(o_rows + tokens * stride_ot, out * scale, mask=valid[:, None] & mask_v[None, :])
