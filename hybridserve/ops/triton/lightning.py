@@ -42,6 +42,19 @@ def _scores(q, k, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _load_state(state_ptr, slots_ptr, has_state_ptr, row, head, offs_k, offs_v, mask_k, mask_v,
+                stride_slot, stride_sh, stride_sk):
+    """A row's [BLOCK_K, BLOCK_V] state block in its slot: (values, zeros unless restored; pointers; store mask,
+    false for a negative slot)."""
+    slot = tl.load(slots_ptr + row)
+    live = slot >= 0
+    ptrs = state_ptr + slot * stride_slot + head * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
+    mask = mask_k[:, None] & mask_v[None, :]
+    state = tl.load(ptrs, mask=mask & (tl.load(has_state_ptr + row) & live), other=0.0)
+    return state, ptrs, mask & live
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, state_ptr, slots_ptr, has_state_ptr, log_decay_ptr,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                    stride_slot, stride_sh, stride_sk, scale,
@@ -50,17 +63,13 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, state_ptr, slots_ptr, has_state_p
     offs_k = tl.arange(0, BLOCK_K)
     offs_v = vblock * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_k, mask_v = offs_k < DK, offs_v < DV
-    slot = tl.load(slots_ptr + row)
-    live = slot >= 0
-    restored = tl.load(has_state_ptr + row) & live
+    state, state_ptrs, store_mask = _load_state(state_ptr, slots_ptr, has_state_ptr, row, head, offs_k, offs_v,
+                                                 mask_k, mask_v, stride_slot, stride_sh, stride_sk)
     q = tl.load(q_ptr + row * stride_qt + head * stride_qh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + row * stride_kt + head * stride_kh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
     v = tl.load(v_ptr + row * stride_vt + head * stride_vh + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-    state_ptrs = state_ptr + slot * stride_slot + head * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
-    mask_s = mask_k[:, None] & mask_v[None, :]
-    state = tl.load(state_ptrs, mask=mask_s & restored, other=0.0)
     state = tl.exp(tl.load(log_decay_ptr + head)) * state + k[:, None] * v[None, :]
-    tl.store(state_ptrs, state, mask=mask_s & live)
+    tl.store(state_ptrs, state, mask=store_mask)
     out = tl.sum(q[:, None] * state, axis=0) * scale
     tl.store(o_ptr + row * stride_ot + head * stride_oh + offs_v, out, mask=mask_v)
 
@@ -78,12 +87,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, state_ptr, starts_ptr, slots_ptr
     offs_k = tl.arange(0, BLOCK_K)
     offs_v = vblock * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_k, mask_v = offs_k < DK, offs_v < DV
-    slot = tl.load(slots_ptr + row)
-    live = slot >= 0
-    restored = tl.load(has_state_ptr + row) & live
-    state_ptrs = state_ptr + slot * stride_slot + head * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
-    mask_s = mask_k[:, None] & mask_v[None, :]
-    state = tl.load(state_ptrs, mask=mask_s & restored, other=0.0)
+    state, state_ptrs, store_mask = _load_state(state_ptr, slots_ptr, has_state_ptr, row, head, offs_k, offs_v,
+                                                 mask_k, mask_v, stride_slot, stride_sh, stride_sk)
 
     g = tl.load(log_decay_ptr + head)
     index = offs_t.to(tl.float32)
@@ -111,7 +116,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, state_ptr, starts_ptr, slots_ptr
         key_decay = tl.where(valid, tl.exp(g * (n - 1 - index)), 0.0)
         decayed_keys = k.to(tl.float32) * key_decay[:, None]
         state = tl.exp(g * n) * state + tl.dot(tl.trans(decayed_keys), v, input_precision=PRECISION)
-    tl.store(state_ptrs, state, mask=mask_s & live)
+    tl.store(state_ptrs, state, mask=store_mask)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state_pool: torch.Tensor) -> None:
