@@ -1,6 +1,7 @@
 """Lightning attention cases at Ling-2.6-flash widths (32 heads x 128, fp32 state [H, 128, 128] per row): decode at
 batch 1, 64, 256 (every row restored from its slot), and 8192-token prefills (one fresh row; 8 fresh rows of 1024),
-bf16 q/k/v. The 1-row prefill also runs with the "tf32" and "ieee" dot precisions, to price the default tf32x3.
+bf16 q/k/v. The 1-row prefill also runs with the "tf32" and "ieee" dot precisions, to price the default tf32x3,
+and a few launch configurations other than the defaults (v-block, warps) are timed to check the choice.
 
 Bytes: states read (restored rows) and written, fp32, B * H * d * d * 4 each way, plus q/k/v (bf16) and o (fp32).
 FLOPs of the chunked form (chunk C = 64): per token and head 4 * C * d (q k^T and scores @ v, full chunk tiles)
@@ -49,4 +50,10 @@ def cases(device: torch.device) -> list[OpCase]:
     for precision in ("tf32", "ieee"):
         out.append(_case(f"prefill 1x8192 {precision}", [8192], False, device,
                          functools.partial(kernel.lightning_prefill, precision=precision)))
+    for lengths, label in (([8192], "1x8192"), ([1024] * 8, "8x1024")):
+        out.append(_case(f"prefill {label} BV=32 warps=4", lengths, False, device,
+                         functools.partial(kernel.lightning_prefill, block_v=32, num_warps=4)))
+    for b, block_v in ((1, 16), (256, 64)):
+        out.append(_case(f"decode B={b} BV={block_v}", [1] * b, True, device,
+                         functools.partial(kernel.lightning_decode, block_v=block_v)))
     return out

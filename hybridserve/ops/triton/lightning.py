@@ -171,7 +171,10 @@ def lightning_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_dec
                           q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                           out.stride(0), out.stride(1), state_pool.stride(0), state_pool.stride(1),
                           state_pool.stride(2), dk ** -0.5, DK=dk, DV=dv, BLOCK_K=_block(dk), BLOCK_V=block_v,
-                          CHUNK=CHUNK, PRECISION=precision, num_warps=num_warps)
+                          CHUNK=CHUNK, PRECISION=precision, num_warps=num_warps,
+                          # The next chunk's q/k/v prefetched while this one computes; fp32 inputs at d = 128
+                          # would need twice the shared memory, so they are not pipelined.
+                          num_stages=2 if q.element_size() == 2 else 1)
     return out
 
 
