@@ -91,7 +91,8 @@ def random_weights(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]
 
 
 def ling_checkpoint_tensors(weights: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
-    """Ling parameters under the HF checkpoint names: per-expert and separate gate/up tensors, MTP as layer L."""
+    """Ling parameters under the HF checkpoint names: per-expert and separate gate/up tensors, Q|K|V apart from
+    G (`g_proj`), MTP as layer L."""
     out = {}
     for name, value in weights.items():
         name = re.sub(r"^model\.mtp\.(\d+)\.", lambda m: f"model.layers.{num_layers + int(m[1])}.", name)
@@ -101,6 +102,8 @@ def ling_checkpoint_tensors(weights: dict[str, torch.Tensor], num_layers: int) -
                 out[f"{name.removesuffix('gate_up_proj')}{expert}.up_proj.weight"] = up
         elif name.endswith("experts.down_proj"):
             out.update({f"{name.removesuffix('down_proj')}{e}.down_proj.weight": t for e, t in enumerate(value)})
+        elif name.endswith("attention.query_key_value.weight"):
+            out[name], out[name.replace("query_key_value", "g_proj")] = value.split(value.shape[0] // 4 * 3)
         elif name.endswith("gate_up_proj.weight"):
             gate, up = value.chunk(2)
             out[name.replace("gate_up_proj", "gate_proj")], out[name.replace("gate_up_proj", "up_proj")] = gate, up

@@ -6,6 +6,7 @@ from torch import nn
 
 from hybridserve.core.parallel import divide, tp_size
 from hybridserve.layers.weights import new_parameter, tp_shard_loader
+from hybridserve.ops.ling_norm import add_rms_norm, group_rms_norm
 from hybridserve.ops.reference.norm import rms_normalize
 
 
@@ -17,12 +18,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = new_parameter(hidden_size, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """RMSNorm(x); with `residual`, the pair (RMSNorm(x + residual), x + residual) in one fused op."""
+        if residual is not None:
+            return add_rms_norm(x, residual, self.weight, self.eps)
         return self.weight * rms_normalize(x, self.eps).to(self.weight.dtype)
 
 
 class GroupRMSNorm(nn.Module):
-    """RMS statistics over each of `num_groups` contiguous channel groups (Ling's lightning output norm).
+    """RMS statistics over each of `num_groups` contiguous channel groups (Ling's lightning output norm), optionally
+    fused with the sigmoid output gate.
 
     Under tensor parallelism a rank holds whole groups (num_groups % tp == 0), so no statistic crosses ranks.
     """
@@ -34,6 +39,6 @@ class GroupRMSNorm(nn.Module):
         self.weight = new_parameter(divide(hidden_size, tp_size(), "group-normed channels"),
                                     loader=tp_shard_loader(0))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        grouped = x.unflatten(-1, (self.num_groups, -1))
-        return self.weight * rms_normalize(grouped, self.eps).flatten(-2)
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, C]; with `gate` [T, C] the result is times sigmoid(gate), in the gate's dtype."""
+        return group_rms_norm(x, self.weight, self.num_groups, self.eps, gate)

@@ -23,7 +23,6 @@ from hybridserve.core.parallel import all_reduce, divide, tp_rank, tp_size
 from hybridserve.core.streams import run_beside
 from hybridserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from hybridserve.layers.linear import (
-    ColumnParallelLinear,
     MergedColumnParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
@@ -35,6 +34,7 @@ from hybridserve.layers.rotary import RotaryEmbedding
 from hybridserve.layers.weights import new_parameter
 from hybridserve.models.ling_config import LingConfig
 from hybridserve.ops.lightning import lightning_attention
+from hybridserve.ops.ling_norm import qk_norm_rope
 from hybridserve.ops.router import grouped_topk
 
 
@@ -71,8 +71,8 @@ def lightning_log_decay(config: LingConfig, layer: int) -> torch.Tensor:
 
 
 class LightningAttention(nn.Module):
-    """Fused QKV, per-head QK RMSNorm, partial NeoX RoPE, the decayed linear recurrence, GroupRMSNorm, then the
-    sigmoid output gate (norm first, gate second) and `dense` (spec §2.1)."""
+    """One Q|K|V|G GEMM, per-head QK RMSNorm + partial NeoX RoPE (one op), the decayed linear recurrence,
+    GroupRMSNorm fused with the sigmoid output gate (norm first, gate second), then `dense` (spec §2.1)."""
 
     def __init__(self, config: LingConfig, layer_idx: int):
         super().__init__()
@@ -80,14 +80,15 @@ class LightningAttention(nn.Module):
         width = config.num_heads * d
         self.num_heads = divide(config.num_heads, tp_size(), "num_attention_heads")
         self.head_dim = d
-        # Row blocks [Q | K | V] (head-major each), split per block so a rank holds its heads of all three.
-        self.query_key_value = MergedColumnParallelLinear(hidden, [width] * 3, bias=config.use_qkv_bias)
+        # Row blocks [Q | K | V | G] (head-major each), each split per rank so a rank holds its heads of all four.
+        # Checkpoints keep Q|K|V in `query_key_value` and G in `g_proj` (LingForCausalLM.checkpoint_target).
+        self.query_key_value = MergedColumnParallelLinear(hidden, [width] * 4, pieces=[(0, 1, 2), (3,)])
+        self.eps = config.rms_norm_eps
         self.use_qk_norm = config.use_qk_norm
         if config.use_qk_norm:
             self.query_layernorm = RMSNorm(d, config.rms_norm_eps)
             self.key_layernorm = RMSNorm(d, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(int(d * config.partial_rotary_factor), config.rope_theta)
-        self.g_proj = ColumnParallelLinear(hidden, width)
         self.g_norm = GroupRMSNorm(width, config.group_norm_size, config.rms_norm_eps)
         self.dense = RowParallelLinear(width, hidden)
         heads = slice(tp_rank() * self.num_heads, (tp_rank() + 1) * self.num_heads)
@@ -95,13 +96,11 @@ class LightningAttention(nn.Module):
         self.state: dict[str, torch.Tensor] = {}
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.query_key_value(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
-        if self.use_qk_norm:
-            q, k = self.query_layernorm(q), self.key_layernorm(k)
-        q, k = self.rotary(batch.positions, q), self.rotary(batch.positions, k)
-        o = lightning_attention(q, k, v, self.log_decay, self.state["lightning"], batch)  # fp32
-        o = self.g_norm(o.flatten(1)) * torch.sigmoid(self.g_proj(x).float())
-        return self.dense(o.to(x.dtype))
+        qkvg = self.query_key_value(x).view(x.shape[0], 4, self.num_heads, self.head_dim)
+        norms = (self.query_layernorm.weight, self.key_layernorm.weight) if self.use_qk_norm else (None, None)
+        q, k = qk_norm_rope(qkvg[:, :2], *norms, batch.positions, self.rotary.inv_freq, self.eps).unbind(1)
+        o = lightning_attention(q, k, qkvg[:, 2], self.log_decay, self.state["lightning"], batch)  # fp32
+        return self.dense(self.g_norm(o.flatten(1), gate=qkvg[:, 3].flatten(1)))  # in x's dtype
 
 
 class LingMLP(nn.Module):
@@ -171,7 +170,12 @@ def _mla(config: LingConfig) -> MultiLatentAttention:
 
 
 class LingDecoderLayer(nn.Module):
-    """Pre-norm block: x + Attn(norm(x)), then + FFN(norm(.)); attention and FFN kinds chosen per layer (spec §5)."""
+    """Pre-norm block: x + Attn(norm(x)), then + FFN(norm(.)); attention and FFN kinds chosen per layer (spec §5).
+
+    The residual stream is carried next to the block output, so each residual add is fused into the norm after it:
+    the layer takes (the previous block's output, the residual stream before it; None for the first layer, whose
+    input is the embedding) and returns the same pair. Sums and roundings are those of the unfused form.
+    """
 
     def __init__(self, config: LingConfig, layer_idx: int, mla: bool, dense: bool):
         super().__init__()
@@ -180,9 +184,14 @@ class LingDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LingMLP(config.hidden_size, config.intermediate_size) if dense else LingMoE(config)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.attention(self.input_layernorm(x), batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(self.attention(x, batch), residual)
+        return self.mlp(x), residual
 
 
 class LingMTPLayer(LingDecoderLayer):
@@ -208,10 +217,10 @@ class LingModel(nn.Module):
                                  for k in range(config.num_nextn_predict_layers))
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        x = self.word_embeddings(batch.input_ids)
+        x, residual = self.word_embeddings(batch.input_ids), None
         for layer in self.layers:
-            x = layer(x, batch)
-        return self.norm(x)
+            x, residual = layer(x, residual, batch)
+        return self.norm(x, residual)[0]
 
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".slope")  # recomputed buffers, not weights
@@ -219,6 +228,8 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
 _GATE_UP = re.compile(r"(.+\.mlp(?:\.shared_experts)?)\.(gate|up)_proj\.weight")
 _HALF = {"gate": 0, "up": 1}
+_QKVG = re.compile(r"(.+\.attention)\.(query_key_value|g_proj)\.weight")  # lightning: one Q|K|V|G parameter
+_QKVG_PIECE = {"query_key_value": 0, "g_proj": 1}
 
 
 class LingForCausalLM(nn.Module):
@@ -287,4 +298,7 @@ class LingForCausalLM(nn.Module):
         gate_up = _GATE_UP.fullmatch(name)
         if gate_up:
             return f"{gate_up.group(1)}.gate_up_proj.weight", _HALF[gate_up.group(2)]
+        qkvg = _QKVG.fullmatch(name)
+        if qkvg:
+            return f"{qkvg.group(1)}.query_key_value.weight", _QKVG_PIECE[qkvg.group(2)]
         return name, None

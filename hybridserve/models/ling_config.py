@@ -39,7 +39,6 @@ class LingConfig:
     first_k_dense_replace: int
     rope_interleave: bool = True
     use_qk_norm: bool = True
-    use_qkv_bias: bool = False
     router_expert_bias: bool = True
     rms_norm_eps: float = 1e-6
     num_nextn_predict_layers: int = 0
@@ -93,6 +92,8 @@ def _refuse_unsupported(cfg: dict) -> None:
         unsupported.append("linear_silu=true (its meaning differs between sources, spec discrepancy 2)")
     if cfg.get("use_bias", False):
         unsupported.append("use_bias=true")
+    if cfg.get("use_qkv_bias", False):
+        unsupported.append("use_qkv_bias=true (no Ling-2.6 checkpoint has one; the fused Q|K|V|G GEMM has no bias)")
     score = cfg.get("score_function", cfg.get("scoring_func", "sigmoid"))
     if score != "sigmoid":
         unsupported.append(f"score_function={score!r}")
@@ -136,7 +137,6 @@ def parse_ling_config(cfg: dict) -> LingConfig:
         first_k_dense_replace=cfg.get("first_k_dense_replace", 1),
         rope_interleave=cfg.get("rope_interleave", True),
         use_qk_norm=cfg.get("use_qk_norm", True),
-        use_qkv_bias=cfg.get("use_qkv_bias", False),
         router_expert_bias=cfg.get("moe_router_enable_expert_bias", True),
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         num_nextn_predict_layers=cfg.get("num_nextn_predict_layers", 0),

@@ -12,6 +12,6 @@ def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_d
                         state_pool: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
     """q, k [T, H, d_k], v [T, H, d_v] -> o [T, H, d_v] fp32; `state_pool` [slots, H, d_k, d_v] fp32 by slot."""
     if backends.use_triton("lightning", q.device):
-        from hybridserve.ops.triton import lightning_fla as kernel
+        from hybridserve.ops.triton import lightning as kernel
         return kernel.lightning_attention(q, k, v, log_decay, state_pool, batch)
     return reference.lightning_attention(q, k, v, log_decay, state_pool, batch)

@@ -1,0 +1,83 @@
+"""Triton RMS-norm fusions (ops/triton/ling_norm.py) against their torch references (ops/reference/ling_norm.py): residual
+add + RMSNorm, gated GroupRMSNorm, per-head QK RMSNorm + partial NeoX RoPE. Widths that are not powers of two
+(masked lanes), more rows than one program's tile, and strided inputs (views of one fused projection output, as
+the model passes them).
+
+Tolerances: fp32 1e-6 relative (only the order of the fp32 sums and the cos/sin implementation differ); 16-bit
+outputs may differ by one rounding step where the fp32 values before rounding differ in the last bits, so they are
+compared to 1 unit in the last place (relative 2^-7 for bf16, 2^-10 for fp16) of the largest value.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridserve.ops.reference import ling_norm as reference
+from hybridserve.ops.triton import ling_norm as kernel
+from tests.ops.conftest import DEVICE, KERNEL_DTYPES
+
+EPS = 1e-6
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    tol = 1e-6 if got.dtype == torch.float32 else torch.finfo(got.dtype).eps
+    err = (got.float() - expected.float()).abs().max().item()
+    assert err <= tol * expected.float().abs().max().item(), err
+
+
+def _randn(*shape: int, gen: torch.Generator, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, device=DEVICE, generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_add_rms_norm(dtype: torch.dtype) -> None:
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    x = _randn(70, 2, 48, gen=gen, dtype=dtype)[:, 0]  # row stride 96: a strided view; 32 rows per program
+    residual = 10 * _randn(70, 48, gen=gen, dtype=dtype)
+    weight = 1 + 0.1 * _randn(48, gen=gen, dtype=dtype)
+    out, new_residual = kernel.add_rms_norm(x, residual, weight, EPS)
+    expected, expected_residual = reference.add_rms_norm(x, residual, weight, EPS)
+    assert torch.equal(new_residual, expected_residual)  # one rounding of the same fp32 sum
+    _close(out, expected)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("gated", [True, False])
+def test_group_rms_norm(dtype: torch.dtype, gated: bool) -> None:
+    """x fp32 (the lightning output), weight and gate in the model dtype, the gate a view of a fused output."""
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    x = _randn(70, 60, gen=gen)  # 64 rows per program
+    x[:, :20] *= 30.0  # groups of very different scale: a whole-row statistic would differ
+    weight = 1 + 0.1 * _randn(60, gen=gen, dtype=dtype)
+    gate = _randn(70, 3, 60, gen=gen, dtype=dtype)[:, 2] if gated else None
+    _close(kernel.group_rms_norm(x, weight, 3, EPS, gate), reference.group_rms_norm(x, weight, 3, EPS, gate))
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize(("heads", "head_dim", "rotary_dim", "norm"),
+                         [(3, 16, 8, True), (5, 24, 8, True), (3, 16, 16, False)])
+def test_qk_norm_rope(dtype: torch.dtype, heads: int, head_dim: int, rotary_dim: int, norm: bool) -> None:
+    """q and k heads of a [T, 4, H, d] projection output (the model's Q|K|V|G view), positions up to 5000;
+    T * 2 * H rows span several programs' tiles (128 rows of d = 16, 64 of d = 24)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(2)
+    tokens = 28
+    qkvg = 3 * _randn(tokens, 4, heads, head_dim, gen=gen, dtype=dtype)
+    q_weight, k_weight = (1 + 0.2 * _randn(head_dim, gen=gen, dtype=dtype) for _ in range(2))
+    weights = (q_weight, k_weight) if norm else (None, None)
+    positions = torch.tensor([0, 1, 2, 17, 63, 1000, 4999] * 4, device=DEVICE)
+    inv_freq = 1.0 / (6e6 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=DEVICE) / rotary_dim))
+    got = kernel.qk_norm_rope(qkvg[:, :2], *weights, positions, inv_freq, EPS)
+    _close(got, reference.qk_norm_rope(qkvg[:, :2], *weights, positions, inv_freq, EPS))
+
+
+def test_bad_shapes_are_refused() -> None:
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    x = _randn(4, 30, gen=gen)
+    with pytest.raises(ValueError, match="groups"):
+        kernel.group_rms_norm(x, torch.ones(30, device=DEVICE), 4, EPS)
+    with pytest.raises(ValueError, match="residual"):
+        kernel.add_rms_norm(x, x[:3], torch.ones(30, device=DEVICE), EPS)
+    with pytest.raises(ValueError, match="together"):
+        kernel.qk_norm_rope(_randn(2, 2, 1, 16, gen=gen), torch.ones(16, device=DEVICE), None,
+                            torch.arange(2, device=DEVICE), torch.ones(4, device=DEVICE), EPS)
