@@ -29,14 +29,14 @@ def _weights(q_heads: int, k_heads: int, d: int, bias: bool, gen: torch.Generato
     return w0, b0, w1, b1
 
 
-def _batch(rows: list[tuple[int, int, bool]], page_size: int):
+def _batch(rows: list[tuple[int, int, bool]], page_size: int, device: torch.device = DEVICE):
     """rows: (prefix_len, new tokens, has_initial_state); slots 1.., pages handed out in order from 1."""
     chunks, next_page = [], 1
     for slot, (prefix, length, init) in enumerate(rows, start=1):
         pages = list(range(next_page, next_page + -(-(prefix + length) // page_size)))
         next_page += len(pages)
         chunks.append(ScheduledChunk([0] * length, prefix, pages, slot, init, []))
-    return build_forward_batch(chunks, page_size, DEVICE, history_len=P)
+    return build_forward_batch(chunks, page_size, device, history_len=P)
 
 
 def run_conv_case(rows, dtype, page_size=4, q_heads=4, k_heads=2, d=16, full_k_heads=None, kv_head_offset=0,
@@ -67,7 +67,7 @@ def run_conv_case(rows, dtype, page_size=4, q_heads=4, k_heads=2, d=16, full_k_h
 
     ref_state = [f32(conv), f32(lag), f32(conv_footer), f32(lag_footer)]
     ref = reference.cca_conv(proj.float(), *[w.float() for w in weights], f32(lag_bias), q_heads, kv_head_offset,
-                             batch, ref_state[0], ref_state[1], ref_state[2], ref_state[3])
+                             _batch(rows, page_size, torch.device("cpu")), *ref_state)
     dev = [None if t is None else t.to(DEVICE) for t in (conv, lag, conv_footer, lag_footer)]
     got = kernel.cca_conv(proj.to(DEVICE), *[w.to(DEVICE) for w in weights],
                           None if lag_bias is None else lag_bias.to(DEVICE), q_heads, kv_head_offset, batch, *dev)
