@@ -2,12 +2,13 @@
 
 Issue 8 showed that a kernel can pass a one-prompt, one-step test and still decode wrong tokens when several
 sequences of different lengths decode together for many steps. So, per model (Ling-2.6-flash widths and ZAYA1-8B
-widths, random weights, bf16): four prompts of different lengths are prefilled together and decoded together for
-32 greedy steps with the Triton kernels; the same token sequence is teacher-forced through the same checkpoint with
-every op on its torch reference, and every row's logits at every step, and every recurrent state at the end, are
-compared. Then the kernels' greedy tokens and the torch path's own greedy tokens are both teacher-forced through the
-fp32 reference: the kernels must agree with it at least as often as the torch path does (within 2 points; both
-printed).
+widths, random weights, bf16): eight prompts of different lengths are prefilled together and decoded together for
+32 greedy steps with the Triton kernels. The same token sequence is teacher-forced through the same checkpoint with
+every op on its torch reference (bf16) and through the fp32 reference: at every step, every row's kernel logits must
+be as close to fp32 as the torch path's are (bf16 noise alone separates two bf16 paths by about 1e-2, so the
+kernels are judged against the fp32 truth, not against the other bf16 path), and so must every recurrent state at
+the end. Then the kernels' greedy tokens and the torch path's own greedy tokens are both teacher-forced through the
+fp32 reference: the kernels must agree with it within 2 points of the torch path (both printed).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from tests.reference.ling_naive import random_ling_checkpoint, write_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 CUDA = torch.device("cuda")
-PROMPT_LENGTHS = (33, 97, 211, 300)
+PROMPT_LENGTHS = (33, 97, 211, 300, 7, 64, 150, 17)
 STEPS = 32
 
 
@@ -51,7 +52,7 @@ def _checkpoint(name: str, directory: Path) -> Path:
 
 def _harness(directory: Path, dtype: torch.dtype) -> CacheHarness:
     model, _ = build_model(directory, dtype, CUDA)
-    return CacheHarness(model, dtype, num_pages=256, page_size=16, num_slots=8, device="cuda")
+    return CacheHarness(model, dtype, num_pages=256, page_size=16, num_slots=12, device="cuda")
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -73,10 +74,9 @@ def _decode(harness: CacheHarness, prompts: list[list[int]], forced: list[list[i
     return tokens, torch.stack(logits).float()
 
 
-def _agreement(oracle: CacheHarness, prompts: list[list[int]], tokens: list[list[int]]) -> float:
-    """Share of decode picks equal to the fp32 reference's argmax, teacher-forced on `tokens`."""
-    _, logits = _decode(oracle, prompts, forced=tokens)
-    expected = logits[:STEPS].argmax(-1).T.tolist()  # logits after prompt + tokens[:step]
+def _agreement(exact_logits: torch.Tensor, tokens: list[list[int]]) -> float:
+    """Share of decode picks equal to the fp32 reference's argmax (`exact_logits` teacher-forced on `tokens`)."""
+    expected = exact_logits[:STEPS].argmax(-1).T.tolist()  # the logits after prompt + tokens[:step]
     return sum(a == b for row, exp in zip(tokens, expected) for a, b in zip(row, exp)) / (len(tokens) * STEPS)
 
 
@@ -87,6 +87,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("name", ["ling", "zaya"])
 def test_concurrent_decode_matches_torch_path_and_fp32(name: str, tmp_path: Path) -> None:
     directory = _checkpoint(name, tmp_path)
+    slots = list(range(2, 2 + len(PROMPT_LENGTHS)))
     with kernels("auto"):
         fast = _harness(directory, torch.bfloat16)
         prompts = _prompts(fast.model.config.vocab_size)
@@ -94,21 +95,26 @@ def test_concurrent_decode_matches_torch_path_and_fp32(name: str, tmp_path: Path
     with kernels("torch"):
         slow = _harness(directory, torch.bfloat16)
         _, slow_logits = _decode(slow, prompts, forced=fast_tokens)
-        # Every row at every step: logits of the same tokens through kernels and references.
-        rel = _rel(fast_logits, slow_logits)  # [steps + 1, rows]
-        print(f"\n{name}: kernel vs torch-path logits, relative error per row: median "
-              f"{rel.median(0).values.tolist()}, max {rel.max(0).values.tolist()}")
-        assert bool((rel.median(0).values <= 1.5e-2).all()), rel
-        assert bool((rel.quantile(0.9, dim=0) <= 5e-2).all()), rel
-        for field, fast_state in fast.state.buffers.items():
-            slots = list(range(2, 2 + len(prompts)))
-            state_rel = _rel(fast_state[:, slots].flatten(2), slow.state.buffers[field][:, slots].flatten(2))
-            print(f"{name}: state {field} relative error per layer/row max {state_rel.max().item():.2e}")
-            assert state_rel.max().item() <= 2e-2, (field, state_rel)
         torch_tokens, _ = _decode(slow, prompts)
+        slow_states = {f: b[:, slots].clone() for f, b in slow.state.buffers.items()}
         del slow
         oracle = _harness(directory, torch.float32)
-        fast_agree = _agreement(oracle, prompts, fast_tokens)
-        torch_agree = _agreement(oracle, prompts, torch_tokens)
+        _, exact_logits = _decode(oracle, prompts, forced=fast_tokens)
+        exact_states = {f: b[:, slots].clone() for f, b in oracle.state.buffers.items()}
+        fast_agree = _agreement(exact_logits, fast_tokens)
+        torch_agree = _agreement(_decode(oracle, prompts, forced=torch_tokens)[1], torch_tokens)
+    # Every row at every step, the same tokens: distance to the fp32 logits, kernels vs torch path.
+    fast_err, slow_err = _rel(fast_logits, exact_logits), _rel(slow_logits, exact_logits)  # [steps + 1, rows]
+    print(f"\n{name}: logits vs fp32, median per row: kernels {fast_err.median(0).values.tolist()}, "
+          f"torch path {slow_err.median(0).values.tolist()}")
+    assert bool((fast_err.median(0).values <= 1.25 * slow_err.median(0).values + 2e-3).all()), (fast_err, slow_err)
+    assert bool((fast_err.quantile(0.9, dim=0) <= 1.25 * slow_err.quantile(0.9, dim=0) + 5e-3).all())
+    for field, exact in exact_states.items():
+        fast_state = fast.state.buffers[field][:, slots].float()
+        fast_state_err = _rel(fast_state.flatten(2), exact.flatten(2)).max().item()
+        slow_state_err = _rel(slow_states[field].float().flatten(2), exact.flatten(2)).max().item()
+        print(f"{name}: state {field} vs fp32, max over layers/rows: kernels {fast_state_err:.2e}, "
+              f"torch path {slow_state_err:.2e}")
+        assert fast_state_err <= 1.25 * slow_state_err + 1e-4, field
     print(f"{name}: greedy agreement with the fp32 reference: kernels {fast_agree:.1%}, torch path {torch_agree:.1%}")
     assert fast_agree >= torch_agree - 0.02

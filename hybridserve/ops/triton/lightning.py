@@ -154,7 +154,7 @@ def lightning_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_deca
 
 def lightning_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
                       state_pool: torch.Tensor, batch: ForwardBatch, precision: str = DOT_PRECISION,
-                      block_v: int = 64, num_warps: int = 8) -> torch.Tensor:
+                      block_v: int = 64, num_warps: int | None = None) -> torch.Tensor:
     """Packed rows of any length (decode rows included): q, k [T, H, d_k], v [T, H, d_v] -> o [T, H, d_v] fp32."""
     _check(q, k, v, state_pool)
     if precision not in PRECISIONS:
@@ -165,6 +165,10 @@ def lightning_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_dec
     dv = v.shape[2]
     out = torch.empty(tokens, heads, dv, device=q.device, dtype=torch.float32)
     block_v = min(block_v, _block(dv))
+    if num_warps is None:
+        # 8 warps for the real widths (d = 128, BLOCK_V = 64); small tiles take 4: on the H200 8 warps over 16-wide
+        # dots (d = 16 test shapes) made an illegal memory access, which 4 warps do not.
+        num_warps = 8 if _block(dk) >= 64 and block_v >= 64 else 4
     grid = (batch.num_seqs, heads, triton.cdiv(dv, block_v))
     _prefill_kernel[grid](q, k, v, out, state_pool, batch.query_start_loc, batch.state_slots,
                           batch.has_initial_state, log_decay.float().contiguous(),
