@@ -112,6 +112,21 @@ def ling_checkpoint_tensors(weights: dict[str, torch.Tensor], num_layers: int) -
     return out
 
 
+def zaya_checkpoint_tensors(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """ZAYA1 parameters under the HF checkpoint names: the fused CCA projection as its four tensors."""
+    from hybridserve.models.zaya import PROJECTIONS
+
+    out = {}
+    for name, value in weights.items():
+        prefix, fused, kind = name.rpartition("qkvv_proj.")
+        if not fused:
+            out[name] = value
+            continue
+        sizes = model.get_submodule(prefix + "qkvv_proj").block_sizes
+        out.update({f"{prefix}{which}.{kind}": block.clone() for which, block in zip(PROJECTIONS, value.split(sizes))})
+    return out
+
+
 def write_random_checkpoint(directory: Path, config: dict, seed: int = 0,
                             adjust: Callable[[dict[str, torch.Tensor]], None] | None = None) -> None:
     """A HF-layout checkpoint (config.json + model.safetensors) with random weights for `config`.
@@ -129,6 +144,8 @@ def write_random_checkpoint(directory: Path, config: dict, seed: int = 0,
         adjust(weights)
     if config["model_type"] == "bailing_hybrid":
         weights = ling_checkpoint_tensors(weights, config["num_hidden_layers"])
+    else:
+        weights = zaya_checkpoint_tensors(model, weights)
     weights = {name: t if name.endswith(("balancing_biases", "expert_bias", "mlp.gate.weight"))
                else t.to(torch.bfloat16) for name, t in weights.items()}
     directory.mkdir(parents=True, exist_ok=True)

@@ -3,17 +3,17 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 
+# Before anything imports Triton (torch._dynamo does, through transformers): `triton.language` decorates its own
+# helpers (tl.sum, tl.sigmoid, ...) for the interpreter only if this is set when it is first imported.
 if not torch.cuda.is_available():
-    # Kernel tests run through Triton's interpreter on CPU. The switch is read when a function is decorated, and the
-    # imports below load triton.language (through torch._dynamo), whose own jit'd helpers (tl.sum, tl.max, ...)
-    # must be interpreted too: so it is set here, before anything imports Triton (see tests/ops/conftest.py).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.helpers import add_tokenizer
-from tests.models.zaya_fixtures import random_hf_zaya, save_hf, tiny_config
+import pytest  # noqa: E402
+
+from tests.helpers import add_tokenizer  # noqa: E402
+from tests.models.zaya_fixtures import random_hf_zaya, save_hf, tiny_config  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -47,19 +47,23 @@ class ColumnParallelLinear(nn.Module):
 
 
 class MergedColumnParallelLinear(nn.Module):
-    """Several column-parallel projections fused into one GEMM (gate+up, or Q|K|V|G blocks).
+    """Several column-parallel projections fused into one GEMM (gate+up, ZAYA's q|k|v|v, Ling's Q|K|V|G blocks).
 
-    Each block is sharded on its own, so a rank holds [block0 shard | block1 shard | ...]. `pieces` says how a
-    checkpoint stores the blocks: each piece is a run of consecutive blocks kept in one tensor, loaded with its
-    index as shard_id (default: one tensor per block). A tensor holding every block concatenated loads with
-    shard_id None.
+    Each block is sharded on its own, so a rank holds [block0 shard | block1 shard | ...]; a block marked in
+    `replicated` is kept whole on every rank instead. `pieces` says how a checkpoint stores the blocks: each piece
+    is a run of consecutive blocks kept in one tensor, loaded with its index as shard_id (default: one tensor per
+    block). A tensor holding every block concatenated loads with shard_id None.
     """
 
     def __init__(self, in_features: int, block_sizes: list[int], bias: bool = False,
-                 pieces: list[tuple[int, ...]] | None = None):
+                 replicated: list[bool] | None = None, pieces: list[tuple[int, ...]] | None = None):
         super().__init__()
         self.block_sizes = list(block_sizes)
-        self.local_sizes = [divide(n, tp_size(), "block output features") for n in block_sizes]
+        self.replicated = list(replicated) if replicated is not None else [False] * len(block_sizes)
+        if len(self.replicated) != len(self.block_sizes):
+            raise ValueError("replicated needs one flag per block")
+        self.local_sizes = [n if whole else divide(n, tp_size(), "block output features")
+                            for n, whole in zip(block_sizes, self.replicated)]
         self.pieces = pieces or [(i,) for i in range(len(block_sizes))]
         if [b for piece in self.pieces for b in piece] != list(range(len(block_sizes))):
             raise ValueError(f"pieces {self.pieces} must list the {len(block_sizes)} blocks once each, in order")
@@ -71,8 +75,10 @@ class MergedColumnParallelLinear(nn.Module):
         blocks = range(len(self.block_sizes)) if shard_id is None else self.pieces[shard_id]
         check_shape((sum(self.block_sizes[b] for b in blocks), *param.shape[1:]), loaded)
         for block, full in zip(blocks, loaded.split([self.block_sizes[b] for b in blocks], dim=0)):
-            shard = shard_slice(full, 0, tp_rank(), tp_size())
-            param.data.narrow(0, sum(self.local_sizes[:block]), self.local_sizes[block]).copy_(shard)
+            shard = full if self.replicated[block] else shard_slice(full, 0, tp_rank(), tp_size())
+            target = param.data.narrow(0, sum(self.local_sizes[:block]), self.local_sizes[block])
+            check_shape(target.shape, shard)
+            target.copy_(shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)

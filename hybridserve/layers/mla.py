@@ -3,12 +3,22 @@
 The paged KV cache holds one latent row per token: [normed c_kv (kv_lora_rank) | roped k_rope (qk_rope_head_dim)],
 shared by all heads (field "latent", shape [1, kv_lora_rank + qk_rope_head_dim]) and replicated on every
 tensor-parallel rank. Two equivalent ways to attend over it:
-- unabsorbed (prefill, and any batch with a multi-token row): k_nope and v are rebuilt per head from the cached
-  latent of the whole sequence through kv_b_proj, then ordinary softmax attention;
-- absorbed (all-decode batches): W_UK is folded into the query and W_UV applied after attention, so decode is
-  multi-query attention of H heads over the latent cache itself (the paged attention op with one KV head).
+- absorbed: W_UK is folded into the query and W_UV applied after attention, so attention is multi-query attention
+  of H heads over the latent cache itself (the paged attention op with one KV head; V = the first kv_lora_rank
+  channels of the same rows). Per query-key pair it costs 2·kv_lora + rope = 1088 channels (flash), but it never
+  expands the context;
+- unabsorbed: the context's k_nope and v are rebuilt per head through kv_b_proj (a GEMM over every context token),
+  then ordinary attention over nope + rope + v = 320 channels per pair.
+All-decode batches use the absorbed form. Other batches: on CPU the per-sequence unabsorbed reference; on the
+kernel path whichever form needs fewer FLOPs for this batch's lengths (`_form_flops`). At Ling-2.6-flash widths
+that is the unabsorbed form for ordinary chunks (8192 tokens from scratch: 0.76 vs 2.41 TFLOP; 512 tokens after a
+4096-token prefix: 84 vs 159 GFLOP; the bytes either form moves take ~40 us at 4.8 TB/s, far below the FLOP
+time), and the absorbed form when rows are short against their context (below ~170 new tokens per row at long
+contexts, e.g. mixed batches dominated by decode rows, whose contexts the unabsorbed form would have to expand).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +33,7 @@ from hybridserve.layers.linear import (
 )
 from hybridserve.layers.norm import RMSNorm
 from hybridserve.layers.rotary import RotaryEmbedding
+from hybridserve.ops import backends
 from hybridserve.ops.attention import paged_attention
 
 
@@ -64,9 +75,28 @@ class MultiLatentAttention(nn.Module):
         c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         k_rope = self.rotary(batch.positions, k_rope[:, None, :])
         self.kv["latent"][batch.slot_mapping] = torch.cat([self.kv_a_layernorm(c_kv)[:, None, :], k_rope], dim=-1)
-        attend = self._attend_absorbed if batch.is_decode else self._attend_unabsorbed
-        out = attend(q_nope, q_rope, batch)  # [T, H, v]
-        return self.dense(out.flatten(1))
+        return self.dense(self._attend(q_nope, q_rope, batch).flatten(1))
+
+    def _attend(self, q_nope: torch.Tensor, q_rope: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """[T, H, v]: the absorbed form for decode; otherwise the CPU reference, or the cheaper form on kernels."""
+        if batch.is_decode:
+            return self._attend_absorbed(q_nope, q_rope, batch)
+        if not backends.use_triton("attention", q_nope.device):
+            return self._attend_unabsorbed_reference(q_nope, q_rope, batch)
+        absorbed, unabsorbed = self._form_flops(batch)
+        attend = self._attend_absorbed if absorbed < unabsorbed else self._attend_unabsorbed
+        return attend(q_nope, q_rope, batch)
+
+    def _form_flops(self, batch: ForwardBatch) -> tuple[int, int]:
+        """(absorbed, unabsorbed) FLOPs of this batch's attention, from host lengths only."""
+        tokens = sum(batch.query_lens)
+        context = sum(p + n for p, n in zip(batch.prefix_lens, batch.query_lens))
+        pairs = sum(n * p + n * (n + 1) // 2 for p, n in zip(batch.prefix_lens, batch.query_lens))  # causal
+        heads, rank = self.num_heads, self.kv_lora_rank
+        fold = 2 * heads * rank * (self.nope_dim + self.v_dim)  # W_UK into one query and W_UV out, or one kv_b row
+        absorbed = tokens * fold + 2 * heads * pairs * (2 * rank + self.rope_dim)
+        unabsorbed = context * fold + 2 * heads * pairs * (self.nope_dim + self.rope_dim + self.v_dim)
+        return absorbed, unabsorbed
 
     def _kv_b_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, nope, kv_lora] and W_UV [H, v, kv_lora]: kv_b_proj's rows per head are [k_nope | v]."""
@@ -83,7 +113,19 @@ class MultiLatentAttention(nn.Module):
         return torch.einsum("thc,hvc->thv", out, w_uv)
 
     def _attend_unabsorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Per sequence: k_nope and v of every position from its cached latent, then causal softmax attention."""
+        """All rows at once: their cached latent pages packed into one copy, expanded to per-head k_nope / v by one
+        kv_b_proj GEMM, then causal varlen attention over that copy (no per-sequence loop)."""
+        rows, packed = packed_context(batch)
+        c_kv, k_rope = self.kv["latent"][rows, 0].split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(c_kv).view(rows.shape[0], self.num_heads, -1)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # v: a strided view, read in place
+        k = torch.cat([k_nope, k_rope[:, None, :].expand(-1, self.num_heads, -1)], dim=-1)
+        return paged_attention(torch.cat([q_nope, q_rope], dim=-1), k, v, packed, self.scale)
+
+    def _attend_unabsorbed_reference(self, q_nope: torch.Tensor, q_rope: torch.Tensor,
+                                     batch: ForwardBatch) -> torch.Tensor:
+        """The CPU path and the oracle, per sequence: k_nope and v of every position from its cached latent, then
+        causal softmax attention."""
         q = torch.cat([q_nope, q_rope], dim=-1)
         out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
         for seq, (start, length) in enumerate(zip(batch.query_starts, batch.query_lens)):
@@ -98,3 +140,18 @@ class MultiLatentAttention(nn.Module):
                                                v.transpose(0, 1), attn_mask=visible, scale=self.scale)
             out[start:start + length] = o.transpose(0, 1)
         return out
+
+
+def packed_context(batch: ForwardBatch) -> tuple[torch.Tensor, ForwardBatch]:
+    """KV rows of every row's pages packed page after page ([pages * page_size]), and the batch with its page table
+    renumbered to address that packed copy. Sizes come from host lengths; indices are built on the device."""
+    page_size, device = batch.page_size, batch.page_table.device
+    total = sum(-(-(p + n) // page_size) for p, n in zip(batch.prefix_lens, batch.query_lens))
+    counts = (batch.kv_lens + page_size - 1) // page_size
+    first = torch.cumsum(counts, 0) - counts
+    row_of_page = torch.repeat_interleave(torch.arange(batch.num_seqs, device=device), counts, output_size=total)
+    pages = batch.page_table[row_of_page, torch.arange(total, device=device) - first[row_of_page]]
+    rows = (pages[:, None] * page_size + batch.page_offsets[None, :]).flatten()
+    slot = torch.arange(batch.page_table.shape[1], device=device)
+    table = torch.where(slot[None, :] < counts[:, None], first[:, None] + slot[None, :], 0)
+    return rows, dataclasses.replace(batch, page_table=table)

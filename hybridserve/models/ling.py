@@ -20,6 +20,7 @@ from hybridserve.cache.kv_pool import KVCacheSpec
 from hybridserve.cache.state_pool import StateField, StateSpec
 from hybridserve.core.batch import ForwardBatch
 from hybridserve.core.parallel import all_reduce, divide, tp_rank, tp_size
+from hybridserve.core.streams import run_beside
 from hybridserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from hybridserve.layers.linear import (
     MergedColumnParallelLinear,
@@ -34,6 +35,7 @@ from hybridserve.layers.weights import new_parameter
 from hybridserve.models.ling_config import LingConfig
 from hybridserve.ops.lightning import lightning_attention
 from hybridserve.ops.ling_norm import qk_norm_rope
+from hybridserve.ops.router import grouped_topk
 
 
 def alibi_slopes(num_heads: int) -> list[float]:
@@ -116,7 +118,8 @@ class LingMLP(nn.Module):
 
 class LingRouter(nn.Module):
     """Sigmoid scores in fp32; `expert_bias` (aux-loss-free balancing) steers the group-limited top-k selection
-    only, the weights are the unbiased scores of the chosen experts, renormalised and scaled (spec §4.1).
+    only, the weights are the unbiased scores of the chosen experts, renormalised and scaled (spec §4.1). The
+    logits GEMM stays in torch (fp32); the selection is `ops.router.grouped_topk` (one kernel on CUDA).
     Replicated: every rank needs all scores for the group ranking."""
 
     def __init__(self, config: LingConfig):
@@ -128,18 +131,16 @@ class LingRouter(nn.Module):
             else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = torch.sigmoid(F.linear(x.float(), self.weight))  # [T, E]
-        choice = scores if self.expert_bias is None else scores + self.expert_bias
-        grouped = choice.view(x.shape[0], self.n_group, -1)
-        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, n_group]
-        kept = group_scores.topk(self.topk_group, dim=-1).indices
-        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
-        ids = grouped.masked_fill(~keep[:, :, None], float("-inf")).flatten(1).topk(self.top_k, dim=-1).indices
-        weights = scores.gather(1, ids)
-        return ids, weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.routed_scaling_factor
+        logits = F.linear(x.float(), self.weight)  # [T, E] fp32
+        return grouped_topk(logits, self.expert_bias, self.n_group, self.topk_group, self.top_k,
+                            self.routed_scaling_factor)
 
 
 class LingMoE(nn.Module):
+    # Up to this many tokens (CUDA only) the shared expert runs on a side stream beside the router and routed
+    # experts: at decode sizes both are short, latency-bound GEMM chains; beyond, either alone fills the GPU.
+    overlap_max_tokens = 1024
+
     def __init__(self, config: LingConfig):
         super().__init__()
         self.gate = LingRouter(config)
@@ -148,12 +149,18 @@ class LingMoE(nn.Module):
         self.shared_experts = LingMLP(config.hidden_size, config.shared_expert_width, reduce_results=False) \
             if config.shared_expert_width else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)
-        out = self.experts(x, ids, weights)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)  # unscaled, no gate
-        return all_reduce(out)  # routed and shared partial sums reduced together
+        return self.experts(x, ids, weights)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shared_experts is None:
+            return all_reduce(self._routed(x))
+        if x.shape[0] <= self.overlap_max_tokens:  # sequential on CPU
+            shared, out = run_beside(lambda: self.shared_experts(x), lambda: self._routed(x), x.device)
+        else:
+            out, shared = self._routed(x), self.shared_experts(x)
+        return all_reduce(out + shared)  # shared expert unscaled, no gate; partial sums reduced together
 
 
 def _mla(config: LingConfig) -> MultiLatentAttention:

@@ -7,12 +7,10 @@ never read as the raw-h form). The KV cache holds K after norm, temperature and 
 """
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Hashable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.cache.kv_pool import KVCacheSpec
@@ -21,7 +19,7 @@ from hybridserve.core.batch import ForwardBatch
 from hybridserve.core.parallel import all_reduce, divide, tp_rank, tp_size
 from hybridserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from hybridserve.layers.linear import (
-    ColumnParallelLinear,
+    MergedColumnParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
 )
@@ -30,7 +28,12 @@ from hybridserve.layers.norm import RMSNorm
 from hybridserve.layers.rotary import RotaryEmbedding
 from hybridserve.layers.weights import check_shape, new_parameter
 from hybridserve.models.zaya_config import ZayaConfig
+from hybridserve.ops import backends
 from hybridserve.ops.attention import paged_attention
+from hybridserve.ops.conv import cca_conv
+from hybridserve.ops.norm import residual_rms_norm
+from hybridserve.ops.zaya_qk import qk_norm_rope_cache
+from hybridserve.ops.zaya_router import Routing, eda_route
 
 
 def _head_rows(q_heads: int, k_heads: int, head_dim: int) -> torch.Tensor:
@@ -42,24 +45,27 @@ def _head_rows(q_heads: int, k_heads: int, head_dim: int) -> torch.Tensor:
     return torch.cat([q_rows, k_rows])
 
 
+# The four input projections of CCA, in the order of the fused projection's blocks (its checkpoint shard ids).
+PROJECTIONS = ("q_proj", "k_proj", "v_proj_current", "v_proj_delayed")
+
+
 class CCAProjection(nn.Module):
-    """q/k through the causal two-stage conv plus head-mixed residuals; v from the current and previous token."""
+    """q/k through the causal two-stage conv plus head-mixed residuals; v from the current and previous token.
+
+    q_proj | k_proj | v_proj_current | v_proj_delayed run as one GEMM. q and k are column-sharded per rank; the V
+    heads do not follow a column split (the first Hk/2 heads come from v_proj_current, the rest from
+    v_proj_delayed), so both value projections stay replicated and each rank keeps its heads of the full V.
+    """
 
     def __init__(self, config: ZayaConfig):
         super().__init__()
         hq, hk, d, h = config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size
-        self.head_dim = d
         self.q_heads = divide(hq, tp_size(), "num_attention_heads")
         self.k_heads = divide(hk, tp_size(), "num_key_value_heads")
-        self.full_k_heads = hk
-        self.history = config.conv_history
+        self.lag_width = hk * d // 2
         channels = (self.q_heads + self.k_heads) * d
-        self.q_proj = ColumnParallelLinear(h, hq * d, bias=config.attention_bias)
-        self.k_proj = ColumnParallelLinear(h, hk * d, bias=config.attention_bias)
-        # V heads do not follow a column split (the first Hk/2 heads come from v_proj_current, the rest from
-        # v_proj_delayed), so both stay replicated and each rank slices its heads from the full V.
-        self.v_proj_current = ReplicatedLinear(h, hk * d // 2, bias=config.attention_bias)
-        self.v_proj_delayed = ReplicatedLinear(h, hk * d // 2, bias=config.attention_bias)
+        self.qkvv_proj = MergedColumnParallelLinear(h, [hq * d, hk * d, self.lag_width, self.lag_width],
+                                                    bias=config.attention_bias, replicated=[False, False, True, True])
         rows = _head_rows(hq, hk, d)
         self.conv_qk_depthwise = ConvWeights(channels, 1, config.cca_time0, rows)
         self.conv_qk_grouped = ConvWeights(channels, d, config.cca_time1, rows)
@@ -67,55 +73,11 @@ class CCAProjection(nn.Module):
     def forward(self, h: torch.Tensor, batch: ForwardBatch, state: dict[str, torch.Tensor],
                 page_state: dict[str, torch.Tensor]):
         """`state`: the per-request slots; `page_state`: per-page footers to fill (empty without prefix caching)."""
-        tokens, d = h.shape[0], self.head_dim
-        q, k = self.q_proj(h), self.k_proj(h)
-        group = self.q_heads // self.k_heads
-        q_res = (q.view(tokens, self.q_heads, d) + k.view(tokens, self.k_heads, d).repeat_interleave(group, 1)) * 0.5
-        k_res = q_res.view(tokens, self.k_heads, group, d).mean(dim=2)
-        mixed = self._conv(torch.cat([q, k], dim=-1), batch, state["conv"], page_state.get("conv"))
-        query = mixed[:, : self.q_heads * d].view(tokens, self.q_heads, d) + q_res
-        key = mixed[:, self.q_heads * d :].view(tokens, self.k_heads, d) + k_res
-        value = torch.cat([self.v_proj_current(h), self._lagged(h, batch, state["lag"], page_state.get("lag"))], -1)
-        first = tp_rank() * self.k_heads
-        value = value.view(tokens, self.full_k_heads, d)[:, first:first + self.k_heads]
-        return query, key, value
-
-    def _conv(self, qk: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor,
-              conv_footer: torch.Tensor | None) -> torch.Tensor:
-        """Causal conv over [carried raw rows | new raw rows] of every sequence; updates the carried rows (and the
-        footer of every page this step completes: the rows as they stand after the page's last token)."""
-        layout = batch.token_history
-        carried = conv_state[batch.state_slots].transpose(1, 2)  # [B, P, C]
-        carried = torch.where(batch.has_initial_state[:, None, None], carried, torch.zeros_like(carried))
-        rows = qk.new_zeros(layout.total_rows, qk.shape[1])
-        rows[layout.history_index.flatten()] = carried.reshape(-1, qk.shape[1])
-        rows[layout.token_index] = qk
-        conv_state[batch.state_slots] = rows[layout.final_index].transpose(1, 2)
-        if conv_footer is not None:
-            window = layout.token_index[batch.page_end_tokens][:, None] + torch.arange(
-                1 - self.history, 1, device=qk.device)
-            conv_footer[batch.page_end_pages] = rows[window].transpose(1, 2)
-        stage1 = F.conv1d(rows.t()[None], self.conv_qk_depthwise.weight, self.conv_qk_depthwise.bias,
-                          groups=qk.shape[1])
-        stage2 = F.conv1d(stage1, self.conv_qk_grouped.weight, self.conv_qk_grouped.bias,
-                          groups=self.q_heads + self.k_heads)
-        # Output column i covers raw rows i .. i + P, so a token at row r reads column r - P.
-        return stage2[0].t()[layout.token_index - self.history]
-
-    def _lagged(self, h: torch.Tensor, batch: ForwardBatch, lag_state: torch.Tensor,
-                lag_footer: torch.Tensor | None) -> torch.Tensor:
-        """v_proj_delayed of each token's predecessor; a fresh sequence's predecessor is the zero vector."""
-        layout = batch.token_history
-        delayed = self.v_proj_delayed(h)
-        fresh = self.v_proj_delayed(h.new_zeros(1, h.shape[1])).expand(batch.num_seqs, -1)
-        previous = torch.where(batch.has_initial_state[:, None], lag_state[batch.state_slots], fresh)
-        rows = delayed.new_zeros(layout.total_rows, delayed.shape[1])
-        rows[layout.history_index[:, -1]] = previous
-        rows[layout.token_index] = delayed
-        lag_state[batch.state_slots] = rows[layout.final_index[:, -1]]
-        if lag_footer is not None:
-            lag_footer[batch.page_end_pages] = rows[layout.token_index[batch.page_end_tokens]]
-        return rows[layout.token_index - 1]
+        bias = self.qkvv_proj.bias
+        return cca_conv(self.qkvv_proj(h), self.conv_qk_depthwise.weight, self.conv_qk_depthwise.bias,
+                        self.conv_qk_grouped.weight, self.conv_qk_grouped.bias,
+                        None if bias is None else bias[-self.lag_width:], self.q_heads, tp_rank() * self.k_heads,
+                        batch, state["conv"], state["lag"], page_state.get("conv"), page_state.get("lag"))
 
 
 class ConvWeights(nn.Module):
@@ -136,11 +98,10 @@ class ConvWeights(nn.Module):
 
 
 class QKNorm(nn.Module):
-    """q, k scaled to norm sqrt(D) (fp32), then k times a learned per-KV-head temperature."""
+    """The learned per-KV-head key temperature of the q/k normalisation (the op: `ops.zaya_qk`)."""
 
-    def __init__(self, config: ZayaConfig, k_heads: int):
+    def __init__(self, k_heads: int):
         super().__init__()
-        self.scale = math.sqrt(config.head_dim)
         self.temp = new_parameter(k_heads, loader=self._load)
 
     @staticmethod
@@ -150,19 +111,12 @@ class QKNorm(nn.Module):
         check_shape(param.shape, shard)
         param.data.copy_(shard)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        eps = torch.finfo(torch.float32).eps
-        q, k = q.float(), k.float()
-        q = q * (self.scale / q.norm(dim=-1, keepdim=True).clamp_min(eps))
-        k = k * (self.scale / k.norm(dim=-1, keepdim=True).clamp_min(eps))
-        return q, k * self.temp.float()[None, :, None]
-
 
 class CCAAttention(nn.Module):
     def __init__(self, config: ZayaConfig, layer_type: str):
         super().__init__()
         self.qkv_proj = CCAProjection(config)
-        self.qk_norm = QKNorm(config, self.qkv_proj.k_heads)
+        self.qk_norm = QKNorm(self.qkv_proj.k_heads)
         self.o_proj = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size,
                                         bias=config.attention_bias)
         rope = config.rope[layer_type]
@@ -175,17 +129,15 @@ class CCAAttention(nn.Module):
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj(h, batch, self.state, self.page_state)
-        q, k = self.qk_norm(q, k)
-        q = self.rotary(batch.positions, q).to(h.dtype)
-        k = self.rotary(batch.positions, k).to(h.dtype)
-        self.kv["k"][batch.slot_mapping] = k
-        self.kv["v"][batch.slot_mapping] = v
+        q = qk_norm_rope_cache(q, k, v, self.qk_norm.temp, self.rotary.inv_freq, batch.positions,
+                               batch.slot_mapping, self.kv["k"], self.kv["v"], h.dtype)
         out = paged_attention(q, self.kv["k"], self.kv["v"], batch, self.scale, self.sliding_window)
         return self.o_proj(out.flatten(1))
 
 
 class ResidualScaling(nn.Module):
-    """x_new = (u + b_h) * s_h + (x + b_r) * s_r, all in fp32 (the residual stream stays fp32)."""
+    """x_new = (u + b_h) * s_h + (x + b_r) * s_r, all in fp32 (the residual stream stays fp32), fused with the
+    RMSNorm that follows it."""
 
     def __init__(self, hidden_size: int):
         super().__init__()
@@ -194,22 +146,25 @@ class ResidualScaling(nn.Module):
         self.residual_scale = new_parameter(hidden_size)
         self.residual_bias = new_parameter(hidden_size)
 
-    def forward(self, update: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        branch = (update.float() + self.hidden_states_bias.float()) * self.hidden_states_scale.float()
-        return branch + (residual + self.residual_bias.float()) * self.residual_scale.float()
+    def forward(self, update: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
+                skip: tuple[torch.Tensor, torch.Tensor] | None = None, fp32_copy: bool = False):
+        """-> (x_new fp32, norm(x_new), its fp32 copy if asked). `skip` = (weight [T, 1], input [T, H]): MOD's
+        scaled-identity term, added to the (already reduced) update."""
+        skip_weight, skip_input = skip if skip is not None else (None, None)
+        return residual_rms_norm(update, norm.weight, norm.eps, residual, self.hidden_states_bias,
+                                 self.hidden_states_scale, self.residual_bias, self.residual_scale, skip_weight,
+                                 skip_input, fp32_copy)
 
 
 class RouterMLP(nn.Module):
+    """The router's parameters after the down-projection (the op: `ops.zaya_router`)."""
+
     def __init__(self, width: int, num_classes: int, eps: float):
         super().__init__()
         self.norm = RMSNorm(width, eps, dtype=torch.float32)
         self.fc1 = ReplicatedLinear(width, width, bias=True, dtype=torch.float32)
         self.fc2 = ReplicatedLinear(width, width, bias=True, dtype=torch.float32)
         self.out_proj = ReplicatedLinear(width, num_classes, dtype=torch.float32)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.gelu(self.fc1(self.norm(x)))
-        return self.out_proj(F.gelu(self.fc2(x)))
 
 
 class EDARouter(nn.Module):
@@ -228,33 +183,30 @@ class EDARouter(nn.Module):
         # Selection-only bias from training's load balancer.
         self.balancing_biases = new_parameter(config.num_experts + 1, dtype=torch.float32)
 
-    def forward(self, x: torch.Tensor, carry: torch.Tensor | None):
-        z = self.down_proj(x.float())
-        if self.router_states_scale is not None and carry is not None:
-            z = z + carry * self.router_states_scale
-        probs = torch.softmax(self.router_mlp(z), dim=-1)
-        choice = (probs + self.balancing_biases).argmax(dim=-1)
-        return choice, probs.gather(-1, choice[:, None]), z
+    def forward(self, x32: torch.Tensor, carry: torch.Tensor | None) -> Routing:
+        """x32: the normed MoE input in fp32."""
+        mlp = self.router_mlp
+        return eda_route(self.down_proj(x32), carry, self.router_states_scale, mlp.norm.weight, mlp.norm.eps,
+                         mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias, mlp.out_proj.weight,
+                         self.balancing_biases)
 
 
 class ZayaMoE(nn.Module):
     def __init__(self, config: ZayaConfig, layer_idx: int):
         super().__init__()
-        self.num_experts = config.num_experts
         self.scaled_identity = config.mod_skip_mode == "scaled_identity"
         self.gate = EDARouter(config, use_eda=layer_idx != 0)
         self.experts = StackedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
 
-    def forward(self, x: torch.Tensor, carry: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        choice, weight, carry = self.gate(x, carry)
-        skip = (choice == self.num_experts)[:, None]
-        # Skip tokens run expert 0 with weight 0: exactly zero, so the (partial) sum needs no premask.
-        routed = self.experts(x, choice.masked_fill(skip[:, 0], 0)[:, None], weight.masked_fill(skip, 0.0))
-        out = all_reduce(routed).float()
-        if self.scaled_identity:
-            # Replicated on every rank: added once, after the reduce.
-            out = out + torch.where(skip, weight * x.float(), 0.0)
-        return out, carry
+    def forward(self, x: torch.Tensor, x32: torch.Tensor, carry: torch.Tensor | None):
+        """-> (routed output reduced over ranks, the MOD skip weight or None, the router carry).
+
+        Skip tokens run expert 0 with weight 0: exactly zero, so the (partial) sum needs no premask. The
+        scaled-identity term (skip weight * x) is replicated on every rank: the caller adds it once, after the
+        reduce (fused into the residual update)."""
+        route = self.gate(x32, carry)
+        routed = all_reduce(self.experts(x, route.expert_ids, route.expert_weights))
+        return routed, route.skip_weight if self.scaled_identity else None, route.carry
 
 
 class ZayaDecoderLayer(nn.Module):
@@ -267,10 +219,16 @@ class ZayaDecoderLayer(nn.Module):
         self.mlp = ZayaMoE(config, layer_idx)
         self.post_mlp_residual_scale = ResidualScaling(config.hidden_size)
 
-    def forward(self, x: torch.Tensor, carry: torch.Tensor | None, batch: ForwardBatch):
-        x = self.post_attention_residual_scale(self.self_attn(self.input_layernorm(x), batch), x)
-        update, carry = self.mlp(self.post_attention_layernorm(x), carry)
-        return self.post_mlp_residual_scale(update, x), carry
+    def forward(self, x: torch.Tensor, h: torch.Tensor, carry: torch.Tensor | None, batch: ForwardBatch,
+                next_norm: RMSNorm):
+        """x: the fp32 residual; h: input_layernorm(x), computed by the step before. Returns the new residual, its
+        `next_norm` (the next layer's input norm, or the final norm) and the router carry."""
+        x, h2, h2_32 = self.post_attention_residual_scale(self.self_attn(h, batch), x, self.post_attention_layernorm,
+                                                          fp32_copy=True)
+        update, skip_weight, carry = self.mlp(h2, h2_32, carry)
+        skip = (skip_weight, h2) if skip_weight is not None else None
+        x, h, _ = self.post_mlp_residual_scale(update, x, next_norm, skip)
+        return x, h, carry
 
 
 class ZayaModel(nn.Module):
@@ -283,14 +241,19 @@ class ZayaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        e = self.embed_tokens(batch.input_ids).float()
-        x = (e + self.input_hidden_states_bias.float()) * self.input_hidden_states_scale.float()
+        """Each residual update is fused with the norm after it, so a layer hands the next one its normed input;
+        the last layer's is the final norm."""
+        norms = [layer.input_layernorm for layer in self.layers] + [self.norm]
+        x, h, _ = residual_rms_norm(self.embed_tokens(batch.input_ids), norms[0].weight, norms[0].eps,
+                                    update_bias=self.input_hidden_states_bias,
+                                    update_scale=self.input_hidden_states_scale)
         carry = None
-        for layer in self.layers:
-            x, carry = layer(x, carry, batch)
-        return self.norm(x)
+        for layer, next_norm in zip(self.layers, norms[1:]):
+            x, h, carry = layer(x, h, carry, batch, next_norm)
+        return h
 
 
+_PROJECTION = re.compile(rf"(model\.layers\.\d+\.self_attn\.qkv_proj\.)({'|'.join(PROJECTIONS)})\.(weight|bias)")
 _LEGACY_SUBLAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _LEGACY_ATTENTION = {
     "input_norm.weight": "input_layernorm.weight",
@@ -337,7 +300,10 @@ class ZayaForCausalLM(nn.Module):
 
     @property
     def history_len(self) -> int:
-        return self.config.conv_history
+        """Carried rows the batch lays out in front of each sequence: only the torch reference of the conv reads
+        that layout (`batch.token_history`); the kernel reads the state pool directly."""
+        device = self.model.embed_tokens.weight.device
+        return 0 if backends.use_triton("conv", device) else self.config.conv_history
 
     def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
         attn = self.model.layers[0].self_attn.qkv_proj
@@ -372,7 +338,12 @@ class ZayaForCausalLM(nn.Module):
         """Parameter (and shard) a checkpoint tensor fills; None for tensors that are deliberately not loaded."""
         if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
             return None
-        return self._legacy_target(name) if self.config.legacy_layout else (name, None)
+        target, shard = self._legacy_target(name) if self.config.legacy_layout else (name, None)
+        projection = _PROJECTION.fullmatch(target)
+        if projection:  # one block of the fused q | k | v_current | v_delayed projection
+            prefix, which, kind = projection.groups()
+            return f"{prefix}qkvv_proj.{kind}", PROJECTIONS.index(which)
+        return target, shard
 
     def _legacy_target(self, name: str) -> tuple[str, Hashable | None]:
         last = self.config.num_layers - 1

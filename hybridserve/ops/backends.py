@@ -13,7 +13,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-OPS = ("attention", "moe", "conv", "lightning", "norm", "ling_norm")
+OPS = ("attention", "moe", "router", "conv", "lightning", "norm", "ling_norm", "zaya_qk", "zaya_router")
 CHOICES = ("auto", "triton", "torch")
 
 _selected: dict[str, str] = {}

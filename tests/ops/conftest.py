@@ -1,9 +1,9 @@
 """Kernel tests: on a CUDA machine they run the Triton kernels on the GPU (bf16 included); elsewhere through
 Triton's interpreter (TRITON_INTERPRET=1, fp32/fp16 only: bf16 inputs are not emulated faithfully there).
 
-The variable must be set before any kernel module is imported (`triton.jit` reads it at decoration time), which
-is why it is set here, when pytest collects this directory, and why kernel modules are imported inside the tests'
-modules only after this conftest ran.
+The variable must be set before triton is imported (`triton.jit` reads it at decoration time, also for
+triton.language's own functions such as tl.max), which is why the root tests/conftest.py sets it first; it is set
+here again for runs that bypass that file. Kernel modules are imported inside the tests' modules only.
 """
 from __future__ import annotations
 

@@ -3,8 +3,9 @@ tested against the token-by-token recurrence in tests/unit/test_lightning_ops.py
 slot, with restored, fresh (NaN-poisoned) and untouched slots. Through the interpreter on CPU (fp32, fp16), on the
 GPU with bf16 too.
 
-Tolerance 2e-5 relative for every input dtype: the reference upcasts the same q/k/v, so both sides do fp32 math
-(tf32x3 dots on the GPU are fp32-level); only summation order differs.
+Tolerance 2e-5 relative for every input dtype through the interpreter: the reference upcasts the same q/k/v, so
+both sides do fp32 math and only summation order differs. On the GPU the fp32-operand dots run as tf32x3 (three tf32
+products), fp32-level but not bit-for-bit: 2.6e-5 was measured on the H200, so the bound there is 5e-5.
 """
 from __future__ import annotations
 
@@ -14,14 +15,14 @@ import torch
 from hybridserve.core.batch import ScheduledChunk, build_forward_batch
 from hybridserve.ops.reference import lightning as reference
 from hybridserve.ops.triton import lightning as kernel
-from tests.ops.conftest import DEVICE, KERNEL_DTYPES
+from tests.ops.conftest import DEVICE, KERNEL_DTYPES, ON_GPU
 
 PAGE = 16
 HEADS, DK, DV = 2, 16, 24  # d_v != d_k and not a power of two: masked v-blocks
 BLOCK_V = 16  # two v-blocks, the second half masked
 LOG_DECAY = torch.tensor([-0.9, -1e-3], device=DEVICE)  # a fast head (a^64 ~ 1e-25) and an almost flat one
 NUM_SLOTS = 10
-TOL = 2e-5
+TOL = 5e-5 if ON_GPU else 2e-5
 
 
 def _batch(lengths: list[int], slots: list[int], restored: list[bool]):

@@ -1,0 +1,228 @@
+"""ZAYA1's CCA convolution and value lag as one Triton kernel over packed rows (contract: ops/reference/conv.py).
+
+Grid: (token blocks, work items). Work items 0 .. Hq+Hk-1 are conv heads (D channels each: both conv stages,
+stage 2 as a [D, D] tl.dot per tap, the head-mix residual in the epilogue); the remaining items are blocks of
+value channels (v_current copied, v_delayed shifted by one token).
+
+Ownership makes the in-place state update race-free without a second launch: only a row's first P tokens read
+its carried window (and only its first token the lag), so every token with local index < P belongs to the
+program of the row's first token, which is also the one that writes the row's new window and lag. Token blocks
+therefore overlap by P - 1 tokens: program p looks at tokens [p * S, p * S + BLOCK_T) with stride
+S = BLOCK_T - (P - 1) and processes the token t iff (t - min(local(t), P - 1)) // S == p (each token exactly once). All loads of the old
+state happen before a barrier, all state stores after it. Page footers are stored from values already loaded.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hybridserve.core.batch import ForwardBatch
+
+
+@triton.jit
+def _raw(proj_ptr, proj_s0, state_ptr, cs0, cs1, cs2, start, back, slot, init, valid, ch, ch_ok,
+         P: tl.constexpr):
+    """Raw q|k input (fp32) of the token at chunk index `back` of each row: this step's projection when
+    back >= 0, else column P + back of the carried window (zero for a row without initial state)."""
+    in_chunk = back >= 0
+    new = tl.load(proj_ptr + (start + back) * proj_s0 + ch, mask=valid & in_chunk & ch_ok, other=0.0)
+    old = tl.load(state_ptr + slot * cs0 + ch * cs1 + (P + back) * cs2, mask=valid & (~in_chunk) & init & ch_ok,
+                  other=0.0)
+    return tl.where(in_chunk, new.to(tl.float32), old.to(tl.float32))
+
+
+@triton.jit
+def _conv_head(g, tok, local, start, seq, mine, starter, proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr, b1_ptr,
+               qk_out_ptr, conv_ptr, cs0, cs1, cs2, cfoot_ptr, cf0, cf1, cf2, slots_ptr, init_ptr, qsl_ptr,
+               pos_ptr, pt_ptr, pt_s0, page_size,
+               HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, K0: tl.constexpr, K1: tl.constexpr,
+               P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+               HAS_FOOTER: tl.constexpr, PRECISION: tl.constexpr):
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    ch = g * D + d
+    slot = tl.load(slots_ptr + seq, mask=mine, other=0)
+    init = tl.load(init_ptr + seq, mask=mine, other=0) != 0
+    # 2-D views: tokens x channels.
+    start2, slot2, init2, mine2 = start[:, None], slot[:, None], init[:, None], mine[:, None]
+    ch2, ok2 = ch[None, :], d_ok[None, :]
+
+    # Stage 1 (depthwise, K0 taps) at tokens t - m, then stage 2 (per head, D -> D) tap K1 - 1 - m on it.
+    b0 = tl.load(b0_ptr + ch, mask=d_ok, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+    for m in tl.static_range(K1):
+        u = tl.zeros([BLOCK_T, BLOCK_D], tl.float32) + b0[None, :]
+        for n in tl.static_range(K0):
+            w0 = tl.load(w0_ptr + ch * K0 + (K0 - 1 - n), mask=d_ok, other=0.0).to(tl.float32)
+            x = _raw(proj_ptr, proj_s0, conv_ptr, cs0, cs1, cs2, start2, (local - m - n)[:, None], slot2, init2,
+                     mine2, ch2, ok2, P)
+            u += w0[None, :] * x
+        d_in, d_out = d[:, None], d[None, :]
+        w1 = tl.load(w1_ptr + ((g * D + d_out) * D + d_in) * K1 + (K1 - 1 - m), mask=(d_in < D) & (d_out < D),
+                     other=0.0).to(tl.float32)
+        acc += tl.dot(u, w1, input_precision=PRECISION)
+    acc += tl.load(b1_ptr + ch, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+
+    # Head-mix residuals from the current token's raw q|k: q_res[h] = (q[h] + k[h // G]) / 2, k_res[j] = the mean
+    # of q_res over j's G query heads.
+    G: tl.constexpr = HQ // HK
+    row = proj_ptr + tok[:, None] * proj_s0
+    if g < HQ:
+        q = tl.load(row + ch2, mask=mine2 & ok2, other=0.0).to(tl.float32)
+        k = tl.load(row + (HQ + g // G) * D + d[None, :], mask=mine2 & ok2, other=0.0).to(tl.float32)
+        res = (q + k) * 0.5
+    else:
+        k = tl.load(row + ch2, mask=mine2 & ok2, other=0.0).to(tl.float32)
+        res = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+        for i in tl.static_range(G):
+            q = tl.load(row + ((g - HQ) * G + i) * D + d[None, :], mask=mine2 & ok2, other=0.0).to(tl.float32)
+            res += (q + k) * 0.5
+        res = res / G
+    tl.store(qk_out_ptr + (tok[:, None] * (HQ + HK) + g) * D + d[None, :], acc + res, mask=mine2 & ok2)
+
+    # 3-D views: tokens x window columns x channels.
+    p = tl.arange(0, BLOCK_P)[None, :, None]
+    p_ok = p < P
+    start3, slot3, init3 = start[:, None, None], slot[:, None, None], init[:, None, None]
+    ch3, ok3 = ch[None, None, :], d_ok[None, None, :]
+    if HAS_FOOTER:
+        # The window after a page's last token t: raw rows t - P + 1 .. t (column p = row t - (P - 1 - p)).
+        pos = tl.load(pos_ptr + tok, mask=mine, other=0)
+        is_end = mine & ((pos + 1) % page_size == 0)
+        page = tl.load(pt_ptr + seq * pt_s0 + pos // page_size, mask=is_end, other=0)
+        back = local[:, None, None] - (P - 1 - p)
+        footer = _raw(proj_ptr, proj_s0, conv_ptr, cs0, cs1, cs2, start3, back, slot3, init3,
+                      is_end[:, None, None] & p_ok, ch3, ok3, P)
+        tl.store(cfoot_ptr + page[:, None, None] * cf0 + ch3 * cf1 + p * cf2, footer.to(cfoot_ptr.dtype.element_ty),
+                 mask=is_end[:, None, None] & p_ok & ok3)
+    # The row's new window: raw rows S - P .. S - 1 of the chunk (older ones from the old window).
+    length = tl.load(qsl_ptr + seq + 1, mask=starter, other=0) - start
+    back = length[:, None, None] - P + p
+    window = _raw(proj_ptr, proj_s0, conv_ptr, cs0, cs1, cs2, start3, back, slot3, init3,
+                  starter[:, None, None] & p_ok, ch3, ok3, P)
+    tl.debug_barrier()  # every read of the old window above happens before it is overwritten below
+    tl.store(conv_ptr + slot3 * cs0 + ch3 * cs1 + p * cs2, window.to(conv_ptr.dtype.element_ty),
+             mask=starter[:, None, None] & p_ok & ok3)
+
+
+@triton.jit
+def _value_block(vb, tok, local, start, seq, mine, starter, proj_ptr, proj_s0, lag_bias_ptr, v_out_ptr,
+                 lag_ptr, lag_s0, lfoot_ptr, lf0, slots_ptr, init_ptr, qsl_ptr, pos_ptr, pt_ptr, pt_s0, page_size,
+                 kv_head_offset,
+                 HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, VH: tl.constexpr, BLOCK_D: tl.constexpr,
+                 HAS_LAG_BIAS: tl.constexpr, HAS_FOOTER: tl.constexpr):
+    c = vb * BLOCK_D + tl.arange(0, BLOCK_D)
+    c_ok = c < VH
+    current_col = (HQ + HK) * D + c
+    delayed_col = current_col + VH
+    slot = tl.load(slots_ptr + seq, mask=mine, other=0)
+    init = tl.load(init_ptr + seq, mask=mine, other=0) != 0
+    mine2, c2, ok2 = mine[:, None], c[None, :], c_ok[None, :]
+    row = proj_ptr + tok[:, None] * proj_s0
+
+    # Value channel c of [v_current | v_delayed] belongs to KV head c // D; this rank stores its own heads only.
+    head = c // D - kv_head_offset
+    keep = ok2 & (head >= 0)[None, :] & (head < HK)[None, :]
+    current = tl.load(row + current_col[None, :], mask=mine2 & keep, other=0.0)
+    tl.store(v_out_ptr + (tok[:, None] * HK + head[None, :]) * D + (c % D)[None, :], current, mask=mine2 & keep)
+
+    inside = (local >= 1)[:, None]
+    shifted = tl.load(row - proj_s0 + delayed_col[None, :], mask=mine2 & inside & ok2, other=0.0)
+    carried = tl.load(lag_ptr + slot[:, None] * lag_s0 + c2, mask=mine2 & (~inside) & init[:, None] & ok2, other=0.0)
+    if HAS_LAG_BIAS:
+        fresh = tl.load(lag_bias_ptr + c, mask=c_ok, other=0.0)[None, :]
+    else:
+        fresh = tl.zeros([1, BLOCK_D], lag_ptr.dtype.element_ty)
+    delayed = tl.where(inside, shifted, tl.where(init[:, None], carried, fresh.to(carried.dtype)))
+    head = (VH + c) // D - kv_head_offset
+    keep = ok2 & (head >= 0)[None, :] & (head < HK)[None, :]
+    tl.store(v_out_ptr + (tok[:, None] * HK + head[None, :]) * D + ((VH + c) % D)[None, :],
+             delayed.to(v_out_ptr.dtype.element_ty), mask=mine2 & keep)
+
+    if HAS_FOOTER:
+        pos = tl.load(pos_ptr + tok, mask=mine, other=0)
+        is_end = mine & ((pos + 1) % page_size == 0)
+        page = tl.load(pt_ptr + seq * pt_s0 + pos // page_size, mask=is_end, other=0)
+        own = tl.load(row + delayed_col[None, :], mask=is_end[:, None] & ok2, other=0.0)
+        tl.store(lfoot_ptr + page[:, None] * lf0 + c2, own.to(lfoot_ptr.dtype.element_ty), mask=is_end[:, None] & ok2)
+    # The new lag: v_delayed of the row's last token.
+    last = tl.load(qsl_ptr + seq + 1, mask=starter, other=1) - 1
+    newest = tl.load(proj_ptr + last[:, None] * proj_s0 + delayed_col[None, :], mask=starter[:, None] & ok2,
+                     other=0.0)
+    tl.debug_barrier()  # the old lag was read above
+    tl.store(lag_ptr + slot[:, None] * lag_s0 + c2, newest.to(lag_ptr.dtype.element_ty), mask=starter[:, None] & ok2)
+
+
+@triton.jit
+def _cca_conv_kernel(proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr, b1_ptr, lag_bias_ptr, qk_out_ptr, v_out_ptr,
+                     conv_ptr, cs0, cs1, cs2, lag_ptr, lag_s0, cfoot_ptr, cf0, cf1, cf2, lfoot_ptr, lf0,
+                     seq_ids_ptr, qsl_ptr, slots_ptr, init_ptr, pos_ptr, pt_ptr, pt_s0, page_size,
+                     num_tokens, kv_head_offset,
+                     HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, VH: tl.constexpr, K0: tl.constexpr,
+                     K1: tl.constexpr, P: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_T: tl.constexpr,
+                     BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, HAS_LAG_BIAS: tl.constexpr,
+                     HAS_FOOTER: tl.constexpr, PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    item = tl.program_id(1)
+    STRIDE: tl.constexpr = BLOCK_T - OVERLAP
+    tok = pid * STRIDE + tl.arange(0, BLOCK_T)
+    valid = tok < num_tokens
+    seq = tl.load(seq_ids_ptr + tok, mask=valid, other=0)
+    start = tl.load(qsl_ptr + seq, mask=valid, other=0)
+    local = tok - start
+    mine = valid & ((tok - tl.minimum(local, OVERLAP)) // STRIDE == pid)
+    starter = mine & (local == 0)
+    if item < HQ + HK:
+        _conv_head(item, tok, local, start, seq, mine, starter, proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr, b1_ptr,
+                   qk_out_ptr, conv_ptr, cs0, cs1, cs2, cfoot_ptr, cf0, cf1, cf2, slots_ptr, init_ptr, qsl_ptr,
+                   pos_ptr, pt_ptr, pt_s0, page_size, HQ, HK, D, K0, K1, P, BLOCK_T, BLOCK_D, BLOCK_P, HAS_FOOTER,
+                   PRECISION)
+    else:
+        _value_block(item - HQ - HK, tok, local, start, seq, mine, starter, proj_ptr, proj_s0, lag_bias_ptr,
+                     v_out_ptr, lag_ptr, lag_s0, lfoot_ptr, lf0, slots_ptr, init_ptr,
+                     qsl_ptr, pos_ptr, pt_ptr, pt_s0, page_size, kv_head_offset, HQ, HK, D, VH, BLOCK_D,
+                     HAS_LAG_BIAS, HAS_FOOTER)
+
+
+def _block_tokens(num_tokens: int, history: int) -> int:
+    """Tokens a program looks at: 16 (the smallest tl.dot) for decode-sized steps, 32 for prefill."""
+    return max(16 if num_tokens <= 512 else 32, triton.next_power_of_2(history + 1))
+
+
+def cca_conv(proj: torch.Tensor, weight0: torch.Tensor, bias0: torch.Tensor, weight1: torch.Tensor,
+             bias1: torch.Tensor, lag_bias: torch.Tensor | None, q_heads: int, kv_head_offset: int,
+             batch: ForwardBatch, conv_state: torch.Tensor, lag_state: torch.Tensor,
+             conv_footer: torch.Tensor | None = None, lag_footer: torch.Tensor | None = None):
+    tokens, channels = proj.shape[0], weight0.shape[0]
+    d, k0, k1 = weight1.shape[1], weight0.shape[-1], weight1.shape[-1]
+    k_heads = channels // d - q_heads
+    lag_width = lag_state.shape[-1]
+    history = (k0 - 1) + (k1 - 1)
+    if proj.stride(1) != 1 or proj.shape[1] != channels + 2 * lag_width:
+        raise ValueError(f"proj must be [T, {channels} + 2 * {lag_width}] with unit column stride")
+    if conv_state.shape[-2:] != (channels, history) or lag_state.stride(-1) != 1:
+        raise ValueError(f"conv state must be [slots, {channels}, {history}]; lag state [slots, {lag_width}]")
+    if (conv_footer is None) != (lag_footer is None):
+        raise ValueError("page footers come as a pair (conv and lag) or not at all")
+    qk = torch.empty(tokens, q_heads + k_heads, d, device=proj.device, dtype=torch.float32)
+    value = torch.empty(tokens, k_heads, d, device=proj.device, dtype=proj.dtype)
+    if tokens == 0:
+        return qk[:, :q_heads], qk[:, q_heads:], value
+    block_d = max(16, triton.next_power_of_2(d))
+    block_t = _block_tokens(tokens, history)
+    overlap = max(history - 1, 0)
+    has_footer = conv_footer is not None
+    cfoot = conv_footer if has_footer else conv_state
+    lfoot = lag_footer if has_footer else lag_state
+    grid = (triton.cdiv(tokens, block_t - overlap),
+            q_heads + k_heads + triton.cdiv(lag_width, block_d))
+    _cca_conv_kernel[grid](
+        proj, proj.stride(0), weight0, bias0, weight1, bias1, lag_bias if lag_bias is not None else bias0,
+        qk, value, conv_state, *conv_state.stride(), lag_state, lag_state.stride(0), cfoot, *cfoot.stride(),
+        lfoot, lfoot.stride(0), batch.seq_ids, batch.query_start_loc, batch.state_slots, batch.has_initial_state,
+        batch.positions, batch.page_table, batch.page_table.stride(0), batch.page_size, tokens, kv_head_offset,
+        HQ=q_heads, HK=k_heads, D=d, VH=lag_width, K0=k0, K1=k1, P=history, OVERLAP=overlap, BLOCK_T=block_t,
+        BLOCK_D=block_d, BLOCK_P=triton.next_power_of_2(max(history, 1)), HAS_LAG_BIAS=lag_bias is not None, HAS_FOOTER=has_footer,
+        PRECISION="ieee" if proj.dtype == torch.float32 else "tf32", num_warps=8 if block_d >= 128 else 4)
+    return qk[:, :q_heads], qk[:, q_heads:], value

@@ -1,0 +1,245 @@
+"""Fused MoE on CUDA: routed SwiGLU experts as two grouped GEMMs over expert-sorted (token, choice) pairs.
+
+1. Alignment (two small kernels, no host sync): the T*K pairs are ordered by expert (pair order kept inside an
+   expert), and each expert's run is padded to a multiple of BLOCK_M with the sentinel T*K. `block_expert[b]` is
+   the expert of block b, -1 past the last used block. Sizes come from T, K, E and BLOCK_M only: at most
+   `max_blocks = (T*K + min(E, T*K) * (BLOCK_M - 1)) // BLOCK_M` blocks. Grids are sized by that bound and
+   programs of unused blocks return at once, so a decode batch never reads the weights of an expert nobody chose.
+2. Gate/up GEMM: x rows of a block times the expert's gate and up rows, fp32 accumulation, SiLU(gate) * up in the
+   epilogue, stored by pair index into [T*K, I] in x's dtype (the down GEMM reads it back in that dtype, as the
+   reference's F.linear does).
+3. Down GEMM: times w2[e]^T, scaled by the pair's routing weight in fp32 (a zero weight, ZAYA1's MOD skip,
+   writes an exact zero), stored by pair index into [T*K, H]. For K = 1 that is the output; for K > 1 one sum
+   over each token's K rows follows. No atomics: the result is deterministic.
+Launch configurations: `moe_config` (tuned JSON tables, else a heuristic).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hybridserve.ops.triton.moe_config import check_config, moe_config
+
+_MAX_CHUNKS = 128  # alignment programs: each counts and places a contiguous chunk of pairs
+
+
+@triton.jit(do_not_specialize=["num_pairs", "chunk"])
+def _count_kernel(ids, ranks, counts, num_pairs, chunk, EXPERTS: tl.constexpr, E_P2: tl.constexpr,
+                  SUB: tl.constexpr):
+    """Per chunk of pairs: each pair's rank among the earlier pairs of its expert in the chunk, and the chunk's
+    per-expert counts [num_chunks, E]."""
+    c = tl.program_id(0)
+    expert = tl.arange(0, E_P2)
+    seen = tl.zeros([E_P2], dtype=tl.int32)
+    for start in range(0, chunk, SUB):
+        pair = c * chunk + start + tl.arange(0, SUB)  # chunk is a multiple of SUB
+        mine = pair < num_pairs
+        e = tl.load(ids + pair, mask=mine, other=-1)
+        hit = (e[:, None] == expert[None, :]).to(tl.int32)  # [SUB, E_P2] one-hot
+        rank = tl.sum(hit * (tl.cumsum(hit, axis=0) - 1 + seen[None, :]), axis=1)
+        tl.store(ranks + pair, rank, mask=mine)
+        seen += tl.sum(hit, axis=0)
+    tl.store(counts + c * EXPERTS + expert, seen, mask=expert < EXPERTS)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "chunk", "num_chunks", "max_blocks", "blocks_per_program"])
+def _place_kernel(ids, ranks, counts, sorted_pairs, block_expert, num_pairs, chunk, num_chunks, max_blocks,
+                  blocks_per_program, EXPERTS: tl.constexpr, E_P2: tl.constexpr, SUB: tl.constexpr,
+                  CHUNK_TILE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Every program rebuilds the padded expert offsets from all chunk counts, places its chunk's pairs, writes
+    the sentinel padding of the experts e with e % num_chunks == c, and `block_expert` for its share of blocks."""
+    c = tl.program_id(0)
+    expert = tl.arange(0, E_P2)
+    real = expert < EXPERTS
+    total = tl.zeros([E_P2], dtype=tl.int32)
+    before = tl.zeros([E_P2], dtype=tl.int32)  # pairs of each expert in the chunks before this one
+    for first in range(0, num_chunks, CHUNK_TILE):
+        row = first + tl.arange(0, CHUNK_TILE)
+        tile = tl.load(counts + row[:, None] * EXPERTS + expert[None, :],
+                       mask=(row[:, None] < num_chunks) & real[None, :], other=0)
+        total += tl.sum(tile, axis=0)
+        before += tl.sum(tl.where(row[:, None] < c, tile, 0), axis=0)
+    blocks = (total + BLOCK_M - 1) // BLOCK_M
+    block_end = tl.cumsum(blocks, axis=0)
+    row_start = (block_end - blocks) * BLOCK_M  # first padded row of each expert
+
+    for start in range(0, chunk, SUB):
+        pair = c * chunk + start + tl.arange(0, SUB)  # chunk is a multiple of SUB
+        mine = pair < num_pairs
+        e = tl.load(ids + pair, mask=mine, other=-1)
+        mine = mine & (e >= 0) & (e < EXPERTS)  # an invalid id is dropped, never written out of bounds
+        base = tl.sum(tl.where(e[:, None] == expert[None, :], row_start[None, :] + before[None, :], 0), axis=1)
+        tl.store(sorted_pairs + base + tl.load(ranks + pair, mask=mine, other=0), pair, mask=mine)
+
+    owned = real & (expert % num_chunks == c)
+    for pad in tl.static_range(0, BLOCK_M, 16):
+        offset = total[:, None] + pad + tl.arange(0, 16)[None, :]
+        tl.store(sorted_pairs + row_start[:, None] + offset, num_pairs,
+                 mask=owned[:, None] & (offset < blocks[:, None] * BLOCK_M))
+
+    for first in range(0, blocks_per_program, 16):
+        block = c * blocks_per_program + first + tl.arange(0, 16)
+        which = tl.sum((block_end[None, :] <= block[:, None]).to(tl.int32), axis=1)  # experts ending before
+        used = block < tl.sum(blocks, axis=0)
+        tl.store(block_expert + block, tl.where(used, which, -1),
+                 mask=(block < max_blocks) & (first + tl.arange(0, 16) < blocks_per_program))
+
+
+@triton.jit
+def _tile(block_expert, max_blocks, n_tiles, GROUP_M: tl.constexpr):
+    """(block, column tile, expert or -1) of this program, GROUP_M blocks at a time so that neighbours share
+    weight tiles in L2."""
+    pid = tl.program_id(0)
+    per_group = GROUP_M * n_tiles
+    first = (pid // per_group) * GROUP_M
+    size = tl.minimum(max_blocks - first, GROUP_M)
+    block = first + (pid % per_group) % size
+    return block, (pid % per_group) // size, tl.load(block_expert + block).to(tl.int64)
+
+
+@triton.jit
+def _block_rows(sorted_pairs, block, num_pairs, BLOCK_M: tl.constexpr):
+    """The pair index of each row of `block`, and which rows are real (not padding)."""
+    pair = tl.load(sorted_pairs + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    return pair, pair < num_pairs
+
+
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
+def _gate_up_kernel(x, w13, out, sorted_pairs, block_expert, num_pairs, max_blocks, top_k, inter, hidden,
+                    stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_ot, stride_on,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                    EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    HALF: tl.constexpr = BLOCK_N // 2
+    block, tile, expert = _tile(block_expert, max_blocks, tl.cdiv(inter, HALF), GROUP_M)
+    if expert < 0:
+        return
+    pair, row_ok = _block_rows(sorted_pairs, block, num_pairs, BLOCK_M)
+    col = tile * HALF + tl.arange(0, HALF)
+    col_ok = col < inter
+    k = tl.arange(0, BLOCK_K)
+    a_ptr = x + (pair // top_k)[:, None].to(tl.int64) * stride_xt + k[None, :] * stride_xh
+    g_ptr = w13 + expert * stride_we + col[None, :].to(tl.int64) * stride_wn + k[:, None] * stride_wh
+    u_ptr = g_ptr + inter * stride_wn
+    gate = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+    up = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
+            g = tl.load(g_ptr, mask=col_ok[None, :], other=0.0)
+            u = tl.load(u_ptr, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = k < hidden - k0
+            a = tl.load(a_ptr, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(g_ptr, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            u = tl.load(u_ptr, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        gate = tl.dot(a, g, gate, input_precision=PRECISION)
+        up = tl.dot(a, u, up, input_precision=PRECISION)
+        a_ptr += BLOCK_K * stride_xh
+        g_ptr += BLOCK_K * stride_wh
+        u_ptr += BLOCK_K * stride_wh
+    act = gate / (1.0 + tl.exp(-gate)) * up  # SiLU(gate) * up in fp32
+    tl.store(out + pair[:, None].to(tl.int64) * stride_ot + col[None, :] * stride_on,
+             act.to(out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
+def _down_kernel(act, w2, out, weights, sorted_pairs, block_expert, num_pairs, max_blocks, hidden, inter,
+                 stride_at, stride_ai, stride_we, stride_wh, stride_wi, stride_ot, stride_oh,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                 EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    block, tile, expert = _tile(block_expert, max_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    if expert < 0:
+        return
+    pair, row_ok = _block_rows(sorted_pairs, block, num_pairs, BLOCK_M)
+    col = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = col < hidden
+    k = tl.arange(0, BLOCK_K)
+    a_ptr = act + pair[:, None].to(tl.int64) * stride_at + k[None, :] * stride_ai
+    b_ptr = w2 + expert * stride_we + col[None, :].to(tl.int64) * stride_wh + k[:, None] * stride_wi
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
+            b = tl.load(b_ptr, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = k < inter - k0
+            a = tl.load(a_ptr, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptr, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptr += BLOCK_K * stride_ai
+        b_ptr += BLOCK_K * stride_wi
+    weight = tl.load(weights + pair, mask=row_ok, other=0.0)
+    acc = tl.where(weight[:, None] == 0.0, 0.0, acc * weight[:, None])  # exact zero even if acc overflowed
+    tl.store(out + pair[:, None].to(tl.int64) * stride_ot + col[None, :] * stride_oh,
+             acc.to(out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def max_blocks(num_pairs: int, experts: int, block_m: int) -> int:
+    """Most BLOCK_M-row blocks the padded expert runs can take: sum_e ceil(c_e / M) with sum c_e = num_pairs
+    and at most min(E, num_pairs) experts used."""
+    return (num_pairs + min(experts, num_pairs) * (block_m - 1)) // block_m
+
+
+def align_pairs(topk_ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_ids [T, K] -> (sorted_pairs [max_blocks * block_m] int32: pair index or the sentinel T*K,
+    block_expert [max_blocks] int32: expert of each block or -1). Two launches, sizes from the shapes only."""
+    ids = topk_ids.reshape(-1)
+    num_pairs = ids.numel()
+    blocks = max_blocks(num_pairs, experts, block_m)
+    e_p2 = triton.next_power_of_2(experts)
+    sub = max(1, min(64, 4096 // e_p2))  # pairs per step: a [sub, E] one-hot stays small
+    chunk = sub * triton.cdiv(triton.cdiv(num_pairs, sub), _MAX_CHUNKS)
+    num_chunks = triton.cdiv(num_pairs, chunk)
+    device = ids.device
+    ranks = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    counts = torch.empty(num_chunks, experts, dtype=torch.int32, device=device)
+    sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
+    _count_kernel[(num_chunks,)](ids, ranks, counts, num_pairs, chunk, EXPERTS=experts, E_P2=e_p2, SUB=sub)
+    _place_kernel[(num_chunks,)](ids, ranks, counts, sorted_pairs, block_expert, num_pairs, chunk, num_chunks,
+                                 blocks, triton.cdiv(blocks, num_chunks), EXPERTS=experts, E_P2=e_p2, SUB=sub,
+                                 CHUNK_TILE=max(1, min(64, 4096 // e_p2)), BLOCK_M=block_m)
+    return sorted_pairs, block_expert
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                  topk_weights: torch.Tensor, config: dict[str, int] | None = None) -> torch.Tensor:
+    """x [T, H]; w13 [E, 2I, H] (gate rows first); w2 [E, H, I]; topk_ids/weights [T, K] -> [T, H] in x's dtype.
+
+    Every id must lie in [0, E) (not checked: that would need a sync; a pair with another id is dropped and its
+    token's row left undefined). `config` overrides the table/heuristic choice (the tuner uses it).
+    """
+    tokens, hidden = x.shape
+    experts, inter = w13.shape[0], w13.shape[1] // 2
+    top_k = topk_ids.shape[1]
+    if w13.shape != (experts, 2 * inter, hidden) or w2.shape != (experts, hidden, inter):
+        raise ValueError(f"expert weights do not match: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "
+                         f"w2 {tuple(w2.shape)}")
+    if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != tokens:
+        raise ValueError(f"topk ids {tuple(topk_ids.shape)} / weights {tuple(topk_weights.shape)} "
+                         f"do not match {tokens} tokens")
+    out = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)
+    if tokens == 0:
+        return out.view(tokens, hidden)
+    config = check_config(config, "config") if config is not None else \
+        moe_config(tokens, experts, inter, hidden, top_k, x.dtype, x.device)
+    block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    sorted_pairs, block_expert = align_pairs(topk_ids.contiguous(), experts, block_m)
+    blocks, num_pairs = block_expert.numel(), tokens * top_k
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    launch = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=config["GROUP_M"],
+                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                  num_warps=config["num_warps"], num_stages=config["num_stages"])
+    _gate_up_kernel[(blocks * triton.cdiv(inter, block_n // 2),)](
+        x, w13, act, sorted_pairs, block_expert, num_pairs, blocks, top_k, inter, hidden,
+        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0), act.stride(1),
+        EVEN_K=hidden % block_k == 0, **launch)
+    _down_kernel[(blocks * triton.cdiv(hidden, block_n),)](
+        act, w2, out, weights, sorted_pairs, block_expert, num_pairs, blocks, hidden, inter,
+        act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), out.stride(1),
+        EVEN_K=inter % block_k == 0, **launch)
+    if top_k == 1:
+        return out
+    return out.view(tokens, top_k, hidden).sum(dim=1)  # fp32 accumulation inside torch's reduction, one rounding

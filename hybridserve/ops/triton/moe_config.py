@@ -1,0 +1,87 @@
+"""Launch configurations of the fused-MoE kernels (`ops.triton.moe`): tuned tables or a heuristic.
+
+A table is a JSON file in `moe_configs/` per (experts E, local intermediate N, hidden H, dtype, device name),
+written by `benchmarks/tune_moe.py`: token count -> {BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages}.
+A call takes the entry of the nearest tuned token count; shapes without a table (another model, another TP degree,
+another GPU) use `heuristic_config`. The choice is a pure function of host-known sizes, so a captured CUDA graph
+always replays the configuration it was captured with.
+
+BLOCK_N is the width of an output tile in both GEMMs: the gate/up GEMM computes BLOCK_N / 2 gate columns and the
+matching BLOCK_N / 2 up columns (BLOCK_N / 2 intermediate columns); the down GEMM BLOCK_N hidden columns.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+
+KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+CONFIG_DIR = Path(__file__).with_name("moe_configs")
+_TARGET_PROGRAMS = 256  # about two per SM on an H100/H200: enough tiles in flight to stream the weights
+
+
+def config_file_name(experts: int, intermediate: int, hidden: int, dtype: torch.dtype, device_name: str) -> str:
+    return (f"E={experts},N={intermediate},H={hidden},dtype={str(dtype).removeprefix('torch.')},"
+            f"device={device_name.replace(' ', '_')}.json")
+
+
+def check_config(config: dict, where: str) -> dict[str, int]:
+    """The six keys, powers of two where the kernels need them; a clear error naming `where` otherwise."""
+    if set(config) != set(KEYS) or not all(isinstance(config[k], int) and config[k] > 0 for k in KEYS):
+        raise ValueError(f"{where}: a MoE config needs positive integers {', '.join(KEYS)}; got {config}")
+    for key, low in (("BLOCK_M", 16), ("BLOCK_N", 32), ("BLOCK_K", 16)):
+        value = config[key]
+        if value < low or value & (value - 1):
+            raise ValueError(f"{where}: {key} must be a power of two >= {low}; got {value}")
+    return dict(config)
+
+
+def heuristic_config(tokens: int, experts: int, intermediate: int, hidden: int, top_k: int) -> dict[str, int]:
+    """A reasoned default for H100/H200-class GPUs from the mean number of rows each expert gets.
+
+    Up to 16 rows per expert the op streams weights (memory bound): one 16-row block per used expert, long K
+    tiles, and N tiles narrow enough that the used experts give ~256 programs. From 16 to 64 rows: mid-size
+    tiles. Beyond: compute bound, 128-row tiles grouped so that blocks sharing an expert reuse its tiles in L2.
+    """
+    rows = tokens * top_k / experts
+    if rows <= 16:
+        used = min(experts, tokens * top_k)
+        block_n = 128
+        while block_n > 32 and used * -(-intermediate // (block_n // 2)) < _TARGET_PROGRAMS:
+            block_n //= 2
+        return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+    if rows <= 64:
+        return dict(BLOCK_M=32 if rows <= 32 else 64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+@functools.cache
+def load_table(name: str) -> dict[int, dict[str, int]] | None:
+    """token count -> config from `moe_configs/<name>`, or None when there is no such file."""
+    path = CONFIG_DIR / name
+    if not path.is_file():
+        return None
+    raw = json.loads(path.read_text())
+    table = {int(tokens): check_config(config, f"{path.name}[{tokens}]")
+             for tokens, config in raw.items() if not tokens.startswith("_")}
+    if not table:
+        raise ValueError(f"{path}: no token counts")
+    return table
+
+
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def moe_config(tokens: int, experts: int, intermediate: int, hidden: int, top_k: int, dtype: torch.dtype,
+               device: torch.device) -> dict[str, int]:
+    """The tuned entry of the nearest token count for this shape and GPU, else `heuristic_config`."""
+    if device.type == "cuda":
+        name = _device_name(device.index if device.index is not None else torch.cuda.current_device())
+        table = load_table(config_file_name(experts, intermediate, hidden, dtype, name))
+        if table is not None:
+            return table[min(table, key=lambda tuned: (abs(tuned - tokens), tuned))]
+    return heuristic_config(tokens, experts, intermediate, hidden, top_k)

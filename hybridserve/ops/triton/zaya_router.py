@@ -1,0 +1,106 @@
+"""ZAYA1's EDA router in one fp32 Triton kernel (contract: ops/reference/zaya_router.py).
+
+One program routes BLOCK_T tokens. Layer outputs pass through a per-token fp32 scratch row between the three
+matrix products (each a K-chunked fp32 tl.dot against the [R, R] weight, IEEE precision: a top-1 choice can flip
+on a near-tie, so nothing here is rounded below fp32); barriers order the scratch writes and reads of one program.
+With a carry, z (the caller's fresh down-projection output) is updated in place and returned as the new carry.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hybridserve.ops.reference.zaya_router import Routing
+
+
+@triton.jit
+def _matmul_rows(x_ptr, rows, row_ok, w_ptr, K: tl.constexpr, N: tl.constexpr, BLOCK_T: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x[rows, :K] @ w[:N, :K]^T in fp32 -> [BLOCK_T, BLOCK_N] (columns >= N are zero)."""
+    n = tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
+        w = tl.load(w_ptr + n[None, :] * K + k[:, None], mask=(k < K)[:, None] & (n < N)[None, :], other=0.0)
+        acc += tl.dot(a, w, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _gelu(x):
+    return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+
+
+@triton.jit
+def _eda_route_kernel(z_ptr, carry_ptr, scale_ptr, norm_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, wo_ptr, bias_ptr,
+                      scratch_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr, num_tokens, eps,
+                      R: tl.constexpr, CLASSES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+                      BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, HAS_CARRY: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < num_tokens
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < R
+    tile = rows[:, None] * R + r[None, :]
+    ok = row_ok[:, None] & r_ok[None, :]
+    z = tl.load(z_ptr + tile, mask=ok, other=0.0)
+    if HAS_CARRY:
+        scale = tl.load(scale_ptr + r, mask=r_ok, other=0.0)
+        z += tl.load(carry_ptr + tile, mask=ok, other=0.0) * scale[None, :]
+        tl.store(z_ptr + tile, z, mask=ok)  # the carry handed on (z is this call's own GEMM output)
+    rstd = tl.rsqrt(tl.sum(z * z, axis=1) / R + eps)
+    u = tl.load(norm_ptr + r, mask=r_ok, other=0.0)[None, :] * (z * rstd[:, None])
+    tl.store(scratch_ptr + tile, u, mask=ok)
+    tl.debug_barrier()
+    u = _gelu(_matmul_rows(scratch_ptr, rows, row_ok, w1_ptr, R, R, BLOCK_T, BLOCK_R, BLOCK_K)
+              + tl.load(b1_ptr + r, mask=r_ok, other=0.0)[None, :])
+    tl.debug_barrier()
+    tl.store(scratch_ptr + tile, u, mask=ok)
+    tl.debug_barrier()
+    u = _gelu(_matmul_rows(scratch_ptr, rows, row_ok, w2_ptr, R, R, BLOCK_T, BLOCK_R, BLOCK_K)
+              + tl.load(b2_ptr + r, mask=r_ok, other=0.0)[None, :])
+    tl.debug_barrier()
+    tl.store(scratch_ptr + tile, u, mask=ok)
+    tl.debug_barrier()
+    logits = _matmul_rows(scratch_ptr, rows, row_ok, wo_ptr, R, CLASSES, BLOCK_T, BLOCK_C, BLOCK_K)
+
+    c = tl.arange(0, BLOCK_C)
+    c_ok = (c < CLASSES)[None, :]
+    logits = tl.where(c_ok, logits, float("-inf"))
+    e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    probs = e / tl.sum(e, axis=1)[:, None]
+    biased = tl.where(c_ok, probs + tl.load(bias_ptr + c, mask=c < CLASSES, other=0.0)[None, :], float("-inf"))
+    choice = tl.argmax(biased, axis=1, tie_break_left=True)
+    weight = tl.sum(tl.where(c[None, :] == choice[:, None], probs, 0.0), axis=1)
+    skip = choice == CLASSES - 1
+    tl.store(choice_ptr + rows, choice.to(tl.int64), mask=row_ok)
+    tl.store(weight_ptr + rows, weight, mask=row_ok)
+    tl.store(ids_ptr + rows, tl.where(skip, 0, choice).to(tl.int64), mask=row_ok)
+    tl.store(expert_w_ptr + rows, tl.where(skip, 0.0, weight), mask=row_ok)
+    tl.store(skip_w_ptr + rows, tl.where(skip, weight, 0.0), mask=row_ok)
+
+
+def eda_route(z: torch.Tensor, carry: torch.Tensor | None, states_scale: torch.Tensor | None,
+              norm_weight: torch.Tensor, eps: float, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor,
+              fc2_weight: torch.Tensor, fc2_bias: torch.Tensor, out_weight: torch.Tensor,
+              balancing_biases: torch.Tensor) -> Routing:
+    tokens, width = z.shape
+    classes = out_weight.shape[0]
+    params = (norm_weight, fc1_weight, fc1_bias, fc2_weight, fc2_bias, out_weight, balancing_biases)
+    if any(p.dtype != torch.float32 or not p.is_contiguous() for p in (z, *params)):
+        raise ValueError("the router kernel takes contiguous fp32 tensors")
+    has_carry = states_scale is not None and carry is not None
+    scratch = torch.empty_like(z)
+    out = {name: torch.empty(tokens, 1, device=z.device, dtype=dtype) for name, dtype in (
+        ("choice", torch.int64), ("weight", torch.float32), ("ids", torch.int64), ("expert_w", torch.float32),
+        ("skip_w", torch.float32))}
+    if tokens:
+        block_t = 16
+        _eda_route_kernel[(triton.cdiv(tokens, block_t),)](
+            z, carry if has_carry else z, states_scale if has_carry else z, *params[:6], balancing_biases, scratch,
+            out["choice"], out["weight"], out["ids"], out["expert_w"], out["skip_w"], tokens, eps,
+            R=width, CLASSES=classes, BLOCK_T=block_t, BLOCK_R=max(16, triton.next_power_of_2(width)),
+            BLOCK_C=max(16, triton.next_power_of_2(classes)), BLOCK_K=min(32, max(16, triton.next_power_of_2(width))),
+            HAS_CARRY=has_carry, num_warps=4)
+    return Routing(out["choice"][:, 0], out["weight"], out["ids"], out["expert_w"], out["skip_w"], z)
