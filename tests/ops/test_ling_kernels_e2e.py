@@ -1,7 +1,7 @@
 """A tiny Ling checkpoint end to end through `LLM.generate` (fp32 on CPU) with the Triton lightning and norm kernels
 forced (through the interpreter), against the same engine on the torch references: 4 prompts of different lengths
-decoded together (a 32-token budget, so prefill chunks and decode rows share steps) and one at a time. Two heads
-keep the interpreter's program count (rows x heads per lightning call) small."""
+decoded together (a 32-token budget, so prefill chunks and decode rows share steps) and one at a time. Two layers
+(lightning + dense FFN, MLA + MoE) and two heads keep the interpreter's launches and programs few."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -28,7 +28,7 @@ PROMPT_LENGTHS = [5, 12, 33, 70]  # 33 and 70 are prefilled in 32-token chunks t
 
 @pytest.fixture(scope="module")
 def ling_dir(tmp_path_factory) -> Path:
-    config = tiny_ling_config(num_attention_heads=2, num_key_value_heads=2)
+    config = tiny_ling_config(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2)
     directory = tmp_path_factory.mktemp("ling-kernels")
     write_checkpoint(directory, config, random_ling_checkpoint(config, seed=11))
     add_tokenizer(directory)
