@@ -14,6 +14,7 @@ import signal
 import socket
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from types import FrameType
 
 import uvicorn
@@ -76,7 +77,8 @@ def build_app(state: ServerState, on_fatal: Callable[[], None], url: str = "") -
 
     app.add_exception_handler(ClientDisconnected, client_gone)
 
-    @app.get("/health", responses={200: {"description": "ready"}, **responses(None, 503)})
+    @app.get("/health", response_class=Response, responses={200: {"description": "ready (empty body)"},
+                                                           **responses(None, 503)})
     async def health() -> Response:
         state.info()
         return Response(status_code=200)
@@ -92,11 +94,11 @@ def build_app(state: ServerState, on_fatal: Callable[[], None], url: str = "") -
         return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "hybridserve",
                 "root": info.model_dir, "max_model_len": info.max_model_len}
 
-    @app.get("/v1/models", responses=responses(ModelList, 401, 503))
+    @app.get("/v1/models", response_model=None, responses=responses(ModelList, 401, 503))
     async def models() -> dict:
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model:path}", responses=responses(ModelCard, 401, 404, 503))
+    @app.get("/v1/models/{model:path}", response_model=None, responses=responses(ModelCard, 401, 404, 503))
     async def model(model: str) -> dict:
         state.model(model)
         return model_card()
@@ -110,7 +112,7 @@ def build_app(state: ServerState, on_fatal: Callable[[], None], url: str = "") -
     async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
         return await create_chat_completion(state, body, http)
 
-    @app.post("/tokenize", responses=responses(TokenizeResponse, 400, 401, 404, 413, 503))
+    @app.post("/tokenize", response_model=None, responses=responses(TokenizeResponse, 400, 401, 404, 413, 503))
     async def tokenize(body: TokenizeRequest) -> dict:
         info = state.model(body.model)
         warn_unknown("/tokenize", body.check_supported())
@@ -119,10 +121,11 @@ def build_app(state: ServerState, on_fatal: Callable[[], None], url: str = "") -
             tokens = await state.prompts.run(chat_prompt, info.tokenizer, body.messages, options,
                                              body.add_special_tokens is True)
         else:
-            tokens = await state.prompts.run(info.tokenizer.encode, body.prompt, body.add_special_tokens is not False)
+            tokens = await state.prompts.run(partial(info.tokenizer.encode, add_special_tokens=body.add_special_tokens
+                                                     is not False), body.prompt)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": info.max_model_len}
 
-    @app.post("/detokenize", responses=responses(DetokenizeResponse, 400, 401, 404, 413, 503))
+    @app.post("/detokenize", response_model=None, responses=responses(DetokenizeResponse, 400, 401, 404, 413, 503))
     async def detokenize(body: DetokenizeRequest) -> dict:
         info = state.model(body.model)
         warn_unknown("/detokenize", body.check_supported())
@@ -131,7 +134,7 @@ def build_app(state: ServerState, on_fatal: Callable[[], None], url: str = "") -
             raise APIError(f"token ids {bad[:5]} are outside the vocabulary [0, {info.vocab_size})", param="tokens")
         return {"prompt": await state.prompts.run(info.tokenizer.decode, body.tokens)}
 
-    @app.get("/tokenizer_info", responses=responses(TokenizerInfo, 401, 503))
+    @app.get("/tokenizer_info", response_model=None, responses=responses(TokenizerInfo, 401, 503))
     async def tokenizer_info() -> dict:
         info = state.info()
         tokenizer = info.tokenizer

@@ -151,8 +151,10 @@ def responses(model: type[BaseModel] | None, *errors: int, stream: bool = False)
     documented: dict[int | str, dict[str, Any]] = {}
     if model is not None:
         documented[200] = {"model": model, "description": "success"}
-        if stream:
-            documented[200]["content"] = {"text/event-stream": {"schema": {"type": "string"}}}
+        if stream:  # before OpenAPI 3.2 the schema of an event stream describes one event
+            event = {"type": "object", "required": ["data"], "properties": {"data": {
+                "type": "string", "description": "a JSON chunk, an error object, or [DONE]"}}}
+            documented[200]["content"] = {"text/event-stream": {"schema": event}}
             documented[200]["description"] = "without `stream`: one JSON body; " + _STREAM
     for status in errors:
         documented[status] = {"model": ErrorResponse, "description": _ERRORS[status]}

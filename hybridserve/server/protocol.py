@@ -12,6 +12,7 @@ as vLLM does, so that real clients keep working.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator, model_validator
@@ -49,7 +50,7 @@ def _one_of(message: str) -> WrapValidator:
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 PromptInput = Annotated[str | list[str] | list[TokenId] | list[list[TokenId]], _one_of(
-    "must be a string, a list of strings, a list of token ids or a list of token-id lists")]
+    "must be a string, a list of strings, a list of token ids (integers >= 0) or a list of token-id lists")]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 StopInput = Annotated[StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)], _one_of(
     f"must be a non-empty string or a list of at most {MAX_STOP_STRINGS} non-empty strings, each of at most "
@@ -193,9 +194,11 @@ class SamplingFields(_Request):
 
 
 def invalid_field(err: SamplingParamError, names: dict[str, str] | None = None) -> APIError:
-    """A SamplingParams error, worded with the request's own field name."""
-    param = (names or {}).get(err.param, err.param)
-    return APIError(f"invalid value for '{param}': {err.why}", param=param)
+    """A SamplingParams error, worded with the request's own field names."""
+    names = names or {}
+    why = re.sub(r"\b\w+\b", lambda word: names.get(word[0], word[0]), err.why)
+    param = names.get(err.param, err.param)
+    return APIError(f"invalid value for '{param}': {why}", param=param)
 
 
 class CompletionRequest(SamplingFields):

@@ -135,3 +135,66 @@ def test_metrics_expose_the_contract(demo_server):
         assert metrics[f"hybridserve:{name}_count"] > 0 and metrics[f"hybridserve:{name}_sum"] > 0, name
     assert metrics["hybridserve:prompt_tokens_total"] > 0 and metrics["hybridserve:generation_tokens_total"] > 0
     assert metrics["hybridserve:prefix_cache_queries_total"] > 0
+
+
+P99_INTER_TOKEN_GAP_S = 2.0  # the bound the chaos test holds (what it measured is in its failure message)
+
+
+def _bad_traffic(url: str) -> list[int]:
+    """Every bad input of the hand matrix (aimed at this server's model), an oversized body (by Content-Length and
+    chunked), and a 3 MB text prompt (under the body limit: tokenized on the worker thread, then refused)."""
+    from tests.server.test_bad_input import CASES
+
+    statuses = []
+    with httpx.Client(base_url=url, timeout=300) as client:
+        for _, path, body, *_ in CASES:
+            if isinstance(body, dict):
+                body = json.dumps({**body, "model": MODEL} if "model" in body else body).encode()
+            statuses.append(client.post(path, content=body, headers={"content-type": "application/json"}).status_code)
+        huge = json.dumps({"model": MODEL, "prompt": "many words " * 500_000}).encode()  # 5.5 MB
+        statuses.append(client.post("/v1/completions", content=huge).status_code)
+        statuses.append(client.post("/v1/completions", content=iter([huge[i:i + 65536]
+                                                                      for i in range(0, len(huge), 65536)])).status_code)
+        large = json.dumps({"model": MODEL, "prompt": "many words " * 280_000}).encode()  # 3.1 MB
+        statuses.append(client.post("/v1/completions", content=large).status_code)
+    return statuses
+
+
+def test_chaos_healthy_streams_flow_while_bad_input_and_huge_bodies_arrive(tiny_server):
+    """64 concurrent streams while the bad-input matrix, oversized bodies and a 3 MB prompt arrive: every stream
+    completes, every bad request gets a 4xx, and the p99 gap between a stream's tokens stays under the bound."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(1, 128) for _ in range(rng.randint(3, 40))] for _ in range(64)]
+    arrivals: list[list[float]] = [[] for _ in prompts]
+
+    async def timed_stream(client: httpx.AsyncClient, i: int) -> tuple[str | None, bool]:
+        body = {"model": MODEL, "prompt": prompts[i], "max_tokens": 64, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        finish, done = None, False
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    arrivals[i].append(time.monotonic())
+                    finish = json.loads(line.removeprefix("data: "))["choices"][0]["finish_reason"] or finish
+        return finish, done
+
+    async def run_all():
+        limits = httpx.Limits(max_connections=100)
+        async with httpx.AsyncClient(base_url=tiny_server.url, timeout=300, limits=limits) as client:
+            chaos = asyncio.get_running_loop().run_in_executor(None, _bad_traffic, tiny_server.url)
+            streams = await asyncio.gather(*(timed_stream(client, i) for i in range(64)))
+            return streams, await chaos
+
+    streams, statuses = asyncio.run(run_all())
+    assert all(result == ("length", True) for result in streams)
+    assert all(400 <= status < 500 for status in statuses), statuses
+    assert statuses[-3:-1] == [413, 413] and statuses[-1] == 400
+    gaps = sorted(b - a for times in arrivals for a, b in zip(times, times[1:]))
+    p99 = gaps[int(0.99 * (len(gaps) - 1))]
+    print(f"chaos: {len(gaps)} inter-token gaps, p50 {gaps[len(gaps) // 2]:.3f} s, p99 {p99:.3f} s, "
+          f"max {gaps[-1]:.3f} s")
+    assert p99 < P99_INTER_TOKEN_GAP_S, (p99, gaps[-1])
+    assert _idle_view(wait_until_idle(tiny_server)) == IDLE
