@@ -122,7 +122,9 @@ def _serve(args: argparse.Namespace) -> NoReturn:
 
     kwargs, options = _engine_kwargs(args), _server_options(args)
     sock = bind_socket(args.host, args.port)  # before anything loads: a port in use fails at once
-    code = run_server(EngineConfig(model=_model_dir(args), **kwargs), options, sock)
+    # The weight-loading bar only on a terminal: in a log file it would interleave with the log lines.
+    config = EngineConfig(model=_model_dir(args), use_tqdm=sys.stderr.isatty(), **kwargs)
+    code = run_server(config, options, sock)
     # Nothing is left to clean up: end the process now rather than have the interpreter free the model and the
     # caches object by object, which takes seconds for a large cache.
     logging.shutdown()

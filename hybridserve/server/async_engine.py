@@ -69,11 +69,12 @@ class OutputMailbox:
         self._ready.set()
 
     async def get(self) -> list[RequestOutput]:
-        """The outputs left since the last call (at least one), latest per request."""
+        """The outputs left since the last call (at least one), latest per request; once they are read, the
+        interruption (if any) is raised."""
         while not self._latest and self._interrupt is None:
             self._ready.clear()
             await self._ready.wait()
-        if self._interrupt is not None:
+        if not self._latest:
             raise self._interrupt
         outputs, self._latest = list(self._latest.values()), {}
         return outputs

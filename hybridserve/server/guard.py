@@ -16,7 +16,13 @@ from collections.abc import Awaitable, Callable
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from hybridserve.server.errors import APIError, bad_host, body_too_large, shutting_down, unauthorized
+from hybridserve.server.errors import (
+    APIError,
+    bad_host,
+    body_too_large,
+    shutting_down,
+    unauthorized,
+)
 from hybridserve.server.state import ServerState
 
 _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")

@@ -168,7 +168,7 @@ def install_openapi(app: FastAPI, api_key: bool) -> None:
         if app.openapi_schema is None:
             document = get_openapi(title=app.title, version=app.version, description=app.description,
                                    routes=app.routes)
-            for path, operations in document["paths"].items():
+            for operations in document["paths"].values():
                 for operation in operations.values():
                     operation["responses"].pop("422", None)
                     if api_key and "401" in operation["responses"]:

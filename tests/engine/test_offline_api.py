@@ -14,18 +14,18 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 @pytest.fixture(scope="module")
 def llm(zaya_dir):
-    return LLM(str(zaya_dir), use_tqdm=False, device="cpu", dtype="float32")
+    return LLM(str(zaya_dir), use_tqdm=False, device="cpu", dtype="float32", kv_cache_memory_bytes=16 << 20)
 
 
 def test_the_readme_example_runs_as_written(capsys):
-    (example,) = re.findall(r"```python\n(from hybridserve import LLM.*?)```", README.read_text(), re.S)
+    (example,) = re.findall(r"```python\n(from hybridserve import LLM.*?)```", README.read_text(), re.DOTALL)
     exec(compile(example, "README.md", "exec"), {})
     printed = capsys.readouterr().out
     assert printed.rstrip().endswith(("stop", "length"))
 
 
 def test_generate_checks_every_prompt_before_queueing_any(llm):
-    params = SamplingParams(max_tokens=2)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
     with pytest.raises(ValueError, match=r"prompt 2: prompt token ids \[1000000\] are outside the vocabulary"):
         llm.generate([{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3]}, {"prompt_token_ids": [1000000]}],
                      params)

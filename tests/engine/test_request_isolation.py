@@ -26,7 +26,7 @@ def model_dir(request, zaya_dir, ling_dir):
 
 def _engine(directory, **options) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(directory), device="cpu", dtype="float32", page_size=4, use_tqdm=False,
-                                  **options))
+                                  kv_cache_memory_bytes=16 << 20, **options))
 
 
 def _run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]], on_step=None) -> dict:

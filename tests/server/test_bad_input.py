@@ -58,6 +58,8 @@ CASES = [
     # issue 9 #2: prompts x n is bounded per request (--max-n, 256 by default)
     ("prompts x n over --max-n", "/v1/completions", {**OK, "prompt": ["a", "b", "c"], "n": 100}, 400, "n",
      "--max-n"),
+    ("64 two-token prompts x n=128 (once a host OOM)", "/v1/completions",
+     {**OK, "prompt": [[1, 2]] * 64, "n": 128, "max_tokens": 64, "temperature": 0.7}, 400, "n", "--max-n"),
     ("logprobs above 20", "/v1/completions", {**OK, "logprobs": 21}, 400, "logprobs", "20"),
     ("echo of a wrong type", "/v1/completions", {**OK, "echo": "yes"}, 400, "echo", "boolean"),
     ("logit_bias", "/v1/completions", {**OK, "logit_bias": {"5": 10.0}}, 400, "logit_bias", "not supported"),

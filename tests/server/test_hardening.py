@@ -95,7 +95,9 @@ def _tokens(server, **body) -> list[int]:
 
 
 def test_operator_template_replaces_the_models_and_trusted_requests_may_bring_one(guarded_server):
-    encode = lambda text: post(guarded_server, "/tokenize", {"prompt": text}).json()["tokens"]  # noqa: E731
+    def encode(text: str) -> list[int]:
+        return post(guarded_server, "/tokenize", {"prompt": text}).json()["tokens"]
+
     assert _tokens(guarded_server) == encode("<user>hi<assistant>")  # --chat-template FILE
     assert _tokens(guarded_server, chat_template="[{{ messages[0].content }}]") == encode("[hi]")
     info = httpx.get(f"{guarded_server.url}/tokenizer_info", headers=AUTH).json()

@@ -103,6 +103,7 @@ def test_a_signal_ends_streams_with_an_error_event_and_done_then_exits(tmp_path_
     error = json.loads(lines[-2])["error"]
     assert error["type"] == "service_unavailable" and "shutting down" in error["message"]
     assert all("choices" in json.loads(line) for line in lines[:-2])
+    print(f"{signal.Signals(sig).name}: exit code {code} {elapsed:.2f} s after the signal")
     assert code == 0 and elapsed < 5, (code, elapsed)
     log = server.log()
     assert "Traceback" not in log and "Cancel" not in log, log[-3000:]
