@@ -200,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before the server took over the signals (e.g. while writing the demo checkpoint)
+        return 130
 
 
 if __name__ == "__main__":

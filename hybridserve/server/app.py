@@ -143,7 +143,7 @@ def build_app(state: ServerState, on_fatal: Callable[[], None], url: str = "") -
                 "bos_token_id": tokenizer.bos_token_id, "pad_token": tokenizer.pad_token,
                 "pad_token_id": tokenizer.pad_token_id, "unk_token": tokenizer.unk_token,
                 "chat_template": tokenizer.chat_template, "model_max_length": info.max_model_len,
-                "vocab_size": info.vocab_size}
+                "vocab_size": len(tokenizer)}
 
     return app
 

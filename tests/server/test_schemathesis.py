@@ -41,7 +41,8 @@ def test_schemathesis_finds_no_server_error_and_nothing_undocumented(guarded_ser
                "--include-method", "POST", "--checks", ",".join(CHECKS),
                "--header", f"Authorization: Bearer {API_KEY}", "--max-examples", "10", "--seed", "20261130",
                "--workers", "1", "--request-timeout", "60", "--report", "ndjson", "--report-ndjson-path", str(report)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=TIME_LIMIT_S)
+    # cwd: schemathesis keeps a cache in the working directory
+    result = subprocess.run(command, capture_output=True, text=True, timeout=TIME_LIMIT_S, cwd=tmp_path)
     statuses = _statuses(report)
     print(f"schemathesis: {sum(statuses.values())} requests, by (operation, status): {sorted(statuses.items())}")
     assert result.returncode == 0, result.stdout[-6000:]
