@@ -67,8 +67,9 @@ def test_a_sampling_failure_aborts_only_its_request(model_dir, monkeypatch, fail
     bad = outputs["bad"]
     assert bad.finished and "injected sampling failure" in bad.error
     assert all(c.finish_reason == "abort" and len(c.token_ids) == fail_at for c in bad.outputs)
-    for request_id in ("good-1", "good-2"):
-        alone = _run(_engine(model_dir), {request_id: requests[request_id]})[request_id]
+    solo = _engine(model_dir)
+    for request_id in ("good-1", "good-2"):  # one after the other: each runs alone
+        alone = _run(solo, {request_id: requests[request_id]})[request_id]
         assert outputs[request_id].error is None and outputs[request_id].outputs == alone.outputs
         assert len(alone.outputs[0].token_ids) == 8
     _assert_idle(engine)
@@ -86,27 +87,26 @@ def _record(engine: LLMEngine, record) -> None:
     engine.runner.execute = recording
 
 
-@pytest.mark.parametrize("options", [{"max_running_requests": 3}, {"max_num_batched_tokens": 5}],
-                         ids=["running cap", "token budget"])
-def test_forks_draw_under_the_running_cap_and_the_token_budget(model_dir, options):
+def test_forks_draw_under_the_running_cap_and_the_token_budget(model_dir):
     params = SamplingParams(n=6, temperature=0.9, seed=5, max_tokens=4, ignore_eos=True)
     roomy = _run(_engine(model_dir), {"r": (PROMPT, params)})["r"]
-    engine = _engine(model_dir, **options)
-    steps = []  # (tokens computed, fork draws, running requests) per step
+    for option, limit in (("max_running_requests", 3), ("max_num_batched_tokens", 5)):
+        engine = _engine(model_dir, **{option: limit})
+        steps = []  # (tokens computed, fork draws, running requests) per step
 
-    def record(e: LLMEngine, plan) -> None:
-        forks = sum(len(rows) - 1 for rows in plan.samples if rows)
-        steps.append((sum(len(c.token_ids) for c in plan.chunks), forks, len(e.scheduler.running)))
+        def record(e: LLMEngine, plan) -> None:
+            forks = sum(len(rows) - 1 for rows in plan.samples if rows)
+            steps.append((sum(len(c.token_ids) for c in plan.chunks), forks, len(e.scheduler.running)))
 
-    _record(engine, record)
-    tight = _run(engine, {"r": (PROMPT, params)})["r"]
-    assert tight.outputs == roomy.outputs  # each fork still equals a request with seed + i
-    assert 0 < max(forks for _, forks, _ in steps) < 5  # some forks drew at once, the others later
-    if "max_running_requests" in options:
-        assert all(running + forks <= 3 for _, forks, running in steps)
-    else:
-        assert all(tokens + forks <= 5 for tokens, forks, _ in steps)
-    _assert_idle(engine)
+        _record(engine, record)
+        tight = _run(engine, {"r": (PROMPT, params)})["r"]
+        assert tight.outputs == roomy.outputs, option  # each fork still equals a request with seed + i
+        assert 0 < max(forks for _, forks, _ in steps) < 5, option  # some forks drew at once, the others later
+        if option == "max_running_requests":
+            assert all(running + forks <= limit for _, forks, running in steps)
+        else:
+            assert all(tokens + forks <= limit for tokens, forks, _ in steps)
+        _assert_idle(engine)
 
 
 def test_prompt_scoring_is_bounded_per_step_across_requests(model_dir):
