@@ -63,7 +63,8 @@ def workload(scenario: Scenario, seed: int) -> tuple[list[list[int]], list[int]]
 
 
 def run_ours(model_dir: str, workloads: dict, args) -> dict[str, float]:
-    llm = LLM(model_dir, dtype="bfloat16", device=args.device, max_running_requests=args.max_running_requests)
+    llm = LLM(model_dir, use_tqdm=False, dtype="bfloat16", device=args.device,
+              max_running_requests=args.max_running_requests)
     rates = {}
     for name, (prompts, outputs) in workloads.items():
         params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True, seed=i)

@@ -3,15 +3,23 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from pathlib import Path
+from typing import NoReturn
 
 DEMO_MODEL_NAME = "hybridserve-demo"
+DEMOS = {"zaya": "zaya", "ling": "bailing_hybrid"}  # --demo NAME -> the demo checkpoint's model_type
+_LOOPBACK = ("localhost", "127.0.0.1", "::1")
 
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     """The engine options, shared by every subcommand (names follow vLLM / SGLang)."""
     parser.add_argument("model", nargs="?", default=None, metavar="MODEL_DIR",
                         help="HF-layout model directory (default: the built-in demo checkpoint, random weights)")
+    parser.add_argument("--demo", choices=sorted(DEMOS), default=None,
+                        help="use a built-in demo checkpoint with random weights instead of MODEL_DIR: zaya (the "
+                             "default when no MODEL_DIR is given) or ling")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model directory)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                         help="weight and activation dtype (auto: the checkpoint's torch_dtype)")
@@ -53,6 +61,11 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     """EngineConfig fields from the engine options (raises ValueError for options the engine cannot honour)."""
     if args.tp != 1:
         raise ValueError(f"--tp {args.tp}: tensor parallelism is not supported yet; run with --tp 1")
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {args.device}: no CUDA GPU is available on this machine; use --device cpu")
     return dict(tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                 max_running_requests=args.max_running_requests, max_num_batched_tokens=args.max_num_batched_tokens,
                 chunked_prefill_size=args.chunked_prefill_size, enable_prefix_caching=args.enable_prefix_caching,
@@ -62,19 +75,69 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 kernel_backend=args.kernel_backend)
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from hybridserve.config import EngineConfig
+def _model_dir(args: argparse.Namespace) -> str:
+    """MODEL_DIR, or the demo checkpoint (written on first use)."""
     from hybridserve.demo import ensure_demo_checkpoint
-    from hybridserve.server.app import run_server
 
-    config = EngineConfig(model=args.model or str(ensure_demo_checkpoint()), **_engine_kwargs(args))
-    return run_server(config, args.served_model_name or args.model or DEMO_MODEL_NAME, args.host, args.port)
+    if args.model is not None and args.demo is not None:
+        raise ValueError("give MODEL_DIR or --demo, not both")
+    return args.model or str(ensure_demo_checkpoint(DEMOS[args.demo or "zaya"]))
+
+
+def _served_name(args: argparse.Namespace) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    if args.model:
+        return args.model
+    return DEMO_MODEL_NAME if args.demo in (None, "zaya") else f"{DEMO_MODEL_NAME}-{args.demo}"
+
+
+def _server_options(args: argparse.Namespace):
+    from hybridserve.server.state import ServerOptions
+
+    for name in ("max_request_body_bytes", "max_n", "default_max_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    chat_template = None
+    if args.chat_template is not None:
+        try:
+            chat_template = Path(args.chat_template).read_text()
+        except OSError as err:
+            raise ValueError(f"--chat-template {args.chat_template}: {err.strerror or err}") from None
+    hosts = args.allowed_hosts
+    if hosts is None:  # loopback servers answer loopback names only (no DNS rebinding from a browser)
+        hosts = list(_LOOPBACK) if args.host in _LOOPBACK else None
+    elif "*" in hosts:
+        hosts = None
+    return ServerOptions(served_model_name=_served_name(args), api_key=args.api_key or None,
+                         allowed_hosts=tuple(hosts) if hosts else None,
+                         max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
+                         default_max_tokens=args.default_max_tokens,
+                         trust_request_chat_template=args.trust_request_chat_template, chat_template=chat_template)
+
+
+def _serve(args: argparse.Namespace) -> NoReturn:
+    from hybridserve.config import EngineConfig
+    from hybridserve.server.app import bind_socket, run_server
+
+    kwargs, options = _engine_kwargs(args), _server_options(args)
+    sock = bind_socket(args.host, args.port)  # before anything loads: a port in use fails at once
+    # The weight-loading bar only on a terminal: in a log file it would interleave with the log lines.
+    config = EngineConfig(model=_model_dir(args), use_tqdm=sys.stderr.isatty(), **kwargs)
+    code = run_server(config, options, sock)
+    # Nothing is left to clean up: end the process now rather than have the interpreter free the model and the
+    # caches object by object, which takes seconds for a large cache.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _generate(args: argparse.Namespace) -> int:
     from hybridserve import LLM, SamplingParams
 
-    llm = LLM(args.model, **_engine_kwargs(args))
+    kwargs = _engine_kwargs(args)
+    llm = LLM(_model_dir(args), **kwargs)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.request_seed)
     if args.chat:
@@ -96,7 +159,25 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     serve.add_argument("--served-model-name", default=None,
-                       help=f"model id in the API (default: MODEL_DIR as given, or {DEMO_MODEL_NAME!r})")
+                       help=f"model id in the API (default: MODEL_DIR as given, or {DEMO_MODEL_NAME!r} / "
+                            f"'{DEMO_MODEL_NAME}-ling' for the demos)")
+    serve.add_argument("--api-key", default=os.environ.get("HYBRIDSERVE_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on /v1/* and the tokenizer routes (/health and "
+                            "/metrics stay open); default: $HYBRIDSERVE_API_KEY, else no key")
+    serve.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
+                       help="Host header names to answer (a guard against DNS rebinding); default: the loopback "
+                            "names when --host is a loopback address, any otherwise; '*' for any")
+    serve.add_argument("--max-request-body-bytes", type=int, default=4 << 20,
+                       help="larger request bodies get a 413 before they are read (default 4 MiB)")
+    serve.add_argument("--max-n", type=int, default=256,
+                       help="most sequences (prompts x n) one request may ask for")
+    serve.add_argument("--default-max-tokens", type=int, default=4096,
+                       help="tokens generated for requests that set no max_tokens (chat) or max_tokens: null; "
+                            "generation also stops at the end of the context")
+    serve.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="a Jinja chat template file that replaces the model's")
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="accept chat_template in requests (it runs as code on the server; refused by default)")
     serve.set_defaults(run=_serve)
     gen = sub.add_parser("generate", help="complete one prompt and print the text")
     _add_engine_options(gen)
@@ -112,13 +193,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before the server took over the signals (e.g. while writing the demo checkpoint)
+        return 130
 
 
 if __name__ == "__main__":

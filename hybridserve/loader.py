@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
+from tqdm import tqdm
 
 from hybridserve.layers.weights import WeightShapeError
 
@@ -60,11 +61,22 @@ def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]
                 yield name, f.get_tensor(name)
 
 
-def load_weights(model: nn.Module, model_dir: str | Path) -> None:
-    """Fill every parameter of `model` from the checkpoint in `model_dir`, strictly."""
+def _num_tensors(model_dir: str | Path) -> int:
+    total = 0
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            total += len(f.keys())
+    return total
+
+
+def load_weights(model: nn.Module, model_dir: str | Path, progress: bool = False) -> None:
+    """Fill every parameter of `model` from the checkpoint in `model_dir`, strictly (`progress`: a tqdm bar)."""
     params = dict(model.named_parameters())
     filled: dict[str, set] = defaultdict(set)
-    for name, tensor in iter_checkpoint(model_dir):
+    tensors = iter_checkpoint(model_dir)
+    if progress:
+        tensors = tqdm(tensors, total=_num_tensors(model_dir), desc="loading weights", unit="tensor")
+    for name, tensor in tensors:
         target = model.checkpoint_target(name)
         if target is None:
             continue

@@ -30,3 +30,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     prompt_logprobs: list[TopLogprobs | None] | None = None  # first entry None (nothing predicts token 0)
+    error: str | None = None  # the request failed and was aborted (its outputs end with finish_reason "abort")

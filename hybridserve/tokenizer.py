@@ -78,12 +78,14 @@ class StopStringMatcher:
         return self.text[: len(self.text) - self.holdback] if self.holdback else self.text
 
 
-def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict],
-                    chat_template_kwargs: dict | None = None) -> list[int]:
-    """Token ids of a conversation rendered with the model's chat template, ready for the assistant's turn."""
-    if tokenizer.chat_template is None:
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], template_options: dict | None = None,
+                    add_special_tokens: bool = False) -> list[int]:
+    """Token ids of a conversation rendered with the chat template (the model's, or `template_options`'
+    `chat_template`), by default ready for the assistant's turn; `template_options` are further keyword arguments of
+    apply_chat_template (template variables such as enable_thinking, add_generation_prompt)."""
+    options = {"add_generation_prompt": True, **(template_options or {})}
+    if tokenizer.chat_template is None and options.get("chat_template") is None:
         raise ValueError("this model's tokenizer has no chat template; use completions with a plain prompt")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                         **(chat_template_kwargs or {}))
-    # The template already wrote any special tokens it wants (BOS included); do not add them twice.
-    return tokenizer.encode(text, add_special_tokens=False)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, **options)
+    # The template already wrote the special tokens it wants (BOS included); by default do not add them twice.
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)

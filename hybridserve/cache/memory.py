@@ -35,11 +35,16 @@ class MemoryPlan:
         return self.num_state_slots * self.slot_bytes
 
     def describe(self, page_size: int) -> str:
-        return (f"cache budget {self.budget_bytes / GiB:.2f} GiB: KV {self.kv_bytes / GiB:.2f} GiB = "
+        speculative = f" | speculative {_size(self.intermediate_bytes)}" if self.intermediate_bytes else ""
+        return (f"cache budget {_size(self.budget_bytes)}: KV {_size(self.kv_bytes)} = "
                 f"{self.num_pages * page_size} tokens ({self.num_pages} pages of {page_size}) | state "
-                f"{self.state_bytes / GiB:.2f} GiB = {self.num_state_slots} slots of {self.slot_bytes / MiB:.2f} MiB"
-                f" | speculative {self.intermediate_bytes / GiB:.2f} GiB | max running requests "
-                f"{self.max_running_requests}")
+                f"{_size(self.state_bytes)} = {self.num_state_slots} slots of {_size(self.slot_bytes)}{speculative}"
+                f" | max running requests {self.max_running_requests}")
+
+
+def _size(num_bytes: int) -> str:
+    """GiB from 1 GiB up, MiB below (a small state pool would read 0.00 GiB)."""
+    return f"{num_bytes / GiB:.2f} GiB" if num_bytes >= GiB else f"{num_bytes / MiB:.2f} MiB"
 
 
 def plan_memory(budget_bytes: int, page_bytes: int, slot_bytes: int, *, max_running_requests: int,

@@ -47,10 +47,12 @@ class _Group:
     params: SamplingParams
     sequences: list[_Sequence]
     prompt_logprobs: list[dict[int, float] | None] | None
+    error: str | None = None  # set when the request failed (and was aborted) while the others kept running
 
     @property
     def finished(self) -> bool:
-        return len(self.sequences) == self.params.n and all(s.request.finished for s in self.sequences)
+        return self.error is not None or (
+            len(self.sequences) == self.params.n and all(s.request.finished for s in self.sequences))
 
 
 class LLMEngine:
@@ -112,6 +114,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(token_ids)
+        params.check_vocabulary(self.vocab_size, self.eos_token_ids)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         request = Request(request_id=request_id, prompt_token_ids=token_ids, params=params, seed=seed,
                           eos_token_ids=self.eos_token_ids, num_forks=params.n - 1)
@@ -182,14 +185,24 @@ class LLMEngine:
         progressed: dict[str, _Group] = {}
         for request, result in zip(scheduled.requests, results):
             group, sequence = self._sequences[request.request_id]
-            if result.prompt_logprobs:
-                group.prompt_logprobs.extend(result.prompt_logprobs)
-            if result.sampled:
-                first, *forks = result.sampled
-                for sampled in forks:  # fork before the parent can finish and free what the children copy
-                    self._append_token(self._fork(group, request), sampled)
-                request.num_forks = 0
-                self._append_token(sequence, first)
+            if group.error is not None:
+                continue  # another sequence of the group failed earlier in this step
+            try:
+                if result.error is not None:
+                    raise result.error
+                if result.prompt_logprobs:
+                    group.prompt_logprobs.extend(result.prompt_logprobs)
+                if result.sampled:
+                    first, *forks = result.sampled
+                    for sampled in forks:  # fork before the parent can finish and free what the children copy
+                        self._append_token(self._fork(group, request), sampled)
+                    for _ in range(request.num_forks - len(forks)):  # not drawn in this step: they draw later
+                        self._fork(group, request, drawn=False)
+                    request.num_forks = 0
+                    self._append_token(sequence, first)
+                    progressed[group.request_id] = group
+            except Exception as err:  # this request's failure: abort it alone, everyone else keeps going
+                self._fail(group, err)
                 progressed[group.request_id] = group
         outputs = [self._output(group) for group in progressed.values()]
         for group in progressed.values():
@@ -199,13 +212,20 @@ class LLMEngine:
                     del self._sequences[sequence.request.request_id]
         return outputs
 
-    def _fork(self, group: _Group, parent: Request) -> _Sequence:
+    def _fork(self, group: _Group, parent: Request, drawn: bool = True) -> _Sequence:
         index = len(group.sequences)
         child = Request(request_id=f"{group.request_id}#{index}", prompt_token_ids=parent.prompt_token_ids,
                         params=group.params, seed=parent.seed + index, eos_token_ids=self.eos_token_ids)
         sequence = self._track(group, child)
-        self.scheduler.fork(parent, child)
+        self.scheduler.fork(parent, child, drawn)
         return sequence
+
+    def _fail(self, group: _Group, err: Exception) -> None:
+        logger.error("request %s failed; aborting it alone", group.request_id, exc_info=err)
+        group.error = f"{type(err).__name__}: {err}"
+        for sequence in group.sequences:
+            if not sequence.request.finished:
+                self.scheduler.finish(sequence.request, "abort")
 
     def _append_token(self, tracked: _Sequence, sampled: SampledToken) -> None:
         request, params = tracked.request, tracked.request.params
@@ -239,4 +259,5 @@ class LLMEngine:
         return RequestOutput(request_id=group.request_id, prompt=group.prompt,
                              prompt_token_ids=first.prompt_token_ids, outputs=completions, finished=group.finished,
                              num_cached_tokens=first.num_cached_tokens or 0,
-                             prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs else None)
+                             prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs else None,
+                             error=group.error)

@@ -24,16 +24,18 @@ from hybridserve.core.batch import ScheduledChunk
 from hybridserve.core.step import PromptLogprobTargets, SamplingRow, StepPlan
 from hybridserve.engine.request import Request, RequestStatus
 
-# Prompt-logprob chunks produce [tokens, vocab] fp32 logits; this bounds them per request and step.
-PROMPT_LOGPROB_CHUNK = 512
+# Prompt-logprob chunks produce [tokens, vocab] fp32 logits; this bounds them per step, across all requests.
+PROMPT_LOGPROB_TOKENS_PER_STEP = 512
 
 
 @dataclass
 class ScheduledStep:
     plan: StepPlan
     requests: list[Request]  # the request behind each chunk of the plan
+    scoring_left: int  # prompt tokens this step may still score
     snapshots: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, position, slot) to cache
     state_locked: list[TreeNode] = field(default_factory=list)  # checkpoints restored in this step
+    fork_draws: int = 0  # sequences forked off in this step (each takes a running place after it)
 
 
 class Scheduler:
@@ -46,6 +48,7 @@ class Scheduler:
         self.max_running = max_running_requests
         self.max_tokens = max_num_batched_tokens
         self.chunk_cap = chunked_prefill_size or max_num_batched_tokens
+        self.scoring_per_step = PROMPT_LOGPROB_TOKENS_PER_STEP
         self.cache = prefix_cache
         self.sparse = prefix_cache is not None and not prefix_cache.per_page_state
         self.checkpoint_interval = checkpoint_interval
@@ -124,7 +127,7 @@ class Scheduler:
     def schedule(self) -> ScheduledStep | None:
         step = ScheduledStep(StepPlan(chunks=[], samples=[], prompt_logprobs=[],
                                       page_copies=self._pending_page_copies, restores=self._pending_restores,
-                                      table_resets=self._pending_row_resets), [])
+                                      table_resets=self._pending_row_resets), [], scoring_left=self.scoring_per_step)
         self._pending_page_copies, self._pending_restores, self._pending_row_resets = [], [], []
         budget = self.max_tokens
         for request in list(self.running):
@@ -132,18 +135,15 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            count = self._chunk_length(request, budget)
-            if not self._reserve_pages(request, count, preempt=True):
-                continue
-            self._add_chunk(step, request, count)
-            budget -= count
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            count = self._chunk_length(request, budget, step)
+            if count == 0 or not self._reserve_pages(request, count, preempt=True):
+                continue  # (0: a prompt to score, and this step's scoring budget is spent)
+            budget -= self._add_chunk(step, request, count, budget)
+        while self.waiting and budget > 0 and len(self.running) + step.fork_draws < self.max_running:
             if not self._admit(step, self.waiting[0], budget):
                 break
             request = self.waiting.popleft()
-            count = self._chunk_length(request, budget)
-            self._add_chunk(step, request, count)
-            budget -= count
+            budget -= self._add_chunk(step, request, self._chunk_length(request, budget, step), budget)
         if not step.requests:
             # Nothing to run, so nothing can overwrite a fork's source yet: keep its copies for the next plan.
             self._pending_page_copies, self._pending_restores = step.plan.page_copies, step.plan.restores
@@ -160,8 +160,12 @@ class Scheduler:
         later = [c for c in candidates if c > done]
         return min(later) if later else None
 
-    def _chunk_length(self, request: Request, budget: int) -> int:
-        cap = self.chunk_cap if request.params.prompt_logprobs is None else min(self.chunk_cap, PROMPT_LOGPROB_CHUNK)
+    @staticmethod
+    def _scores_prompt(request: Request) -> bool:
+        return request.params.prompt_logprobs is not None and request.num_prompt_scored < request.num_prompt_tokens - 1
+
+    def _chunk_length(self, request: Request, budget: int, step: ScheduledStep) -> int:
+        cap = min(self.chunk_cap, step.scoring_left) if self._scores_prompt(request) else self.chunk_cap
         count = min(request.num_tokens - request.num_computed_tokens, budget, cap)
         if self.sparse:
             snapshot = self._next_snapshot(request, request.num_computed_tokens)
@@ -191,6 +195,8 @@ class Scheduler:
 
     def _admit(self, step: ScheduledStep, request: Request, budget: int) -> bool:
         """Take a working slot and the prefix-cache hit, or leave everything untouched and return False."""
+        if self._chunk_length(request, budget, step) == 0:
+            return False
         slot = self._allocate_slot()
         if slot is None:
             return False
@@ -204,7 +210,7 @@ class Scheduler:
             self.cache.lock(hit.node)
             request.page_ids, request.cache_node = list(hit.pages), hit.node
             request.num_computed_tokens = request.cached_len = hit.num_tokens
-        if not self._reserve_pages(request, self._chunk_length(request, budget), preempt=False):
+        if not self._reserve_pages(request, self._chunk_length(request, budget, step), preempt=False):
             self._free(request)  # drops the shared pages and the lock taken for the hit
             self.slots.release(slot)
             return False
@@ -226,13 +232,23 @@ class Scheduler:
         self.running.append(request)
         return True
 
-    def _add_chunk(self, step: ScheduledStep, request: Request, count: int) -> None:
+    def _add_chunk(self, step: ScheduledStep, request: Request, count: int, budget: int) -> int:
+        """Schedule `count` tokens of the request; return the budget they take (with the draws of forks)."""
         plan = step.plan
         step.requests.append(request)
         start = request.num_computed_tokens
         end = start + count
+        if self._scores_prompt(request):
+            step.scoring_left -= count
         targets, scored = self._prompt_targets(request, start, end)
-        draws = self._draws(request) if end == request.num_tokens else []
+        forks = 0
+        if end == request.num_tokens and request.num_forks and not request.output_token_ids:
+            # Forks drawn now take budget and running places; the engine queues the others to draw after a
+            # (prefix-cached) recompute.
+            places = self.max_running - len(self.running) - step.fork_draws
+            forks = max(0, min(request.num_forks, budget - count, places))
+            step.fork_draws += forks
+        draws = self._draws(request, forks) if end == request.num_tokens else []
         plan.chunks.append(ScheduledChunk(
             token_ids=request.token_ids(start, end),
             prefix_len=start,
@@ -250,6 +266,7 @@ class Scheduler:
             if checkpoint is not None:
                 plan.snapshots.append((request.state_slot, checkpoint))
                 step.snapshots.append((request, end, checkpoint))
+        return count + forks
 
     @staticmethod
     def _prompt_targets(request: Request, start: int, end: int) -> tuple[PromptLogprobTargets | None, list[int]]:
@@ -264,21 +281,22 @@ class Scheduler:
                                                                                                  stop - start))
 
     @staticmethod
-    def _draws(request: Request) -> list[SamplingRow]:
-        """The request's next draw; right after its prompt also one per sequence it forks into (seed + i)."""
-        forks = request.num_forks if not request.output_token_ids else 0
+    def _draws(request: Request, forks: int) -> list[SamplingRow]:
+        """The request's next draw, and the first draws of `forks` sequences it forks into (seed + i)."""
         return [SamplingRow(params=request.params, seed=request.seed + i,
                             output_token_ids=request.output_token_ids if i == 0 else [],
                             prompt_token_ids=request.prompt_token_ids, banned_token_ids=request.banned_token_ids())
                 for i in range(1 + forks)]
 
-    def fork(self, parent: Request, child: Request) -> None:
+    def fork(self, parent: Request, child: Request, drawn: bool = True) -> None:
         """Start `child` from `parent`'s state right after the prompt: full pages are shared, the partly filled
-        page and the state slot are copied before the next forward. Without a free slot or page (or room under
-        max_running_requests) the child waits and is recomputed, which the prefix cache makes cheap."""
+        page and the state slot are copied before the next forward. A child whose first token was not drawn yet
+        (`drawn` False), or that finds no free slot or page (or room under max_running_requests), waits and is
+        recomputed, which the prefix cache makes cheap; its prompt is not scored twice."""
+        child.num_cached_tokens, child.num_prompt_scored = parent.num_cached_tokens, parent.num_prompt_scored
         size = self.page_size
         full, partial = divmod(parent.num_computed_tokens, size)
-        slot = self._allocate_slot() if len(self.running) < self.max_running else None
+        slot = self._allocate_slot() if drawn and len(self.running) < self.max_running else None
         page = self._allocate_pages(1 if partial else 0) if slot is not None else None
         if page is None:
             if slot is not None:
@@ -293,7 +311,6 @@ class Scheduler:
         child.state_slot, child.num_computed_tokens = slot, parent.num_computed_tokens
         child.table_row = self._take_row()
         self._pending_row_resets.append(child.table_row)
-        child.num_cached_tokens, child.num_prompt_scored = parent.num_cached_tokens, parent.num_prompt_scored
         if self.cache is not None:
             self.cache.lock(parent.cache_node)
             child.cache_node, child.cached_len = parent.cache_node, parent.cached_len

@@ -40,8 +40,17 @@ def logprob_dicts(logprobs: torch.Tensor, chosen: list[int], k: int) -> list[dic
     return [dict(top) | {token: lp} for token, lp, top in zip(chosen, chosen_lp, tops)]
 
 
+# Rows sampled together: bounds the [rows, vocab] temporaries (sorted copies, a float64 CDF) of one call.
+_MAX_ELEMENTS_PER_CALL = 1 << 24
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
+        step = max(1, _MAX_ELEMENTS_PER_CALL // logits.shape[-1])
+        return [token for start in range(0, len(rows), step)
+                for token in self._sample_rows(logits[start:start + step], rows[start:start + step])]
+
+    def _sample_rows(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
         device = logits.device
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(r.params.logprobs is not None for r in rows) else None
         logits = self._apply_penalties(logits, rows)
@@ -94,11 +103,13 @@ class Sampler:
     @staticmethod
     def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         device, vocab = logits.device, logits.shape[-1]
-        temperature = torch.tensor([r.params.temperature or 1.0 for r in rows], device=device)[:, None]
+        # Greedy rows (temperature below 1e-5) are sampled too but take the argmax; divide them by 1.
+        temperature = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows],
+                                   device=device)[:, None]
         probs = torch.softmax(logits / temperature, dim=-1)
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=device)[None, :]
-        top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in rows], device=device)
+        top_k = torch.tensor([r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows], device=device)
         sorted_probs = sorted_probs.masked_fill(rank >= top_k[:, None], 0.0)
         sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
         top_p = torch.tensor([r.params.top_p for r in rows], device=device)[:, None]

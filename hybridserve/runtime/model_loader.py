@@ -1,6 +1,8 @@
 """Build a model for a checkpoint directory: parse its config, construct it on the target device, load weights."""
 from __future__ import annotations
 
+import logging
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -9,6 +11,8 @@ from torch import nn
 
 from hybridserve.loader import load_weights, read_config
 from hybridserve.models.registry import model_family
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
            "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "half": torch.float16,
@@ -37,12 +41,14 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def build_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
-                hf_overrides: dict | None = None) -> tuple[nn.Module, object]:
-    """(model with weights loaded, parsed model config)."""
+                hf_overrides: dict | None = None, progress: bool = False) -> tuple[nn.Module, object]:
+    """(model with weights loaded, parsed model config); `progress` shows a bar while the weights load."""
+    start = time.monotonic()
     raw = read_config(model_dir, hf_overrides)
     family = model_family(raw)
     config = family.parse_config(raw)
     with torch.device(device), _default_dtype(dtype):
         model = family.model_class(config)
-    load_weights(model, model_dir)
+    load_weights(model, model_dir, progress)
+    logger.info("loaded %s weights from %s in %.1f s", type(model).__name__, model_dir, time.monotonic() - start)
     return model.eval(), config

@@ -28,7 +28,8 @@ class ModelRunner:
         select_kernels(self.device, config.kernel_backend)
         raw = read_config(model_dir, config.hf_overrides)
         self.dtype = resolve_dtype(config.dtype, raw.get("torch_dtype") or raw.get("dtype"))
-        self.model, self.model_config = build_model(model_dir, self.dtype, self.device, config.hf_overrides)
+        self.model, self.model_config = build_model(model_dir, self.dtype, self.device, config.hf_overrides,
+                                                    progress=config.use_tqdm)
         caching = config.enable_prefix_caching
         self.page_footers = caching and self.model.state_checkpoints == "per_page"
         self.sparse_checkpoints = caching and self.model.state_checkpoints == "sparse"
@@ -121,18 +122,38 @@ class ModelRunner:
             return results
         # Logits rows come chunk by chunk: the scored prompt positions, then the last token when it samples.
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        row, draw_rows, draws = 0, [], []
+        row, sampling = 0, []
         for result, targets, rows in zip(results, plan.prompt_logprobs, plan.samples):
             if targets is not None:
-                scored = torch.log_softmax(logits[row:row + len(targets.token_ids)], dim=-1)
-                result.prompt_logprobs = logprob_dicts(scored, targets.token_ids, targets.top_k)
+                try:
+                    scored = torch.log_softmax(logits[row:row + len(targets.token_ids)], dim=-1)
+                    result.prompt_logprobs = logprob_dicts(scored, targets.token_ids, targets.top_k)
+                except Exception as err:  # stays with this request; the engine aborts it alone
+                    result.error = err
                 row += len(targets.token_ids)
             if rows:
-                draw_rows.extend([row] * len(rows))
-                draws.extend(rows)
+                sampling.append((result, rows, row))
                 row += 1
-        if draws:
-            tokens = iter(self.sampler(logits[torch.tensor(draw_rows, device=logits.device)], draws))
-            for result, rows in zip(results, plan.samples):
-                result.sampled = [next(tokens) for _ in rows]
+        if sampling:
+            self._sample(logits, sampling)
         return results
+
+    def _sample(self, logits: torch.Tensor, sampling: list[tuple[ChunkResult, list, int]]) -> None:
+        """All draws of the step in one sampler call. If that fails, chunk by chunk: a failure then stays with
+        the request that caused it (its result's `error`) and every other request still gets its tokens (draws
+        depend only on their own row, so they are the same either way)."""
+        def draw(entries: list[tuple[ChunkResult, list, int]]) -> None:
+            draw_rows = [row for _, rows, row in entries for _ in rows]
+            tokens = iter(self.sampler(logits[torch.tensor(draw_rows, device=logits.device)],
+                                       [r for _, rows, _ in entries for r in rows]))
+            for result, rows, _ in entries:
+                result.sampled = [next(tokens) for _ in rows]
+
+        try:
+            draw(sampling)
+        except Exception:
+            for entry in sampling:
+                try:
+                    draw([entry])
+                except Exception as err:
+                    entry[0].error = err

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -68,11 +69,12 @@ class OutputMailbox:
         self._ready.set()
 
     async def get(self) -> list[RequestOutput]:
-        """The outputs left since the last call (at least one), latest per request."""
+        """The outputs left since the last call (at least one), latest per request; once they are read, the
+        interruption (if any) is raised."""
         while not self._latest and self._interrupt is None:
             self._ready.clear()
             await self._ready.wait()
-        if self._interrupt is not None:
+        if not self._latest:
             raise self._interrupt
         outputs, self._latest = list(self._latest.values()), {}
         return outputs
@@ -91,8 +93,9 @@ class _Abort:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, chat_template: str | None = None):
         self.config = config
+        self.chat_template = chat_template  # replaces the model's, for the HTTP side's tokenizer
         self.info: EngineInfo | None = None  # set once the model is loaded
         self.error: BaseException | None = None  # set if loading or a step failed; the server then stops
         self._stats: dict[str, int] = {}
@@ -100,6 +103,7 @@ class AsyncEngine:
         self._wakeup = threading.Condition()
         self._stopping = False
         self._mailboxes: dict[str, OutputMailbox] = {}  # engine thread only: request id -> its API call's mailbox
+        self._engine: LLMEngine | None = None  # kept after the thread ends: freeing its caches can take a second
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_fatal: Callable[[], None] = lambda: None
         self._thread: threading.Thread | None = None
@@ -111,12 +115,13 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="hybridserve-engine", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = 30) -> None:
+        """Stop after the current step; wait at most `wait_s` for it (the thread is a daemon)."""
         with self._wakeup:
             self._stopping = True
             self._wakeup.notify()
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=wait_s)
 
     @property
     def ready(self) -> bool:
@@ -151,15 +156,21 @@ class AsyncEngine:
 
     # --- engine thread ---------------------------------------------------------------------------------------
     def _run(self) -> None:
+        start = time.monotonic()
         try:
-            engine = LLMEngine(self.config)
+            engine = self._engine = LLMEngine(self.config)
             tokenizer = load_tokenizer(self.config.tokenizer or engine.model_dir)
         except Exception as err:  # a bad model directory or engine option: report it and stop the server
             self._fail(err, "the engine could not start")
             return
+        if self.chat_template is not None:
+            tokenizer.chat_template = self.chat_template
         self._stats = engine.stats()
         self.info = EngineInfo(engine.model_dir, engine.max_model_len, engine.vocab_size, tokenizer)
-        logger.info("engine ready: %s, max_model_len=%d", engine.model_dir, engine.max_model_len)
+        runner = engine.runner
+        logger.info("model ready in %.1f s: %s (%s), device %s, dtype %s, max_model_len %d",
+                    time.monotonic() - start, engine.model_dir, type(runner.model).__name__, runner.device,
+                    str(runner.dtype).removeprefix("torch."), engine.max_model_len)
         try:
             while (commands := self._wait_for_work(engine)) is not None:
                 for command in commands:
@@ -190,7 +201,10 @@ class AsyncEngine:
             for request in command.requests:
                 engine.add_request(request.request_id, request.prompt_token_ids, request.params)
                 added.append(request.request_id)
-        except ValueError as err:
+        except Exception as err:  # ValueError: a bad request (400); anything else: this group failed alone (500)
+            if not isinstance(err, ValueError):
+                logger.error("adding request group %s failed", [r.request_id for r in command.requests],
+                             exc_info=err)
             for request_id in added:
                 engine.abort_request(request_id)
             self._loop.call_soon_threadsafe(_settle, command.accepted, err)

@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerBase
 from hybridserve.server.generation import Delta, Generation, respond
 from hybridserve.server.logprobs import TokenText, chat_logprobs
 from hybridserve.server.prompts import chat_prompt, check_context
-from hybridserve.server.protocol import ChatCompletionRequest
+from hybridserve.server.protocol import ChatCompletionRequest, warn_unknown
 from hybridserve.server.state import ServerState
 
 
@@ -39,8 +39,8 @@ class _ChatView:
             yield self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                "finish_reason": None})
         async for prompt_index, output in generation:
-            for delta in generation.deltas(prompt_index, output):
-                yield self._chunk({"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
+            for delta in generation.deltas(prompt_index, output):  # content is always a string, possibly ""
+                yield self._chunk({"index": delta.index, "delta": {"content": delta.text},
                                    "logprobs": self._logprobs(delta), "finish_reason": delta.finish_reason,
                                    "stop_reason": delta.stop_reason})
         if self.body.include_usage:
@@ -55,11 +55,14 @@ class _ChatView:
 
 async def create_chat_completion(server: ServerState, body: ChatCompletionRequest, http: Request) -> Response:
     info = server.model(body.model)
-    body.check_supported()
+    warn_unknown("/v1/chat/completions", body.check_supported())
     params = body.to_sampling_params()
-    prompt = chat_prompt(info.tokenizer, body.messages, body.chat_template_kwargs)
-    check_context(len(prompt), params.max_tokens, info.max_model_len,
-                  "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
+    server.check_choices(1, params.n)
+    options = body.template_options(server.options.trust_request_chat_template)
+    prompt = await server.prompts.run(chat_prompt, info.tokenizer, body.messages, options,
+                                      body.add_special_tokens is True)
+    check_context(len(prompt), params.max_tokens, info.max_model_len, body.max_tokens_param)
     call_id = f"chatcmpl-{uuid.uuid4().hex}"
-    generation = Generation(server.engine, server.metrics, http, call_id, [prompt], params, prompt_param="messages")
+    generation = Generation(server, http, call_id, [prompt], server.default_max_tokens(params),
+                            prompt_param="messages")
     return await respond(generation, _ChatView(body, info.tokenizer, call_id, server.model_name), bool(body.stream))

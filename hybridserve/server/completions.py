@@ -11,8 +11,8 @@ from transformers import PreTrainedTokenizerBase
 
 from hybridserve.server.generation import Delta, Generation, respond
 from hybridserve.server.logprobs import TokenText, legacy_logprobs
-from hybridserve.server.prompts import check_context, completion_prompts
-from hybridserve.server.protocol import CompletionRequest
+from hybridserve.server.prompts import check_context, completion_prompts, count_prompts
+from hybridserve.server.protocol import CompletionRequest, warn_unknown
 from hybridserve.server.state import ServerState
 
 
@@ -58,13 +58,15 @@ class _CompletionView:
 
 async def create_completion(server: ServerState, body: CompletionRequest, http: Request) -> Response:
     info = server.model(body.model)
-    body.check_supported()
+    warn_unknown("/v1/completions", body.check_supported())
     params = body.to_sampling_params()
-    prompts = completion_prompts(info.tokenizer, body.prompt)
+    server.check_choices(count_prompts(body.prompt), params.n)
+    prompts = await server.prompts.run(completion_prompts, info.tokenizer, body.prompt,
+                                       body.add_special_tokens is not False)
     for ids, _ in prompts:
         check_context(len(ids), params.max_tokens, info.max_model_len, "max_tokens")
     call_id = f"cmpl-{uuid.uuid4().hex}"
-    generation = Generation(server.engine, server.metrics, http, call_id, [ids for ids, _ in prompts], params,
+    generation = Generation(server, http, call_id, [ids for ids, _ in prompts], server.default_max_tokens(params),
                             prompt_param="prompt")
     view = _CompletionView(body, info.tokenizer, prompts, call_id, server.model_name)
     return await respond(generation, view, bool(body.stream))

@@ -6,7 +6,6 @@ FastAPI's own 422 and 404 bodies have another shape, so they are converted here 
 from __future__ import annotations
 
 import logging
-import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,28 +17,39 @@ logger = logging.getLogger(__name__)
 
 class APIError(Exception):
     def __init__(self, message: str, *, status: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def not_ready(message: str) -> APIError:
     return APIError(message, status=503, type="service_unavailable", code="service_unavailable")
 
 
-_SAMPLING_PARAM = re.compile(r"invalid sampling parameter (\w+)=")
+def shutting_down() -> APIError:
+    return not_ready("the server is shutting down; retry on another instance or after it restarts")
 
 
-def invalid_sampling(err: ValueError) -> APIError:
-    """A SamplingParams ValueError (its message names the parameter) as a 400 on that parameter."""
-    match = _SAMPLING_PARAM.match(str(err))
-    return APIError(str(err), param=match[1] if match else None)
+def unauthorized() -> APIError:
+    return APIError("missing or incorrect API key; send it as 'Authorization: Bearer <key>'", status=401,
+                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def body_too_large(limit: int) -> APIError:
+    return APIError(f"the request body is larger than this server's limit of {limit} bytes "
+                    "(--max-request-body-bytes)", status=413, code="request_too_large")
+
+
+def bad_host(host: str) -> APIError:
+    return APIError(f"the Host header {host!r} is not one this server answers to (--allowed-hosts)",
+                    code="invalid_host")
 
 
 def _describe(error: dict) -> tuple[str | None, str]:

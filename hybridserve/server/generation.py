@@ -9,6 +9,10 @@ a stop string is held back), so what is new is simply the text and tokens past w
 
 Client disconnects: a watcher task waits for the ASGI disconnect message and aborts whatever is unfinished, at any
 point, even when a streaming response never got to start its body; the engine then frees pages and state.
+
+Errors after the response started (a request the engine aborted after a failure, the engine failing, the server
+shutting down) end a stream with an OpenAI-shaped error event and `data: [DONE]`; a non-streaming call gets them as
+its error response.
 """
 from __future__ import annotations
 
@@ -17,21 +21,20 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hybridserve.outputs import RequestOutput, TopLogprobs
-from hybridserve.sampling import SamplingParams
-from hybridserve.server.async_engine import (
-    AsyncEngine,
-    EngineDead,
-    EngineRequest,
-    OutputMailbox,
-)
-from hybridserve.server.errors import APIError
-from hybridserve.server.metrics import RequestTimer, ServerMetrics
+from hybridserve.sampling import SamplingParamError, SamplingParams
+from hybridserve.server.async_engine import EngineDead, EngineRequest, OutputMailbox
+from hybridserve.server.errors import APIError, shutting_down
+from hybridserve.server.metrics import RequestTimer
+from hybridserve.server.protocol import invalid_field
+
+if TYPE_CHECKING:
+    from hybridserve.server.state import ServerState
 
 
 class ClientDisconnected(Exception):
@@ -61,9 +64,9 @@ class _Sent:
 
 
 class Generation:
-    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, http: Request, call_id: str,
-                 prompts: list[list[int]], params: SamplingParams, prompt_param: str):
-        self.engine, self.metrics, self.http = engine, metrics, http
+    def __init__(self, server: ServerState, http: Request, call_id: str, prompts: list[list[int]],
+                 params: SamplingParams, prompt_param: str):
+        self.server, self.engine, self.metrics, self.http = server, server.engine, server.metrics, http
         self.n = params.n
         self.prompt_param = prompt_param
         self.requests = [EngineRequest(f"{call_id}-{i}", ids, params) for i, ids in enumerate(prompts)]
@@ -78,17 +81,25 @@ class Generation:
 
     async def start(self) -> None:
         """Submit the requests; a prompt the engine rejects becomes a 400 (and nothing runs)."""
+        if self.server.draining:
+            raise shutting_down()
         arrival = time.monotonic()
         self._timers = {request_id: RequestTimer(self.metrics, arrival) for request_id in self._index}
         self._watcher = asyncio.create_task(self._watch_disconnect())
+        self.server.generations.add(self)
         try:
             await self.engine.add(self.requests, self._mailbox)
         except BaseException as err:
             self.close()
             if isinstance(err, EngineDead):
                 raise _engine_failed(err) from None
+            if isinstance(err, SamplingParamError):
+                raise invalid_field(err) from None
             if isinstance(err, ValueError):
                 raise APIError(str(err), param=self.prompt_param) from None
+            if isinstance(err, Exception):  # the engine failed on this call's requests alone
+                raise APIError(f"the engine could not add this request ({type(err).__name__}: {err})", status=500,
+                               type="internal_server_error", code="request_failed") from None
             raise
 
     def close(self) -> None:
@@ -96,6 +107,12 @@ class Generation:
         if self._watcher is not None:
             self._watcher.cancel()
         self._abort_unfinished()
+        self.server.generations.discard(self)
+
+    def interrupt(self, error: APIError) -> None:
+        """End the call now with `error` (the server is shutting down): abort its requests, wake its reader."""
+        self._abort_unfinished()
+        self._mailbox.interrupt(error)
 
     def _abort_unfinished(self) -> None:
         if self._unfinished and not self._aborted:
@@ -118,6 +135,10 @@ class Generation:
             except EngineDead as err:
                 raise _engine_failed(err) from None
             for output in outputs:
+                if output.error is not None:
+                    raise APIError(f"the request failed in the engine and was aborted ({output.error}); other "
+                                   "requests are not affected", status=500, type="internal_server_error",
+                                   code="request_failed")
                 self._timers[output.request_id].observe(output)
                 prompt_index = self._index[output.request_id]
                 self.final[prompt_index] = output

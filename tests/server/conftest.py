@@ -3,7 +3,10 @@
 - `demo_server`: the built-in demo checkpoint (no MODEL_DIR; its vocabulary matches the real Qwen3 tokenizer, so
   text prompts and chat work), float32 so greedy outputs compare exactly.
 - `tiny_server`: the tiny ZAYA1 checkpoint of `zaya_dir` (vocab 128: token-id prompts only), fast enough for the
-  64-client and disconnect tests.
+  64-client, disconnect and chaos tests.
+- `guarded_server`: the demo with the operator's hardening options on (an API key from the environment, a small
+  context, body limit, --max-n and default max_tokens, an operator chat template, request templates trusted): the
+  API-key, template and schemathesis tests.
 
 Each server runs with one intra-op thread: two servers and the test client share the CI machine's 2 cores, and
 oversubscribed OpenMP threads spin, slowing tiny ops a hundredfold.
@@ -23,6 +26,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 STARTUP_TIMEOUT_S = 120
+SMALL_CACHE = ["--kv-cache-memory-bytes", str(64 << 20)]  # quick to allocate and to free
+API_KEY = "test-key-0123"
+OPERATOR_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
 
 
 def free_port() -> int:
@@ -32,11 +38,11 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, args: list[str], log_path: Path):
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         command = [sys.executable, "-m", "hybridserve.cli", "serve", *args, "--device", "cpu", "--port",
                    str(self.port)]
         with open(log_path, "wb") as log:  # a file, not a pipe: a full pipe would block the server
@@ -67,11 +73,14 @@ class Server:
             self.process.kill()
             self.process.wait()
 
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    def client(self, api_key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=120)
 
     def post(self, path: str, **kwargs) -> httpx.Response:
         return httpx.post(f"{self.url}{path}", timeout=120, **kwargs)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
 
     def metrics(self) -> dict[str, float]:
         """Every sample of GET /metrics by name (histograms as NAME_count, NAME_sum, ...; labelled samples as
@@ -82,8 +91,9 @@ class Server:
                 s.value for s in samples}
 
 
-def _serve(args: list[str], tmp_path_factory) -> Server:
-    server = Server(args, tmp_path_factory.mktemp("server") / "server.log")
+def serve(args: list[str], tmp_path_factory, env: dict[str, str] | None = None) -> Server:
+    """A started server (ready: /health is 200), stopped by the caller."""
+    server = Server(args, tmp_path_factory.mktemp("server") / "server.log", env)
     try:
         server.wait_ready()
     except BaseException:
@@ -94,14 +104,25 @@ def _serve(args: list[str], tmp_path_factory) -> Server:
 
 @pytest.fixture(scope="session")
 def demo_server(tmp_path_factory):
-    server = _serve(["--dtype", "float32"], tmp_path_factory)
+    server = serve(["--dtype", "float32", *SMALL_CACHE], tmp_path_factory)
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="session")
 def tiny_server(zaya_dir, tmp_path_factory):
-    server = _serve([str(zaya_dir), "--dtype", "float32", "--served-model-name", "tiny-zaya", "--page-size", "4"],
-                    tmp_path_factory)
+    server = serve([str(zaya_dir), "--dtype", "float32", "--served-model-name", "tiny-zaya", "--page-size", "4",
+                    *SMALL_CACHE], tmp_path_factory)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def guarded_server(tmp_path_factory):
+    template = tmp_path_factory.mktemp("template") / "chat.jinja"
+    template.write_text(OPERATOR_TEMPLATE)
+    server = serve(["--dtype", "float32", *SMALL_CACHE, "--max-model-len", "48", "--max-n", "4",
+                    "--max-request-body-bytes", "65536", "--default-max-tokens", "8", "--chat-template", str(template),
+                    "--trust-request-chat-template"], tmp_path_factory, env={"HYBRIDSERVE_API_KEY": API_KEY})
     yield server
     server.stop()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
@@ -22,6 +23,7 @@ class StepFailsEngine:
     """Validates prompts like the engine, produces one output per request, then fails on the next step."""
 
     model_dir, max_model_len, vocab_size = "double", 64, 100
+    runner = SimpleNamespace(model=object(), device="cpu", dtype="float32")
 
     def __init__(self, config: EngineConfig):
         self.pending: list[str] = []
@@ -71,5 +73,42 @@ def test_groups_are_atomic_outputs_arrive_and_a_failure_reaches_everyone(monkeyp
         assert not engine.ready
         engine.stop()
         assert StepFailsEngine.instance.pending == ["c"]  # "a" of the refused group was taken back
+
+    asyncio.run(scenario())
+
+
+def test_a_request_that_fails_in_the_engine_ends_alone(zaya_dir, monkeypatch):
+    """The real engine with a failure injected into one request's sampling: that request's call gets its error,
+    the other call finishes, and the engine thread keeps serving."""
+    from hybridserve.layers.sampler import Sampler
+
+    sample_rows = Sampler._sample_rows
+
+    def failing(self, logits, rows):
+        if any(row.seed == 666 for row in rows):
+            raise RuntimeError("injected sampling failure")
+        return sample_rows(self, logits, rows)
+
+    monkeypatch.setattr(Sampler, "_sample_rows", failing)
+
+    async def finish(mailbox: OutputMailbox) -> RequestOutput:
+        while True:
+            for output in await mailbox.get():
+                if output.finished:
+                    return output
+
+    async def scenario() -> None:
+        engine = AsyncEngine(EngineConfig(model=str(zaya_dir), device="cpu", dtype="float32", use_tqdm=False,
+                                          kv_cache_memory_bytes=64 << 20))
+        engine.start(asyncio.get_running_loop(), lambda: None)
+        good, bad = OutputMailbox(), OutputMailbox()
+        params = {"temperature": 0.7, "max_tokens": 5, "ignore_eos": True}
+        await engine.add([EngineRequest("bad", [1, 2, 3], SamplingParams(seed=666, **params))], bad)
+        await engine.add([EngineRequest("good", [4, 5, 6], SamplingParams(seed=1, **params))], good)
+        failed, done = await asyncio.wait_for(asyncio.gather(finish(bad), finish(good)), 120)
+        assert "injected sampling failure" in failed.error and failed.outputs[0].finish_reason == "abort"
+        assert done.error is None and len(done.outputs[0].token_ids) == 5
+        assert engine.ready and engine.error is None
+        engine.stop()
 
     asyncio.run(scenario())

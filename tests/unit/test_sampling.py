@@ -7,18 +7,45 @@ import pytest
 import torch
 
 from hybridserve.core.step import SamplingRow
+from hybridserve.layers import sampler as sampler_module
 from hybridserve.layers.sampler import Sampler, uniform_for
-from hybridserve.sampling import SamplingParams
+from hybridserve.sampling import SamplingParamError, SamplingParams
+
+INF, NAN = float("inf"), float("nan")
 
 
 @pytest.mark.parametrize("name, value", [
-    ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5), ("max_tokens", 0),
-    ("max_tokens", -3), ("n", 0), ("logprobs", 21), ("logprobs", -1), ("presence_penalty", 3.0),
-    ("repetition_penalty", 0.0), ("min_tokens", -1), ("stop", [""]), ("stop_token_ids", [-1]), ("seed", 1.5),
+    ("temperature", -0.1), ("temperature", 2.01), ("temperature", INF), ("temperature", NAN), ("top_p", 0.0),
+    ("top_p", 1.5), ("top_p", NAN), ("top_k", -2), ("top_k", 2**63), ("min_p", 1.5), ("max_tokens", 0),
+    ("max_tokens", -3), ("max_tokens", 2**63), ("n", 0), ("n", 129), ("n", True), ("logprobs", 21),
+    ("logprobs", -1), ("presence_penalty", 3.0), ("frequency_penalty", -INF), ("repetition_penalty", 0.0),
+    ("repetition_penalty", 1e-200), ("repetition_penalty", 0.009), ("repetition_penalty", 10.5),
+    ("min_tokens", -1), ("stop", [""]), ("stop", ["x"] * 33), ("stop", ["x" * 1025]), ("stop_token_ids", [-1]),
+    ("stop_token_ids", [2**63]), ("stop_token_ids", list(range(1025))), ("seed", 1.5), ("seed", 2**70),
+    ("seed", -(2**63) - 1),
 ])
 def test_invalid_parameters_name_themselves(name, value):
-    with pytest.raises(ValueError, match=rf"invalid sampling parameter {name}="):
+    with pytest.raises(SamplingParamError, match=rf"invalid sampling parameter {name}=") as caught:
         SamplingParams(**{name: value})
+    assert caught.value.param == name and caught.value.why
+
+
+def test_the_extremes_of_every_range_are_valid():
+    SamplingParams(temperature=2.0, top_p=1e-9, top_k=2**63 - 1, min_p=1.0, seed=-(2**63), presence_penalty=-2.0,
+                   frequency_penalty=2.0, repetition_penalty=0.01, stop=["x" * 1024] * 32,
+                   stop_token_ids=list(range(1024)), logprobs=20, n=128, max_tokens=2**63 - 1)
+    SamplingParams(repetition_penalty=10.0, seed=2**63 - 1, temperature=0.0)
+
+
+def test_model_dependent_checks():
+    eos = frozenset({7})
+    SamplingParams(stop_token_ids=[0, 9]).check_vocabulary(10, eos)
+    with pytest.raises(SamplingParamError, match=r"stop_token_ids=.*outside the vocabulary \[0, 10\)"):
+        SamplingParams(stop_token_ids=[10]).check_vocabulary(10, eos)
+    all_but_eos = [t for t in range(10) if t != 7]
+    with pytest.raises(SamplingParamError, match="min_tokens.*whole vocabulary"):
+        SamplingParams(min_tokens=1, stop_token_ids=all_but_eos).check_vocabulary(10, eos)
+    SamplingParams(min_tokens=1, stop_token_ids=all_but_eos, ignore_eos=True).check_vocabulary(10, eos)
 
 
 def test_stop_string_becomes_a_list_and_min_tokens_checked_against_max():
@@ -59,6 +86,43 @@ def test_top_k_top_p_min_p_restrict_the_support_and_renormalise():
     assert nucleus[2:].sum() == 0 and nucleus[:2].min() > 0
     freq = _draws(LOGITS, 2000, min_p=0.3)  # keeps tokens with p >= 0.3 * p_max
     assert freq[(probs < 0.3 * probs.max())].sum() == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1e-50, 9.99e-6])
+def test_temperatures_below_1e_minus_5_are_greedy(temperature):
+    """1e-50 once became 0 in float32 and turned the logits into inf/nan (an index -1 crash)."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3)) * 30
+    rows = [_row(temperature=temperature, seed=i) for i in range(2)] + [_row(temperature=1.0, seed=9)]
+    tokens = [t.token_id for t in Sampler()(logits, rows)]
+    assert SamplingParams(temperature=temperature).greedy and tokens[:2] == logits[:2].argmax(-1).tolist()
+
+
+def test_valid_extremes_sample_without_trouble():
+    """The smallest sampled temperature, the largest top_k and the extreme penalties give proper tokens."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(4)) * 40
+    rows = [_row(temperature=1e-5, seed=1), _row(temperature=2.0, top_k=2**63 - 1, seed=2),
+            _row(temperature=1.0, repetition_penalty=0.01, presence_penalty=-2, frequency_penalty=2, outputs=[3, 3],
+                 seed=3),
+            _row(temperature=0.5, repetition_penalty=10.0, outputs=[int(logits[3].argmax())], seed=4)]
+    tokens = [t.token_id for t in Sampler()(logits, rows)]
+    assert all(0 <= t < 50 for t in tokens)
+    assert tokens[0] == logits[0].argmax().item()  # 1e-5 concentrates all mass on the argmax
+    off = Sampler()(logits[1:2], [_row(temperature=2.0, top_k=-1, seed=2)])[0].token_id
+    assert tokens[1] == off  # a top_k beyond the vocabulary is no top_k
+
+
+def test_rows_are_sampled_in_bounded_groups(monkeypatch):
+    """At most _MAX_ELEMENTS_PER_CALL logits go through one sampling pass; the draws stay the same."""
+    logits = torch.randn(10, 40, generator=torch.Generator().manual_seed(5))
+    rows = [_row(seed=20 + i, temperature=0.9, top_p=0.9, logprobs=2) for i in range(10)]
+    whole = Sampler()(logits, rows)
+    sizes = []
+    sample_rows = Sampler._sample_rows
+    monkeypatch.setattr(sampler_module, "_MAX_ELEMENTS_PER_CALL", 3 * 40)
+    monkeypatch.setattr(Sampler, "_sample_rows", lambda self, lg, rs: sizes.append(len(rs)) or sample_rows(self, lg, rs))
+    grouped = Sampler()(logits, rows)
+    assert sizes == [3, 3, 3, 1]
+    assert [(t.token_id, t.top_logprobs) for t in grouped] == [(t.token_id, t.top_logprobs) for t in whole]
 
 
 def test_greedy_and_banned_tokens():
