@@ -1,0 +1,115 @@
+"""Where one engine step's time goes: wall time per step, split into prefill and decode steps, and a torch.profiler
+table of a few decode steps (host time by op, device time by kernel), on the offline benchmark's workload.
+
+The model is the offline benchmark's random ZAYA1-8B-width checkpoint (`--layers` of them) and the workload its
+scenario (`--scenario`, seeded sampling at temperature 0.6), so the numbers explain that benchmark's rates.
+
+    python benchmarks/profile_step.py --layers 40 --scenario b64 [--out profile.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.offline_throughput import SCENARIOS, workload, zaya1_8b_config  # noqa: E402
+from hybridserve import LLM, SamplingParams  # noqa: E402
+from hybridserve.demo import copy_bundled_tokenizer, write_random_checkpoint  # noqa: E402
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timed_steps(llm: LLM, prompts: list[list[int]], outputs: list[int], temperature: float) -> list[dict]:
+    """Run the workload with every engine step timed (synchronised): [{seconds}] in step order."""
+    engine, steps = llm.engine, []
+    original = engine.step
+
+    def timed_step():
+        _sync()
+        start = time.perf_counter()
+        result = original()
+        _sync()
+        steps.append({"seconds": time.perf_counter() - start})
+        return result
+
+    engine.step = timed_step
+    try:
+        params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=i)
+                  for i, n in enumerate(outputs)]
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    finally:
+        engine.step = original
+    return steps
+
+
+def _table(trace, key: str, limit: int) -> list[tuple[str, int, float]]:
+    rows = sorted(trace.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:limit]
+    return [(e.key[:100], e.count, getattr(e, key) / 1e3) for e in rows]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=40)
+    parser.add_argument("--scenario", default="b64", choices=list(SCENARIOS))
+    parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--profile-steps", type=int, default=4)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    directory = Path(tempfile.mkdtemp(prefix="zaya-profile-"))
+    try:
+        write_random_checkpoint(directory, zaya1_8b_config(args.layers))
+        copy_bundled_tokenizer(directory)
+        llm = LLM(str(directory), use_tqdm=False, dtype="bfloat16", device="cuda" if torch.cuda.is_available() else "cpu")
+        prompts, outputs = workload(SCENARIOS[args.scenario], 0)
+        _timed_steps(llm, prompts[:2], [4] * len(prompts[:2]), args.temperature)  # warm-up: compile and tune every kernel
+        steps = _timed_steps(llm, prompts, outputs, args.temperature)
+        seconds = [s["seconds"] for s in steps]
+        decode = sorted(seconds[-(min(outputs) - 2):])
+        summary = {"steps": len(steps), "total_s": sum(seconds), "median_late_step_ms": 1e3 * decode[len(decode) // 2],
+                   "first_steps_ms": [round(1e3 * s, 2) for s in seconds[:8]]}
+        print(json.dumps(summary, indent=1))
+
+        # Profile a few decode steps in the middle of a run.
+        params = [SamplingParams(temperature=args.temperature, max_tokens=32, ignore_eos=True, seed=i)
+                  for i in range(len(prompts))]
+        engine = llm.engine
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(f"profile-{i}", p, sp)
+        for _ in range(12):  # through the prefill into steady decode
+            engine.step()
+        _sync()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
+            for _ in range(args.profile_steps):
+                engine.step()
+            _sync()
+        while engine.has_unfinished_requests():
+            engine.step()
+        host = _table(trace, "self_cpu_time_total", 30)
+        device = _table(trace, "self_device_time_total", 30)
+        print(f"host self time over {args.profile_steps} decode steps (ms):")
+        for name, count, ms in host:
+            print(f"  {ms:9.2f}  {count:6d}  {name}")
+        print("device self time (ms):")
+        for name, count, ms in device:
+            print(f"  {ms:9.2f}  {count:6d}  {name}")
+        if args.out:
+            Path(args.out).write_text(json.dumps({"summary": summary, "host": host, "device": device}, indent=1))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
