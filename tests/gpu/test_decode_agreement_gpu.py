@@ -112,8 +112,8 @@ def test_concurrent_decode_matches_torch_path_and_fp32(name: str, tmp_path: Path
     with kernels("torch"):
         slow = _harness(directory, torch.bfloat16)
         _, slow_logits = _decode(slow, prompts, forced=fast_tokens)
+        slow_states = {f: b[:, slots].clone() for f, b in slow.state.buffers.items()}  # after the same tokens
         torch_tokens, _ = _decode(slow, prompts)
-        slow_states = {f: b[:, slots].clone() for f, b in slow.state.buffers.items()}
         del slow
         oracle = _harness(directory, torch.float32)
         _, exact_logits = _decode(oracle, prompts, forced=fast_tokens)
