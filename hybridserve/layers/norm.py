@@ -6,8 +6,7 @@ from torch import nn
 
 from hybridserve.core.parallel import divide, tp_size
 from hybridserve.layers.weights import new_parameter, tp_shard_loader
-from hybridserve.ops.ling_norm import add_rms_norm, group_rms_norm
-from hybridserve.ops.reference.norm import rms_normalize
+from hybridserve.ops.ling_norm import add_rms_norm, group_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -18,11 +17,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = new_parameter(hidden_size, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """RMSNorm(x); with `residual`, the pair (RMSNorm(x + residual), x + residual) in one fused op."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, addend: torch.Tensor | None = None,
+                fp32_copy: bool = False):
+        """RMSNorm(x); with `residual`, the triple (RMSNorm(x (+ addend) + residual), x (+ addend) + residual, the
+        norm as fp32 if `fp32_copy` else None), in one fused op (`ops.ling_norm.add_rms_norm`)."""
         if residual is not None:
-            return add_rms_norm(x, residual, self.weight, self.eps)
-        return self.weight * rms_normalize(x, self.eps).to(self.weight.dtype)
+            return add_rms_norm(x, residual, self.weight, self.eps, addend, fp32_copy)
+        if addend is not None or fp32_copy:
+            raise ValueError("addend and fp32_copy come with a residual")
+        return rms_norm(x, self.weight, self.eps)
 
 
 class GroupRMSNorm(nn.Module):

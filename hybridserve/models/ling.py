@@ -33,6 +33,7 @@ from hybridserve.layers.norm import GroupRMSNorm, RMSNorm
 from hybridserve.layers.rotary import RotaryEmbedding
 from hybridserve.layers.weights import new_parameter
 from hybridserve.models.ling_config import LingConfig
+from hybridserve.ops.activation import silu_and_mul
 from hybridserve.ops.lightning import lightning_attention
 from hybridserve.ops.ling_norm import qk_norm_rope
 from hybridserve.ops.router import grouped_topk
@@ -112,8 +113,7 @@ class LingMLP(nn.Module):
         self.down_proj = RowParallelLinear(width, hidden_size, reduce_results=reduce_results)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LingRouter(nn.Module):
@@ -131,6 +131,7 @@ class LingRouter(nn.Module):
             else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H]: given in fp32 (the norm's fp32 copy, exact), the logits GEMM needs no cast of its own."""
         logits = F.linear(x.float(), self.weight)  # [T, E] fp32
         return grouped_topk(logits, self.expert_bias, self.n_group, self.topk_group, self.top_k,
                             self.routed_scaling_factor)
@@ -149,18 +150,28 @@ class LingMoE(nn.Module):
         self.shared_experts = LingMLP(config.hidden_size, config.shared_expert_width, reduce_results=False) \
             if config.shared_expert_width else None
 
-    def _routed(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.gate(x)
+    def _routed(self, x: torch.Tensor, x32: torch.Tensor | None) -> torch.Tensor:
+        ids, weights = self.gate(x if x32 is None else x32)
         return self.experts(x, ids, weights)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def parts(self, x: torch.Tensor, x32: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(routed experts' output, shared expert's output or None), reduced over tensor-parallel ranks. Left apart
+        on one rank so the caller folds their sum into the next residual add (ops.ling_norm.add_rms_norm's
+        addend, same roundings); under tensor parallelism the partial sums are added and reduced together here.
+        `x32`: x in fp32 for the router, when the norm before already made that copy."""
         if self.shared_experts is None:
-            return all_reduce(self._routed(x))
+            return all_reduce(self._routed(x, x32)), None
         if x.shape[0] <= self.overlap_max_tokens:  # sequential on CPU
-            shared, out = run_beside(lambda: self.shared_experts(x), lambda: self._routed(x), x.device)
+            shared, out = run_beside(lambda: self.shared_experts(x), lambda: self._routed(x, x32), x.device)
         else:
-            out, shared = self._routed(x), self.shared_experts(x)
-        return all_reduce(out + shared)  # shared expert unscaled, no gate; partial sums reduced together
+            out, shared = self._routed(x, x32), self.shared_experts(x)
+        if tp_size() == 1:
+            return out, shared
+        return all_reduce(out + shared), None  # shared expert unscaled, no gate; partial sums reduced together
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, shared = self.parts(x)
+        return out if shared is None else out + shared
 
 
 def _mla(config: LingConfig) -> MultiLatentAttention:
@@ -173,8 +184,9 @@ class LingDecoderLayer(nn.Module):
     """Pre-norm block: x + Attn(norm(x)), then + FFN(norm(.)); attention and FFN kinds chosen per layer (spec §5).
 
     The residual stream is carried next to the block output, so each residual add is fused into the norm after it:
-    the layer takes (the previous block's output, the residual stream before it; None for the first layer, whose
-    input is the embedding) and returns the same pair. Sums and roundings are those of the unfused form.
+    the layer takes (the previous block's output, a second part of it or None: the shared expert's output beside
+    the routed experts', the residual stream before it; None for the first layer, whose input is the embedding) and
+    returns the same triple. Sums and roundings are those of the unfused form.
     """
 
     def __init__(self, config: LingConfig, layer_idx: int, mla: bool, dense: bool):
@@ -184,14 +196,17 @@ class LingDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LingMLP(config.hidden_size, config.intermediate_size) if dense else LingMoE(config)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
-                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, addend: torch.Tensor | None, residual: torch.Tensor | None,
+                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
-            x, residual = self.input_layernorm(x, residual)
-        x, residual = self.post_attention_layernorm(self.attention(x, batch), residual)
-        return self.mlp(x), residual
+            x, residual, _ = self.input_layernorm(x, residual, addend)
+        moe = isinstance(self.mlp, LingMoE)  # the router reads the fp32 copy the norm writes
+        x, residual, x32 = self.post_attention_layernorm(self.attention(x, batch), residual, fp32_copy=moe)
+        if moe:
+            return *self.mlp.parts(x, x32), residual
+        return self.mlp(x), None, residual
 
 
 class LingMTPLayer(LingDecoderLayer):
@@ -217,10 +232,10 @@ class LingModel(nn.Module):
                                  for k in range(config.num_nextn_predict_layers))
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        x, residual = self.word_embeddings(batch.input_ids), None
+        x, addend, residual = self.word_embeddings(batch.input_ids), None, None
         for layer in self.layers:
-            x, residual = layer(x, residual, batch)
-        return self.norm(x, residual)[0]
+            x, addend, residual = layer(x, addend, residual, batch)
+        return self.norm(x, residual, addend)[0]
 
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".slope")  # recomputed buffers, not weights

@@ -13,7 +13,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-OPS = ("attention", "moe", "router", "conv", "lightning", "norm", "ling_norm", "zaya_qk", "zaya_router")
+OPS = ("attention", "moe", "router", "conv", "lightning", "norm", "ling_norm", "activation", "zaya_qk",
+       "zaya_router")
 CHOICES = ("auto", "triton", "torch")
 
 _selected: dict[str, str] = {}

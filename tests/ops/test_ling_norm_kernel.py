@@ -1,5 +1,6 @@
-"""Triton RMS-norm fusions (ops/triton/ling_norm.py) against their torch references (ops/reference/ling_norm.py): residual
-add + RMSNorm, gated GroupRMSNorm, per-head QK RMSNorm + partial NeoX RoPE. Widths that are not powers of two
+"""Triton RMS-norm fusions (ops/triton/ling_norm.py) against their torch references (ops/reference/ling_norm.py):
+RMSNorm alone or after the residual add, gated GroupRMSNorm, per-head QK RMSNorm + partial NeoX RoPE, MLA's latent
+norm + RoPE + cache write. Widths that are not powers of two
 (masked lanes), more rows than one program's tile, and strided inputs (views of one fused projection output, as
 the model passes them).
 
@@ -31,15 +32,32 @@ def _randn(*shape: int, gen: torch.Generator, dtype: torch.dtype = torch.float32
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-def test_add_rms_norm(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("fused", ["plain", "residual", "addend"])
+def test_add_rms_norm(dtype: torch.dtype, fused: str) -> None:
+    """RMSNorm alone, after the residual add, and after adding a second part of the block output too (with the
+    fp32 copy)."""
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     x = _randn(70, 2, 48, gen=gen, dtype=dtype)[:, 0]  # row stride 96: a strided view; 32 rows per program
     residual = 10 * _randn(70, 48, gen=gen, dtype=dtype)
+    addend = _randn(70, 48, gen=gen, dtype=dtype) if fused == "addend" else None
     weight = 1 + 0.1 * _randn(48, gen=gen, dtype=dtype)
-    out, new_residual = kernel.add_rms_norm(x, residual, weight, EPS)
-    expected, expected_residual = reference.add_rms_norm(x, residual, weight, EPS)
-    assert torch.equal(new_residual, expected_residual)  # one rounding of the same fp32 sum
+    if fused == "plain":
+        _close(kernel.rms_norm(x, weight, EPS), reference.rms_norm(x, weight, EPS))
+        return
+    copy = fused == "addend"
+    out, new_residual, out32 = kernel.add_rms_norm(x, residual, weight, EPS, addend, copy)
+    expected, expected_residual, _ = reference.add_rms_norm(x, residual, weight, EPS, addend, copy)
+    assert torch.equal(new_residual, expected_residual)  # the same roundings of the same fp32 sums
     _close(out, expected)
+    assert (out32 is None) if not copy else (out32.dtype == torch.float32 and torch.equal(out32, out.float()))
+
+
+def test_rms_norm_one_row_odd_width() -> None:
+    """One decode token, a width that is no power of two (masked lanes) and a strided row (MLA's q_a part)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    x = _randn(1, 50, gen=gen)[:, 7:37]
+    weight = 1 + 0.1 * _randn(30, gen=gen)
+    _close(kernel.rms_norm(x, weight, EPS), reference.rms_norm(x, weight, EPS))
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
@@ -81,3 +99,35 @@ def test_bad_shapes_are_refused() -> None:
     with pytest.raises(ValueError, match="together"):
         kernel.qk_norm_rope(_randn(2, 2, 1, 16, gen=gen), torch.ones(16, device=DEVICE), None,
                             torch.arange(2, device=DEVICE), torch.ones(4, device=DEVICE), EPS)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize(("tokens", "heads", "interleaved", "in_place"),
+                         [(1, 3, True, False), (5, 2, False, False), (4, 5, True, True)])
+def test_mla_latent_rope(dtype: torch.dtype, tokens: int, heads: int, interleaved: bool, in_place: bool) -> None:
+    """kv_a a strided view of a wider projection output (MLA's fused q_a|kv_a GEMM), q_rope the rope channels of
+    [T, H, nope + rope] query heads, rotated into a separate buffer or in place; rank 20 and rope 6 are no powers
+    of two (masked lanes); scattered cache slots, the other rows untouched."""
+    gen = torch.Generator(device=DEVICE).manual_seed(tokens)
+    rank, rope, nope = 20, 6, 8
+    kv_a = _randn(tokens, 11 + rank + rope, gen=gen, dtype=dtype)[:, 11:]
+    weight = 1 + 0.1 * _randn(rank, gen=gen, dtype=dtype)
+    q = _randn(tokens, heads, nope + rope, gen=gen, dtype=dtype)
+    positions = torch.randint(0, 5000, (tokens,), device=DEVICE, generator=gen)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rope, 2, device=DEVICE, dtype=torch.float32) / rope))
+    slots = torch.randperm(3 * tokens, device=DEVICE, generator=gen)[:tokens]
+    caches, outs = [], []
+    for impl in (kernel, reference):
+        cache = torch.full((3 * tokens, 1, rank + rope), 7.0, device=DEVICE, dtype=dtype)
+        q_in = q.clone()
+        buffer = torch.zeros(tokens, heads, 2, rope, device=DEVICE, dtype=dtype)[:, :, 1]  # strided heads
+        q_out = q_in[..., nope:] if in_place else buffer
+        impl.mla_latent_rope(kv_a, weight, q_in[..., nope:], q_out, positions, inv_freq, interleaved, EPS, slots,
+                             cache)
+        caches.append(cache)
+        outs.append(q_in if in_place else q_out)
+    _close(caches[0], caches[1])
+    _close(outs[0], outs[1])
+    untouched = torch.ones(3 * tokens, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert (caches[0][untouched] == 7.0).all()

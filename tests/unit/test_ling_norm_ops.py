@@ -15,7 +15,9 @@ from hybridserve.ops.reference.ling_norm import (
     add_rms_norm,
     group_rms_norm,
     qk_norm_rope,
+    rms_norm,
 )
+from hybridserve.ops.reference.norm import rms_normalize
 from hybridserve.runtime.model_loader import build_model
 from tests.reference.ling_naive import (
     group_rms_norm as naive_group_rms_norm,
@@ -35,15 +37,27 @@ def _gen(seed: int) -> torch.Generator:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_add_rms_norm_equals_add_then_norm(dtype: torch.dtype) -> None:
-    """Bit for bit, in the model dtype: the residual stream keeps the numerics of `h = x + r; RMSNorm(h)`."""
-    x, residual = (torch.randn(6, 40, generator=_gen(s)).to(dtype) for s in (0, 1))
+    """Bit for bit, in the model dtype: the residual stream keeps the numerics of `h = (x + a) + r; RMSNorm(h)`,
+    with RMSNorm the unfused module's formula (normalise in fp32, round to the stream's dtype, times the weight)."""
+    x, addend, residual = (torch.randn(6, 40, generator=_gen(s)).to(dtype) for s in (0, 3, 1))
     norm = RMSNorm(40, EPS, dtype=dtype)
     norm.weight.data.copy_(1 + 0.1 * torch.randn(40, generator=_gen(2)))
-    out, new_residual = add_rms_norm(x, residual, norm.weight, EPS)
-    assert torch.equal(new_residual, x + residual)
-    assert torch.equal(out, norm(x + residual))
-    fused_out, fused_residual = norm(x, residual)  # the module's fused form goes through the op entry
-    assert torch.equal(fused_out, out) and torch.equal(fused_residual, new_residual)
+
+    def unfused(h: torch.Tensor) -> torch.Tensor:
+        return norm.weight * rms_normalize(h, EPS).to(dtype)
+
+    out, new_residual, out32 = add_rms_norm(x, residual, norm.weight, EPS)
+    assert torch.equal(new_residual, x + residual) and out32 is None
+    assert torch.equal(out, unfused(x + residual))
+    assert torch.equal(rms_norm(x, norm.weight, EPS), unfused(x))
+    out, new_residual, out32 = add_rms_norm(x, residual, norm.weight, EPS, addend=addend, fp32_copy=True)
+    assert torch.equal(new_residual, (x + addend) + residual)
+    assert torch.equal(out, unfused((x + addend) + residual))
+    assert out32.dtype == torch.float32 and torch.equal(out32, out.float())
+    # The module's forms go through the op entries.
+    assert torch.equal(norm(x), unfused(x))
+    fused = norm(x, residual, addend, fp32_copy=True)
+    assert all(torch.equal(a, b) for a, b in zip(fused, (out, new_residual, out32), strict=True))
 
 
 def test_gated_group_rms_norm_is_norm_then_gate() -> None:

@@ -1,5 +1,6 @@
-"""Ling's RMS-norm fusions in pure torch (the CPU path and the oracle of ops/triton/ling_norm.py): residual add +
-RMSNorm with the stream in the model dtype, gated GroupRMSNorm, per-head QK RMSNorm + partial NeoX RoPE.
+"""Ling's RMS-norm fusions in pure torch (the CPU path and the oracle of ops/triton/ling_norm.py): RMSNorm alone or
+after the residual add (the stream in the model dtype), gated GroupRMSNorm, per-head QK RMSNorm + partial NeoX
+RoPE, and MLA's latent norm + RoPE + cache write with its query's RoPE.
 
 Statistics are always fp32. Where a fusion replaces separate modules, its roundings are stated (see each function).
 """
@@ -11,15 +12,28 @@ from hybridserve.ops.reference.norm import rms_normalize
 from hybridserve.ops.reference.rotary import apply_rotary
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(x + residual), x + residual): a block's residual add fused with the next norm.
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(x) [T, C] in weight's dtype: normalised in fp32, rounded to x's dtype, then to the weight's, then
+    multiplied by the weight (the `RMSNorm` module's roundings)."""
+    return weight * rms_normalize(x, eps).to(weight.dtype)
 
-    The sum is rounded to the residual stream's dtype, the normalised value to that dtype too, then multiplied by
-    the weight in the weight's dtype: exactly `h = x + residual; RMSNorm(h)` as separate modules compute it.
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 addend: torch.Tensor | None = None,
+                 fp32_copy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(RMSNorm(x (+ addend) + residual), x (+ addend) + residual, the normed value as fp32 if `fp32_copy`): a
+    block's residual add fused with the next norm; `addend` is a second part of the block's output (Ling's shared
+    expert beside the routed ones).
+
+    `x + addend` is rounded to x's dtype first, the sum with the residual to the residual stream's dtype, the
+    normalised value to that dtype too, then multiplied by the weight in the weight's dtype: exactly
+    `h = (x + addend) + residual; RMSNorm(h)` as separate modules compute it. The fp32 copy is that result, exact.
     """
+    if addend is not None:
+        x = x + addend
     residual = x + residual
-    return weight * rms_normalize(residual, eps).to(weight.dtype), residual
+    out = rms_norm(residual, weight, eps)
+    return out, residual, out.float() if fp32_copy else None
 
 
 def group_rms_norm(x: torch.Tensor, weight: torch.Tensor, num_groups: int, eps: float,
@@ -46,3 +60,16 @@ def qk_norm_rope(qk: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torc
         weight = torch.stack((q_weight, k_weight)).float()[:, None, :]  # [2, 1, d]
         x = weight * rms_normalize(x, eps)
     return apply_rotary(positions, x.flatten(1, 2), inv_freq).view(qk.shape).to(qk.dtype)
+
+
+def mla_latent_rope(kv_a: torch.Tensor, norm_weight: torch.Tensor, q_rope: torch.Tensor, q_out: torch.Tensor,
+                    positions: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool, eps: float,
+                    slot_mapping: torch.Tensor, latent_cache: torch.Tensor) -> None:
+    """MLA's per-token latent and query rope: the cache rows at `slot_mapping` get [RMSNorm(c_kv) | rope(k_rope)]
+    from kv_a [T, rank + rope] = [c_kv | k_rope], and q_out [T, H, rope] gets rope(q_rope) (q_out may be q_rope
+    itself). The norm's roundings are `rms_norm`'s, the rotation's `apply_rotary`'s (fp32, rounded once)."""
+    rank = norm_weight.shape[0]
+    c_kv = rms_norm(kv_a[:, :rank], norm_weight, eps)
+    k_rope = apply_rotary(positions, kv_a[:, None, rank:], inv_freq, interleaved)
+    latent_cache[slot_mapping] = torch.cat([c_kv[:, None, :], k_rope], dim=-1)
+    q_out.copy_(apply_rotary(positions, q_rope, inv_freq, interleaved))

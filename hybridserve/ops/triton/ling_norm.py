@@ -9,22 +9,32 @@ import triton.language as tl
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, rows, width,
-                         stride_x, stride_r, stride_o, stride_ro, eps,
-                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, addend_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, out32_ptr, rows,
+                         width, stride_x, stride_a, stride_r, stride_o, stride_ro, eps, HAS_ADDEND: tl.constexpr,
+                         HAS_RESIDUAL: tl.constexpr, FP32_COPY: tl.constexpr, BLOCK_R: tl.constexpr,
+                         BLOCK_C: tl.constexpr):
     row = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
     col = tl.arange(0, BLOCK_C)[None, :]
     mask = (row < rows) & (col < width)
-    x = tl.load(x_ptr + row * stride_x + col, mask=mask, other=0.0).to(tl.float32)
-    r = tl.load(residual_ptr + row * stride_r + col, mask=mask, other=0.0).to(tl.float32)
-    h = (x + r).to(residual_out_ptr.dtype.element_ty)  # the residual stream keeps its dtype
-    tl.store(residual_out_ptr + row * stride_ro + col, h, mask=mask)
+    h = tl.load(x_ptr + row * stride_x + col, mask=mask, other=0.0)
+    stream = h.dtype
+    if HAS_ADDEND:  # rounded to x's dtype, as `x + addend` is
+        h = (h.to(tl.float32) + tl.load(addend_ptr + row * stride_a + col, mask=mask, other=0.0).to(tl.float32))
+        h = h.to(stream)
+    if HAS_RESIDUAL:
+        stream = residual_out_ptr.dtype.element_ty  # the residual stream keeps its dtype
+        r = tl.load(residual_ptr + row * stride_r + col, mask=mask, other=0.0).to(tl.float32)
+        h = (h.to(tl.float32) + r).to(stream)
+        tl.store(residual_out_ptr + row * stride_ro + col, h, mask=mask)
     h = h.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(h * h, axis=1) / width + eps)[:, None]
     # The roundings of RMSNorm as a module: normalised value to the stream's dtype, then to the weight's.
-    normed = (h * rstd).to(residual_out_ptr.dtype.element_ty).to(weight_ptr.dtype.element_ty).to(tl.float32)
+    normed = (h * rstd).to(stream).to(weight_ptr.dtype.element_ty).to(tl.float32)
     weight = tl.load(weight_ptr + col, mask=col < width, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + col, (weight * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    out = (weight * normed).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + col, out, mask=mask)
+    if FP32_COPY:
+        tl.store(out32_ptr + row * width + col, out.to(tl.float32), mask=mask)
 
 
 @triton.jit
@@ -80,6 +90,48 @@ def _qk_norm_rope_kernel(x_ptr, q_weight_ptr, k_weight_ptr, positions_ptr, inv_f
     tl.store(dst + rest, x3.to(dtype), mask=mask_rest)
 
 
+@triton.jit
+def _rotate(src, dst, live, cos, sin, half, STEP: tl.constexpr, OFFSET: tl.constexpr):
+    """Rotate pairs (i * STEP, i * STEP + OFFSET) of rows `src` into `dst` ([R, 1] pointers, [R, BLOCK_HALF] mask
+    `live`) in fp32, rounded to dst's dtype: NeoX pairs are (i, i + half), GPT-J ones (2i, 2i + 1)."""
+    x1 = tl.load(src + half * STEP, mask=live, other=0.0).to(tl.float32)
+    x2 = tl.load(src + half * STEP + OFFSET, mask=live, other=0.0).to(tl.float32)
+    dtype = dst.dtype.element_ty
+    tl.store(dst + half * STEP, (x1 * cos - x2 * sin).to(dtype), mask=live)
+    tl.store(dst + half * STEP + OFFSET, (x2 * cos + x1 * sin).to(dtype), mask=live)
+
+
+@triton.jit
+def _mla_latent_kernel(kv_ptr, weight_ptr, q_ptr, q_out_ptr, positions_ptr, inv_freq_ptr, slots_ptr, cache_ptr,
+                       heads, stride_kv, stride_qt, stride_qh, stride_ot, stride_oh, stride_c, eps,
+                       RANK: tl.constexpr, HALF: tl.constexpr, STEP: tl.constexpr, OFFSET: tl.constexpr,
+                       BLOCK_RANK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """One token: its latent row [RMSNorm(c_kv) | rope(k_rope)] written to the cache at its slot, and its query
+    heads' rope channels rotated into q_out."""
+    token = tl.program_id(0).to(tl.int64)
+    col = tl.arange(0, BLOCK_RANK)
+    ok = col < RANK
+    c = tl.load(kv_ptr + token * stride_kv + col, mask=ok, other=0.0)
+    c32 = c.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(c32 * c32, axis=0) / RANK + eps)
+    # RMSNorm's roundings as a module: normalised value to the input's dtype, then to the weight's.
+    normed = (c32 * rstd).to(c.dtype).to(weight_ptr.dtype.element_ty).to(tl.float32)
+    weight = tl.load(weight_ptr + col, mask=ok, other=0.0).to(tl.float32)
+    normed = (weight * normed).to(weight_ptr.dtype.element_ty)
+    row = cache_ptr + tl.load(slots_ptr + token).to(tl.int64) * stride_c
+    tl.store(row + col, normed.to(cache_ptr.dtype.element_ty), mask=ok)
+
+    half = tl.arange(0, BLOCK_HALF)[None, :]
+    angle = tl.load(positions_ptr + token).to(tl.float32) * tl.load(inv_freq_ptr + half, mask=half < HALF,
+                                                                      other=0.0)
+    cos, sin = tl.cos(angle), tl.sin(angle)
+    _rotate(kv_ptr + token * stride_kv + RANK, row + RANK, half < HALF, cos, sin, half, STEP, OFFSET)
+    head = tl.arange(0, BLOCK_H)[:, None].to(tl.int64)
+    live = (head < heads) & (half < HALF)
+    _rotate(q_ptr + token * stride_qt + head * stride_qh, q_out_ptr + token * stride_ot + head * stride_oh, live,
+            cos, sin, half, STEP, OFFSET)
+
+
 def _rows(x: torch.Tensor, what: str) -> None:
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"{what} must be [rows, channels] with unit channel stride; got {tuple(x.shape)} "
@@ -93,20 +145,43 @@ def _tile(width: int) -> tuple[int, int, int]:
     return block_r, block_c, max(1, min(8, block_r * block_c // 512))
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+          addend: torch.Tensor | None,
+          fp32_copy: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     _rows(x, "x")
-    _rows(residual, "residual")
-    if x.shape != residual.shape or weight.shape != x.shape[1:]:
-        raise ValueError(f"x {tuple(x.shape)}, residual {tuple(residual.shape)}, weight {tuple(weight.shape)}")
+    for name, t in (("residual", residual), ("addend", addend)):
+        if t is not None:
+            _rows(t, name)
+            if t.shape != x.shape:
+                raise ValueError(f"{name} {tuple(t.shape)} does not match x {tuple(x.shape)}")
+    if weight.shape != x.shape[1:]:
+        raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}")
     out = torch.empty(x.shape, device=x.device, dtype=weight.dtype)
-    residual_out = torch.empty(x.shape, device=x.device, dtype=torch.promote_types(x.dtype, residual.dtype))
+    residual_out = None if residual is None else \
+        torch.empty(x.shape, device=x.device, dtype=torch.promote_types(x.dtype, residual.dtype))
+    out32 = None
+    if fp32_copy:
+        out32 = out if out.dtype == torch.float32 else torch.empty(x.shape, device=x.device, dtype=torch.float32)
     rows, width = x.shape
     block_r, block_c, warps = _tile(width)
     _add_rms_norm_kernel[(triton.cdiv(rows, block_r),)](
-        x, residual, weight.contiguous(), out, residual_out, rows, width, x.stride(0), residual.stride(0),
-        out.stride(0), residual_out.stride(0), eps, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
-    return out, residual_out
+        x, x if addend is None else addend, x if residual is None else residual, weight.contiguous(), out,
+        out if residual_out is None else residual_out, out if out32 is None else out32, rows, width, x.stride(0),
+        0 if addend is None else addend.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
+        0 if residual_out is None else residual_out.stride(0), eps, HAS_ADDEND=addend is not None,
+        HAS_RESIDUAL=residual is not None, FP32_COPY=out32 is not None and out32 is not out, BLOCK_R=block_r,
+        BLOCK_C=block_c, num_warps=warps)
+    return out, residual_out, out32
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _norm(x, None, weight, eps, None, False)[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 addend: torch.Tensor | None = None,
+                 fp32_copy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    return _norm(x, residual, weight, eps, addend, fp32_copy)
 
 
 def group_rms_norm(x: torch.Tensor, weight: torch.Tensor, num_groups: int, eps: float,
@@ -148,3 +223,27 @@ def qk_norm_rope(qk: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torc
         BLOCK_HALF=max(16, triton.next_power_of_2(half)),
         BLOCK_PASS=max(16, triton.next_power_of_2(head_dim - 2 * half)), num_warps=warps)
     return out
+
+
+def mla_latent_rope(kv_a: torch.Tensor, norm_weight: torch.Tensor, q_rope: torch.Tensor, q_out: torch.Tensor,
+                    positions: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool, eps: float,
+                    slot_mapping: torch.Tensor, latent_cache: torch.Tensor) -> None:
+    tokens, width = kv_a.shape
+    rank, half = norm_weight.numel(), inv_freq.numel()
+    heads = q_rope.shape[1]
+    if (width != rank + 2 * half or q_rope.shape != (tokens, heads, 2 * half) or q_out.shape != q_rope.shape
+            or latent_cache.shape[1:] != (1, width) or positions.shape != (tokens,)
+            or slot_mapping.shape != (tokens,)):
+        raise ValueError(f"kv_a {tuple(kv_a.shape)} must be [T, {rank} + {2 * half}], q_rope / q_out "
+                         f"{tuple(q_rope.shape)} / {tuple(q_out.shape)} [T, H, {2 * half}], the cache rows [1, "
+                         f"{width}] (got {tuple(latent_cache.shape)}), one position and slot per token")
+    if any(t.stride(-1) != 1 for t in (kv_a, q_rope, q_out, latent_cache)):
+        raise ValueError("kv_a, q_rope, q_out and the latent cache need unit stride along their channels")
+    if tokens:
+        _mla_latent_kernel[(tokens,)](
+            kv_a, norm_weight.contiguous(), q_rope, q_out, positions, inv_freq.contiguous(), slot_mapping,
+            latent_cache, heads, kv_a.stride(0), q_rope.stride(0), q_rope.stride(1), q_out.stride(0),
+            q_out.stride(1), latent_cache.stride(0), eps, RANK=rank, HALF=half, STEP=2 if interleaved else 1,
+            OFFSET=1 if interleaved else half, BLOCK_RANK=triton.next_power_of_2(rank),
+            BLOCK_HALF=max(16, triton.next_power_of_2(half)), BLOCK_H=max(2, triton.next_power_of_2(heads)),
+            num_warps=4)
