@@ -92,10 +92,10 @@ def random_weights(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]
 
 def ling_checkpoint_tensors(weights: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
     """Ling parameters under the HF checkpoint names: per-expert and separate gate/up tensors, Q|K|V apart from
-    G (`g_proj`), MTP as layer L."""
+    G (`g_proj`), MLA's q_a apart from kv_a, MTP as layer L."""
     out = {}
-    for name, value in weights.items():
-        name = re.sub(r"^model\.mtp\.(\d+)\.", lambda m: f"model.layers.{num_layers + int(m[1])}.", name)
+    for key, value in weights.items():
+        name = re.sub(r"^model\.mtp\.(\d+)\.", lambda m: f"model.layers.{num_layers + int(m[1])}.", key)
         if name.endswith("experts.gate_up_proj"):
             for expert, (gate, up) in enumerate(t.chunk(2) for t in value):
                 out[f"{name.removesuffix('gate_up_proj')}{expert}.gate_proj.weight"] = gate
@@ -104,6 +104,11 @@ def ling_checkpoint_tensors(weights: dict[str, torch.Tensor], num_layers: int) -
             out.update({f"{name.removesuffix('down_proj')}{e}.down_proj.weight": t for e, t in enumerate(value)})
         elif name.endswith("attention.query_key_value.weight"):
             out[name], out[name.replace("query_key_value", "g_proj")] = value.split(value.shape[0] // 4 * 3)
+        elif name.endswith("attention.fused_qkv_a_proj.weight"):
+            q_lora_rank = weights[key.replace("fused_qkv_a_proj", "q_a_layernorm")].shape[0]
+            out[name.replace("fused_qkv_a_proj", "q_a_proj")], out[name.replace("fused_qkv_a_proj",
+                                                                                "kv_a_proj_with_mqa")] = \
+                value.split([q_lora_rank, value.shape[0] - q_lora_rank])
         elif name.endswith("gate_up_proj.weight"):
             gate, up = value.chunk(2)
             out[name.replace("gate_up_proj", "gate_proj")], out[name.replace("gate_up_proj", "up_proj")] = gate, up

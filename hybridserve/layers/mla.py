@@ -28,6 +28,7 @@ from hybridserve.core.batch import ForwardBatch
 from hybridserve.core.parallel import divide, tp_size
 from hybridserve.layers.linear import (
     ColumnParallelLinear,
+    MergedColumnParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
 )
@@ -35,6 +36,7 @@ from hybridserve.layers.norm import RMSNorm
 from hybridserve.layers.rotary import RotaryEmbedding
 from hybridserve.ops import backends
 from hybridserve.ops.attention import paged_attention
+from hybridserve.ops.ling_norm import mla_latent_rope
 
 
 class MultiLatentAttention(nn.Module):
@@ -49,11 +51,14 @@ class MultiLatentAttention(nn.Module):
         q_width = num_heads * (qk_nope_head_dim + qk_rope_head_dim)
         if q_lora_rank is None:
             self.q_proj = ColumnParallelLinear(hidden_size, q_width)
+            self.kv_a_proj_with_mqa = ReplicatedLinear(hidden_size, kv_lora_rank + qk_rope_head_dim)
         else:
-            self.q_a_proj = ReplicatedLinear(hidden_size, q_lora_rank)
+            # q_a_proj and kv_a_proj_with_mqa read the same input: one GEMM of both (checkpoints keep them apart,
+            # loaded as shards 0 and 1).
+            self.fused_qkv_a_proj = MergedColumnParallelLinear(hidden_size, [q_lora_rank, kv_lora_rank +
+                                                                             qk_rope_head_dim], replicated=[True, True])
             self.q_a_layernorm = RMSNorm(q_lora_rank, eps)
             self.q_b_proj = ColumnParallelLinear(q_lora_rank, q_width)
-        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden_size, kv_lora_rank + qk_rope_head_dim)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps)
         self.kv_b_proj = ColumnParallelLinear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))
         self.dense = RowParallelLinear(num_heads * v_head_dim, hidden_size)  # o_proj; Ling's checkpoint name
@@ -61,31 +66,41 @@ class MultiLatentAttention(nn.Module):
         self.scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
         self.kv: dict[str, torch.Tensor] = {}
 
-    def _query(self, x: torch.Tensor) -> torch.Tensor:
+    def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [T, H, nope + rope] before RoPE, kv_a [T, kv_lora + rope] = [c_kv | k_rope] before norm and RoPE)."""
         if self.q_lora_rank is None:
-            q = self.q_proj(x)
+            q, kv_a = self.q_proj(x), self.kv_a_proj_with_mqa(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        return q.view(x.shape[0], self.num_heads, self.nope_dim + self.rope_dim)
+            q_a, kv_a = self.fused_qkv_a_proj(x).split([self.q_lora_rank, self.kv_lora_rank + self.rope_dim], -1)
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
+        return q.view(x.shape[0], self.num_heads, self.nope_dim + self.rope_dim), kv_a
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        q = self._query(x)
-        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        q_rope = self.rotary(batch.positions, q_rope)
-        c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        k_rope = self.rotary(batch.positions, k_rope[:, None, :])
-        self.kv["latent"][batch.slot_mapping] = torch.cat([self.kv_a_layernorm(c_kv)[:, None, :], k_rope], dim=-1)
-        return self.dense(self._attend(q_nope, q_rope, batch).flatten(1))
+        q, kv_a = self._projections(x)
+        absorbed = self._absorbed(batch, x.device)
+        # The absorbed form attends with [q_nope W_UK | RoPE(q_rope)] [T, H, kv_lora + rope], laid out head-major
+        # so that one batched GEMM writes its first part in place; the other form rotates q's rope channels in place.
+        q_attn = x.new_empty(self.num_heads, x.shape[0], self.kv_lora_rank + self.rope_dim).transpose(0, 1) \
+            if absorbed else q
+        mla_latent_rope(kv_a, self.kv_a_layernorm.weight, q[..., self.nope_dim:], q_attn[..., -self.rope_dim:],
+                        batch.positions, self.rotary.inv_freq, self.rotary.interleaved, self.kv_a_layernorm.eps,
+                        batch.slot_mapping, self.kv["latent"])
+        if absorbed:
+            out = self._attend_absorbed(q[..., :self.nope_dim], q_attn, batch)
+        elif backends.use_triton("attention", x.device):
+            out = self._attend_unabsorbed(q, batch)
+        else:
+            out = self._attend_unabsorbed_reference(q, batch)
+        return self.dense(out.flatten(1))
 
-    def _attend(self, q_nope: torch.Tensor, q_rope: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """[T, H, v]: the absorbed form for decode; otherwise the CPU reference, or the cheaper form on kernels."""
+    def _absorbed(self, batch: ForwardBatch, device: torch.device) -> bool:
+        """The absorbed form for decode; otherwise the CPU reference (unabsorbed), or the cheaper form on kernels."""
         if batch.is_decode:
-            return self._attend_absorbed(q_nope, q_rope, batch)
-        if not backends.use_triton("attention", q_nope.device):
-            return self._attend_unabsorbed_reference(q_nope, q_rope, batch)
+            return True
+        if not backends.use_triton("attention", device):
+            return False
         absorbed, unabsorbed = self._form_flops(batch)
-        attend = self._attend_absorbed if absorbed < unabsorbed else self._attend_unabsorbed
-        return attend(q_nope, q_rope, batch)
+        return absorbed < unabsorbed
 
     def _form_flops(self, batch: ForwardBatch) -> tuple[int, int]:
         """(absorbed, unabsorbed) FLOPs of this batch's attention, from host lengths only."""
@@ -103,16 +118,18 @@ class MultiLatentAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope_dim], w[:, self.nope_dim:]
 
-    def _attend_absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """q_nope . k_nope = (q_nope W_UK) . c_kv, so scores and the weighted sum use the latent cache directly."""
+    def _attend_absorbed(self, q_nope: torch.Tensor, q_attn: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """q_nope . k_nope = (q_nope W_UK) . c_kv, so scores and the weighted sum use the latent cache directly.
+        q_attn's rope part is already written; its latent part is written here (head-major GEMMs, no copies)."""
         w_uk, w_uv = self._kv_b_weights()
-        q_latent = torch.einsum("thn,hnc->thc", q_nope, w_uk)
+        torch.bmm(q_nope.transpose(0, 1), w_uk, out=q_attn[..., :self.kv_lora_rank].transpose(0, 1))
         latent = self.kv["latent"]  # [rows, 1, kv_lora + rope]: one KV head shared by all query heads
-        out = paged_attention(torch.cat([q_latent, q_rope], dim=-1), latent, latent[..., : self.kv_lora_rank],
-                              batch, self.scale)  # [T, H, kv_lora]
-        return torch.einsum("thc,hvc->thv", out, w_uv)
+        out = paged_attention(q_attn, latent, latent[..., : self.kv_lora_rank], batch, self.scale)  # [T, H, kv_lora]
+        o = out.new_empty(out.shape[0], self.num_heads, self.v_dim)
+        torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2), out=o.transpose(0, 1))
+        return o
 
-    def _attend_unabsorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def _attend_unabsorbed(self, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """All rows at once: their cached latent pages packed into one copy, expanded to per-head k_nope / v by one
         kv_b_proj GEMM, then causal varlen attention over that copy (no per-sequence loop)."""
         rows, packed = packed_context(batch)
@@ -120,13 +137,11 @@ class MultiLatentAttention(nn.Module):
         kv = self.kv_b_proj(c_kv).view(rows.shape[0], self.num_heads, -1)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # v: a strided view, read in place
         k = torch.cat([k_nope, k_rope[:, None, :].expand(-1, self.num_heads, -1)], dim=-1)
-        return paged_attention(torch.cat([q_nope, q_rope], dim=-1), k, v, packed, self.scale)
+        return paged_attention(q, k, v, packed, self.scale)
 
-    def _attend_unabsorbed_reference(self, q_nope: torch.Tensor, q_rope: torch.Tensor,
-                                     batch: ForwardBatch) -> torch.Tensor:
+    def _attend_unabsorbed_reference(self, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The CPU path and the oracle, per sequence: k_nope and v of every position from its cached latent, then
         causal softmax attention."""
-        q = torch.cat([q_nope, q_rope], dim=-1)
         out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
         for seq, (start, length) in enumerate(zip(batch.query_starts, batch.query_lens)):
             prefix, kv_len = batch.prefix_lens[seq], batch.prefix_lens[seq] + length

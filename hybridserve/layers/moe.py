@@ -57,6 +57,8 @@ class StackedExperts(nn.Module):
                                           shard_ids=gate_up_ids)
         self.down_proj = new_parameter(num_experts, hidden_size, local, loader=_load_down, shard_ids=ids)
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """The weighted sum over each token's chosen experts (a partial sum under tensor parallelism)."""
-        return fused_experts(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights)
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                reduce: bool = True) -> torch.Tensor:
+        """The weighted sum over each token's chosen experts (a partial sum under tensor parallelism); with
+        `reduce=False`, rows [T, P, H] that sum to it (`ops.moe.fused_experts`)."""
+        return fused_experts(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, reduce)

@@ -150,27 +150,32 @@ class LingMoE(nn.Module):
         self.shared_experts = LingMLP(config.hidden_size, config.shared_expert_width, reduce_results=False) \
             if config.shared_expert_width else None
 
-    def _routed(self, x: torch.Tensor, x32: torch.Tensor | None) -> torch.Tensor:
+    def _routed(self, x: torch.Tensor, x32: torch.Tensor | None, reduce: bool) -> torch.Tensor:
         ids, weights = self.gate(x if x32 is None else x32)
-        return self.experts(x, ids, weights)
+        return self.experts(x, ids, weights, reduce)
 
     def parts(self, x: torch.Tensor, x32: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(routed experts' output, shared expert's output or None), reduced over tensor-parallel ranks. Left apart
-        on one rank so the caller folds their sum into the next residual add (ops.ling_norm.add_rms_norm's
-        addend, same roundings); under tensor parallelism the partial sums are added and reduced together here.
-        `x32`: x in fp32 for the router, when the norm before already made that copy."""
+        """(routed experts' output, shared expert's output or None), reduced over tensor-parallel ranks.
+
+        On one rank both are left for the caller to sum on its way into the next residual add (ops.ling_norm's
+        add_rms_norm, same roundings): the routed output as rows [T, P, H] that sum to it (`ops.moe`), the shared
+        expert's as the add's addend. Under tensor parallelism the partial sums are added and reduced together
+        here. `x32`: x in fp32 for the router, when the norm before already made that copy."""
+        split = tp_size() == 1
         if self.shared_experts is None:
-            return all_reduce(self._routed(x, x32)), None
+            return all_reduce(self._routed(x, x32, reduce=not split)), None
         if x.shape[0] <= self.overlap_max_tokens:  # sequential on CPU
-            shared, out = run_beside(lambda: self.shared_experts(x), lambda: self._routed(x, x32), x.device)
+            shared, out = run_beside(lambda: self.shared_experts(x), lambda: self._routed(x, x32, not split),
+                                     x.device)
         else:
-            out, shared = self._routed(x, x32), self.shared_experts(x)
-        if tp_size() == 1:
+            out, shared = self._routed(x, x32, not split), self.shared_experts(x)
+        if split:
             return out, shared
         return all_reduce(out + shared), None  # shared expert unscaled, no gate; partial sums reduced together
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, shared = self.parts(x)
+        out = out.sum(1) if out.dim() == 3 else out
         return out if shared is None else out + shared
 
 
@@ -245,6 +250,8 @@ _GATE_UP = re.compile(r"(.+\.mlp(?:\.shared_experts)?)\.(gate|up)_proj\.weight")
 _HALF = {"gate": 0, "up": 1}
 _QKVG = re.compile(r"(.+\.attention)\.(query_key_value|g_proj)\.weight")  # lightning: one Q|K|V|G parameter
 _QKVG_PIECE = {"query_key_value": 0, "g_proj": 1}
+_QKV_A = re.compile(r"(.+\.attention)\.(q_a_proj|kv_a_proj_with_mqa)\.weight")  # MLA: one q_a|kv_a parameter
+_QKV_A_PIECE = {"q_a_proj": 0, "kv_a_proj_with_mqa": 1}
 
 
 class LingForCausalLM(nn.Module):
@@ -316,4 +323,7 @@ class LingForCausalLM(nn.Module):
         qkvg = _QKVG.fullmatch(name)
         if qkvg:
             return f"{qkvg.group(1)}.query_key_value.weight", _QKVG_PIECE[qkvg.group(2)]
+        qkv_a = _QKV_A.fullmatch(name)
+        if qkv_a and self.config.q_lora_rank is not None:
+            return f"{qkv_a.group(1)}.fused_qkv_a_proj.weight", _QKV_A_PIECE[qkv_a.group(2)]
         return name, None

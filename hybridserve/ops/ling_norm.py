@@ -20,9 +20,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                  addend: torch.Tensor | None = None,
                  fp32_copy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """x, residual (, addend) [T, C] -> (RMSNorm(x (+ addend) + residual) in weight's dtype, x (+ addend) +
-    residual, that norm as fp32 when `fp32_copy`, else None)."""
-    if addend is not None and (addend.shape != x.shape or addend.dtype != x.dtype):
+    """x [T, C] or [T, P, C] (parts summed first), residual (, addend) [T, C] -> (RMSNorm(x (+ addend) + residual)
+    in weight's dtype, x (+ addend) + residual, that norm as fp32 when `fp32_copy`, else None)."""
+    if x.dim() not in (2, 3) or residual.shape != (x.shape[0], x.shape[-1]):
+        raise ValueError(f"x {tuple(x.shape)} must be [T, C] or [T, P, C], residual {tuple(residual.shape)} [T, C]")
+    if addend is not None and (addend.shape != residual.shape or addend.dtype != x.dtype):
         raise ValueError(f"addend {addend.dtype} {tuple(addend.shape)} does not match x {x.dtype} {tuple(x.shape)}")
     args = (x, residual, weight, eps, addend, fp32_copy)
     if backends.use_triton("ling_norm", x.device):

@@ -8,9 +8,14 @@ from hybridserve.ops.reference import moe as reference
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-                  topk_weights: torch.Tensor) -> torch.Tensor:
-    """x [T, H]; w13 [E, 2I, H] (gate rows first); w2 [E, H, I]; topk_ids/weights [T, K] -> [T, H] in x's dtype."""
+                  topk_weights: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+    """x [T, H]; w13 [E, 2I, H] (gate rows first); w2 [E, H, I]; topk_ids/weights [T, K] -> [T, H] in x's dtype.
+
+    `reduce=False`: [T, P, H] rows whose sum over P (in fp32, rounded once) is that output, for a consumer that
+    sums them on its way (ops.ling_norm.add_rms_norm): the kernel's K weighted rows per token, the reference's sum
+    as P = 1."""
     if backends.use_triton("moe", x.device):
         from hybridserve.ops.triton import moe as kernel
-        return kernel.fused_experts(x, w13, w2, topk_ids, topk_weights)
-    return reference.fused_experts(x, w13, w2, topk_ids, topk_weights)
+        return kernel.fused_experts(x, w13, w2, topk_ids, topk_weights, reduce=reduce)
+    out = reference.fused_experts(x, w13, w2, topk_ids, topk_weights)
+    return out if reduce else out[:, None]

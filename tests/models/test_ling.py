@@ -254,7 +254,7 @@ def test_loader_accepts_aliases_ignored_buffers_and_shards(tmp_path: Path, tiny_
 def test_mtp_layer_is_loaded(tmp_path: Path, tiny_checkpoint) -> None:
     config, tensors = tiny_checkpoint
     mtp = _load(tmp_path, config, tensors).model.mtp[0]
-    width = config["moe_intermediate_size"]
+    width, q_lora = config["moe_intermediate_size"], config["q_lora_rank"]
     expected = [  # (engine parameter of the MTP block, checkpoint tensor of model.layers.4 = the MTP layer)
         (mtp.enorm.weight, "enorm.weight"),
         (mtp.hnorm.weight, "hnorm.weight"),
@@ -262,9 +262,9 @@ def test_mtp_layer_is_loaded(tmp_path: Path, tiny_checkpoint) -> None:
         (mtp.final_layernorm.weight, "final_layernorm.weight"),
         (mtp.input_layernorm.weight, "input_layernorm.weight"),
         (mtp.post_attention_layernorm.weight, "post_attention_layernorm.weight"),
-        (mtp.attention.q_a_proj.weight, "attention.q_a_proj.weight"),
+        (mtp.attention.fused_qkv_a_proj.weight[:q_lora], "attention.q_a_proj.weight"),
         (mtp.attention.q_b_proj.weight, "attention.q_b_proj.weight"),
-        (mtp.attention.kv_a_proj_with_mqa.weight, "attention.kv_a_proj_with_mqa.weight"),
+        (mtp.attention.fused_qkv_a_proj.weight[q_lora:], "attention.kv_a_proj_with_mqa.weight"),
         (mtp.attention.kv_b_proj.weight, "attention.kv_b_proj.weight"),
         (mtp.attention.dense.weight, "attention.dense.weight"),
         (mtp.mlp.gate.weight, "mlp.gate.weight"),

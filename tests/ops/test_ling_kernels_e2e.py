@@ -1,7 +1,8 @@
-"""A tiny Ling checkpoint end to end through `LLM.generate` (fp32 on CPU) with the Triton lightning and norm kernels
-forced (through the interpreter), against the same engine on the torch references: 4 prompts of different lengths
-decoded together (a 32-token budget, so prefill chunks and decode rows share steps) and one at a time. Two layers
-(lightning + dense FFN, MLA + MoE) and two heads keep the interpreter's launches and programs few."""
+"""A tiny Ling checkpoint end to end through `LLM.generate` (fp32 on CPU) with the Triton lightning, norm,
+activation, MoE and router kernels forced (through the interpreter), against the same engine on the torch
+references: 4 prompts of different lengths decoded together (a 32-token budget, so prefill chunks and decode rows
+share steps) and one at a time. Two layers (lightning + dense FFN, MLA + MoE) and two heads keep the interpreter's
+launches and programs few."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,6 +25,7 @@ from tests.reference.ling_naive import (
 pytestmark = pytest.mark.skipif(ON_GPU, reason="CPU (interpreter) test; CUDA: tests/gpu/test_decode_agreement_gpu.py")
 STEPS = 16
 PROMPT_LENGTHS = [5, 12, 33, 70]  # 33 and 70 are prefilled in 32-token chunks that resume from the state
+KERNELS = ("lightning", "ling_norm", "activation", "moe", "router")  # the attention kernel: tests/ops/attention*
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +53,9 @@ def test_generate_with_triton_kernels_matches_torch_path(ling_dir: Path, monkeyp
     expected = _generate(ling_dir, prompts, together=True)  # the torch path is batch-invariant (tests/engine)
     with monkeypatch.context() as patch:
         forced = []
-        patch.setattr(backends, "use_triton", lambda op, device: forced.append(op) or op in ("lightning", "ling_norm"))
+        patch.setattr(backends, "use_triton", lambda op, device: forced.append(op) or op in KERNELS)
         runs = [_generate(ling_dir, prompts, together=True), _generate(ling_dir, prompts, together=False)]
-    assert {"lightning", "ling_norm"} <= set(forced)
+    assert set(KERNELS) <= set(forced)
     for got in runs:
         for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, expected, strict=True):
             assert len(tokens) == STEPS and tokens == ref_tokens

@@ -103,9 +103,13 @@ def test_duplicates_and_ties() -> None:
 
 @pytest.mark.parametrize("tokens,experts,top_k,block_m", [(1, 64, 8, 16), (25, 256, 8, 16), (300, 16, 2, 32),
                                                           (5, 16, 1, 64), (120, 64, 4, 16)])
-def test_alignment(tokens: int, experts: int, top_k: int, block_m: int) -> None:
+@pytest.mark.parametrize("single_program", [True, False])
+def test_alignment(tokens: int, experts: int, top_k: int, block_m: int, single_program: bool,
+                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Every pair placed once, in pair order inside its expert's run; runs padded with the sentinel to whole
-    blocks in expert order; block_expert names each used block's expert and -1 after; grid bound respected."""
+    blocks in expert order; block_expert names each used block's expert and -1 after; grid bound respected. By one
+    program that counts and places (small batches), and by count + place kernels over chunks."""
+    monkeypatch.setattr(kernel, "_SINGLE_PROGRAM_PAIRS", 10**9 if single_program else 0)
     ids, _ = _routing(tokens, experts, top_k, seed=tokens, pool=list(range(0, experts, 3)))
     sorted_pairs, block_expert = kernel.align_pairs(ids, experts, block_m)
     num_pairs = tokens * top_k
@@ -187,3 +191,19 @@ def test_tables_ship_for_both_models_and_lookup_takes_the_nearest(monkeypatch, t
             moe_config.moe_config(4, 8, 16, 32, 2, torch.float32, torch.device("cuda", 0))
     finally:
         moe_config.load_table.cache_clear()
+
+
+def test_unreduced_rows_sum_to_the_output() -> None:
+    """reduce=False hands back the K weighted rows per token, each the only contribution of its (token, choice):
+    their sum is the reduced output exactly (the same sum, the same rounding)."""
+    experts, top_k = 16, 4
+    w13, w2 = _weights(experts, 32, 16, torch.float16, seed=11)
+    ids, weights = _routing(3, experts, top_k, seed=12)
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(13)).to(DEVICE, torch.float16)
+    rows = kernel.fused_experts(x, w13, w2, ids, weights, config=_config(), reduce=False)
+    assert rows.shape == (3, top_k, 32) and rows.dtype == torch.float16
+    assert torch.equal(rows.sum(dim=1), kernel.fused_experts(x, w13, w2, ids, weights, config=_config()))
+    for k in range(top_k):  # row k is choice k alone
+        alone = torch.where(torch.arange(top_k, device=DEVICE) == k, weights, 0.0)
+        torch.testing.assert_close(rows[:, k], kernel.fused_experts(x, w13, w2, ids, alone, config=_config()),
+                                   rtol=0, atol=0)

@@ -54,6 +54,9 @@ def test_add_rms_norm_equals_add_then_norm(dtype: torch.dtype) -> None:
     assert torch.equal(new_residual, (x + addend) + residual)
     assert torch.equal(out, unfused((x + addend) + residual))
     assert out32.dtype == torch.float32 and torch.equal(out32, out.float())
+    parts = torch.stack([x, addend, residual], dim=1)  # [T, 3, C]: summed first, rounded once
+    assert all(torch.equal(a, b) for a, b in zip(add_rms_norm(parts, residual, norm.weight, EPS)[:2],
+                                                 add_rms_norm(parts.sum(1), residual, norm.weight, EPS)[:2]))
     # The module's forms go through the op entries.
     assert torch.equal(norm(x), unfused(x))
     fused = norm(x, residual, addend, fp32_copy=True)

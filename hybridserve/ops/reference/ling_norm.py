@@ -23,12 +23,15 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
                  fp32_copy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(RMSNorm(x (+ addend) + residual), x (+ addend) + residual, the normed value as fp32 if `fp32_copy`): a
     block's residual add fused with the next norm; `addend` is a second part of the block's output (Ling's shared
-    expert beside the routed ones).
+    expert beside the routed ones). x [T, C], or [T, P, C] rows summed first (the routed experts' unreduced
+    output: summed in fp32, rounded once to x's dtype, as `x.sum(1)`).
 
     `x + addend` is rounded to x's dtype first, the sum with the residual to the residual stream's dtype, the
     normalised value to that dtype too, then multiplied by the weight in the weight's dtype: exactly
     `h = (x + addend) + residual; RMSNorm(h)` as separate modules compute it. The fp32 copy is that result, exact.
     """
+    if x.dim() == 3:
+        x = x.sum(1)
     if addend is not None:
         x = x + addend
     residual = x + residual

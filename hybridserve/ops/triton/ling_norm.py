@@ -10,14 +10,19 @@ import triton.language as tl
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, addend_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, out32_ptr, rows,
-                         width, stride_x, stride_a, stride_r, stride_o, stride_ro, eps, HAS_ADDEND: tl.constexpr,
-                         HAS_RESIDUAL: tl.constexpr, FP32_COPY: tl.constexpr, BLOCK_R: tl.constexpr,
-                         BLOCK_C: tl.constexpr):
+                         width, parts, stride_x, stride_xp, stride_a, stride_r, stride_o, stride_ro, eps,
+                         HAS_ADDEND: tl.constexpr, HAS_RESIDUAL: tl.constexpr, FP32_COPY: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     row = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
     col = tl.arange(0, BLOCK_C)[None, :]
     mask = (row < rows) & (col < width)
     h = tl.load(x_ptr + row * stride_x + col, mask=mask, other=0.0)
     stream = h.dtype
+    if parts > 1:  # x's parts summed in fp32, rounded once to x's dtype
+        h = h.to(tl.float32)
+        for part in range(1, parts):
+            h += tl.load(x_ptr + row * stride_x + part * stride_xp + col, mask=mask, other=0.0).to(tl.float32)
+        h = h.to(stream)
     if HAS_ADDEND:  # rounded to x's dtype, as `x + addend` is
         h = (h.to(tl.float32) + tl.load(addend_ptr + row * stride_a + col, mask=mask, other=0.0).to(tl.float32))
         h = h.to(stream)
@@ -148,26 +153,30 @@ def _tile(width: int) -> tuple[int, int, int]:
 def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
           addend: torch.Tensor | None,
           fp32_copy: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    _rows(x, "x")
+    """x [T, C], or [T, P, C] parts summed first."""
+    parts = x.shape[1] if x.dim() == 3 else 1
+    rows_x = x if x.dim() == 2 else x[:, 0]
+    _rows(rows_x, "x")
     for name, t in (("residual", residual), ("addend", addend)):
         if t is not None:
             _rows(t, name)
-            if t.shape != x.shape:
+            if t.shape != rows_x.shape:
                 raise ValueError(f"{name} {tuple(t.shape)} does not match x {tuple(x.shape)}")
-    if weight.shape != x.shape[1:]:
+    if weight.shape != rows_x.shape[1:]:
         raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}")
-    out = torch.empty(x.shape, device=x.device, dtype=weight.dtype)
+    rows, width = rows_x.shape
+    out = torch.empty(rows, width, device=x.device, dtype=weight.dtype)
     residual_out = None if residual is None else \
-        torch.empty(x.shape, device=x.device, dtype=torch.promote_types(x.dtype, residual.dtype))
+        torch.empty(rows, width, device=x.device, dtype=torch.promote_types(x.dtype, residual.dtype))
     out32 = None
     if fp32_copy:
-        out32 = out if out.dtype == torch.float32 else torch.empty(x.shape, device=x.device, dtype=torch.float32)
-    rows, width = x.shape
+        out32 = out if out.dtype == torch.float32 else torch.empty(rows, width, device=x.device, dtype=torch.float32)
     block_r, block_c, warps = _tile(width)
     _add_rms_norm_kernel[(triton.cdiv(rows, block_r),)](
         x, x if addend is None else addend, x if residual is None else residual, weight.contiguous(), out,
-        out if residual_out is None else residual_out, out if out32 is None else out32, rows, width, x.stride(0),
-        0 if addend is None else addend.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
+        out if residual_out is None else residual_out, out if out32 is None else out32, rows, width, parts,
+        x.stride(0), x.stride(1) if parts > 1 else 0, 0 if addend is None else addend.stride(0),
+        0 if residual is None else residual.stride(0), out.stride(0),
         0 if residual_out is None else residual_out.stride(0), eps, HAS_ADDEND=addend is not None,
         HAS_RESIDUAL=residual is not None, FP32_COPY=out32 is not None and out32 is not out, BLOCK_R=block_r,
         BLOCK_C=block_c, num_warps=warps)

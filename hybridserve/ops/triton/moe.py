@@ -1,6 +1,6 @@
 """Fused MoE on CUDA: routed SwiGLU experts as two grouped GEMMs over expert-sorted (token, choice) pairs.
 
-1. Alignment (two small kernels, no host sync): the T*K pairs are ordered by expert (pair order kept inside an
+1. Alignment (two small kernels, one for small batches; no host sync): the T*K pairs are ordered by expert (pair order kept inside an
    expert), and each expert's run is padded to a multiple of BLOCK_M with the sentinel T*K. `block_expert[b]` is
    the expert of block b, -1 past the last used block. Sizes come from T, K, E and BLOCK_M only: at most
    `max_blocks = (T*K + min(E, T*K) * (BLOCK_M - 1)) // BLOCK_M` blocks. Grids are sized by that bound and
@@ -22,6 +22,18 @@ import triton.language as tl
 from hybridserve.ops.triton.moe_config import check_config, moe_config
 
 _MAX_CHUNKS = 128  # alignment programs: each counts and places a contiguous chunk of pairs
+# Up to this many pairs (a decode batch of 128 tokens at top-8) one program counts and places them all: one launch
+# instead of two, and a few microseconds of work.
+_SINGLE_PROGRAM_PAIRS = 1024
+
+
+@triton.jit
+def _ranks(e, expert, seen):
+    """Each of a step's pairs' rank among the earlier pairs of its expert (expert ids `e`, [SUB]), given the counts
+    `seen` [E_P2] before the step; and the counts after it."""
+    hit = (e[:, None] == expert[None, :]).to(tl.int32)  # [SUB, E_P2] one-hot
+    rank = tl.sum(hit * (tl.cumsum(hit, axis=0) - 1 + seen[None, :]), axis=1)
+    return rank, seen + tl.sum(hit, axis=0)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "chunk"])
@@ -35,42 +47,52 @@ def _count_kernel(ids, ranks, counts, num_pairs, chunk, EXPERTS: tl.constexpr, E
     for start in range(0, chunk, SUB):
         pair = c * chunk + start + tl.arange(0, SUB)  # chunk is a multiple of SUB
         mine = pair < num_pairs
-        e = tl.load(ids + pair, mask=mine, other=-1)
-        hit = (e[:, None] == expert[None, :]).to(tl.int32)  # [SUB, E_P2] one-hot
-        rank = tl.sum(hit * (tl.cumsum(hit, axis=0) - 1 + seen[None, :]), axis=1)
+        rank, seen = _ranks(tl.load(ids + pair, mask=mine, other=-1), expert, seen)
         tl.store(ranks + pair, rank, mask=mine)
-        seen += tl.sum(hit, axis=0)
     tl.store(counts + c * EXPERTS + expert, seen, mask=expert < EXPERTS)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "chunk", "num_chunks", "max_blocks", "blocks_per_program"])
 def _place_kernel(ids, ranks, counts, sorted_pairs, block_expert, num_pairs, chunk, num_chunks, max_blocks,
                   blocks_per_program, EXPERTS: tl.constexpr, E_P2: tl.constexpr, SUB: tl.constexpr,
-                  CHUNK_TILE: tl.constexpr, BLOCK_M: tl.constexpr):
+                  CHUNK_TILE: tl.constexpr, BLOCK_M: tl.constexpr, COUNT: tl.constexpr):
     """Every program rebuilds the padded expert offsets from all chunk counts, places its chunk's pairs, writes
-    the sentinel padding of the experts e with e % num_chunks == c, and `block_expert` for its share of blocks."""
+    the sentinel padding of the experts e with e % num_chunks == c, and `block_expert` for its share of blocks.
+    With COUNT (a single chunk, one program: small batches) it counts and ranks the pairs itself instead, and no
+    count kernel runs before it."""
     c = tl.program_id(0)
     expert = tl.arange(0, E_P2)
     real = expert < EXPERTS
     total = tl.zeros([E_P2], dtype=tl.int32)
     before = tl.zeros([E_P2], dtype=tl.int32)  # pairs of each expert in the chunks before this one
-    for first in range(0, num_chunks, CHUNK_TILE):
-        row = first + tl.arange(0, CHUNK_TILE)
-        tile = tl.load(counts + row[:, None] * EXPERTS + expert[None, :],
-                       mask=(row[:, None] < num_chunks) & real[None, :], other=0)
-        total += tl.sum(tile, axis=0)
-        before += tl.sum(tl.where(row[:, None] < c, tile, 0), axis=0)
+    if COUNT:
+        for start in range(0, chunk, SUB):
+            pair = start + tl.arange(0, SUB)
+            e = tl.load(ids + pair, mask=pair < num_pairs, other=-1)
+            total += tl.sum((e[:, None] == expert[None, :]).to(tl.int32), axis=0)
+    else:
+        for first in range(0, num_chunks, CHUNK_TILE):
+            row = first + tl.arange(0, CHUNK_TILE)
+            tile = tl.load(counts + row[:, None] * EXPERTS + expert[None, :],
+                           mask=(row[:, None] < num_chunks) & real[None, :], other=0)
+            total += tl.sum(tile, axis=0)
+            before += tl.sum(tl.where(row[:, None] < c, tile, 0), axis=0)
     blocks = (total + BLOCK_M - 1) // BLOCK_M
     block_end = tl.cumsum(blocks, axis=0)
     row_start = (block_end - blocks) * BLOCK_M  # first padded row of each expert
 
+    seen = tl.zeros([E_P2], dtype=tl.int32)
     for start in range(0, chunk, SUB):
         pair = c * chunk + start + tl.arange(0, SUB)  # chunk is a multiple of SUB
         mine = pair < num_pairs
         e = tl.load(ids + pair, mask=mine, other=-1)
+        if COUNT:
+            rank, seen = _ranks(e, expert, seen)
+        else:
+            rank = tl.load(ranks + pair, mask=mine, other=0)
         mine = mine & (e >= 0) & (e < EXPERTS)  # an invalid id is dropped, never written out of bounds
         base = tl.sum(tl.where(e[:, None] == expert[None, :], row_start[None, :] + before[None, :], 0), axis=1)
-        tl.store(sorted_pairs + base + tl.load(ranks + pair, mask=mine, other=0), pair, mask=mine)
+        tl.store(sorted_pairs + base + rank, pair, mask=mine)
 
     owned = real & (expert % num_chunks == c)
     for pad in tl.static_range(0, BLOCK_M, 16):
@@ -183,29 +205,35 @@ def max_blocks(num_pairs: int, experts: int, block_m: int) -> int:
 
 def align_pairs(topk_ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_ids [T, K] -> (sorted_pairs [max_blocks * block_m] int32: pair index or the sentinel T*K,
-    block_expert [max_blocks] int32: expert of each block or -1). Two launches, sizes from the shapes only."""
+    block_expert [max_blocks] int32: expert of each block or -1). Two launches, one up to _SINGLE_PROGRAM_PAIRS
+    pairs (decode batches); sizes from the shapes only."""
     ids = topk_ids.reshape(-1)
     num_pairs = ids.numel()
     blocks = max_blocks(num_pairs, experts, block_m)
     e_p2 = triton.next_power_of_2(experts)
     sub = max(1, min(64, 4096 // e_p2))  # pairs per step: a [sub, E] one-hot stays small
-    chunk = sub * triton.cdiv(triton.cdiv(num_pairs, sub), _MAX_CHUNKS)
+    single = num_pairs <= _SINGLE_PROGRAM_PAIRS
+    chunk = sub * triton.cdiv(triton.cdiv(num_pairs, sub), 1 if single else _MAX_CHUNKS)
     num_chunks = triton.cdiv(num_pairs, chunk)
     device = ids.device
-    ranks = torch.empty(num_pairs, dtype=torch.int32, device=device)
-    counts = torch.empty(num_chunks, experts, dtype=torch.int32, device=device)
     sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
-    _count_kernel[(num_chunks,)](ids, ranks, counts, num_pairs, chunk, EXPERTS=experts, E_P2=e_p2, SUB=sub)
+    ranks = counts = ids  # unread by a single program
+    if not single:
+        ranks = torch.empty(num_pairs, dtype=torch.int32, device=device)
+        counts = torch.empty(num_chunks, experts, dtype=torch.int32, device=device)
+        _count_kernel[(num_chunks,)](ids, ranks, counts, num_pairs, chunk, EXPERTS=experts, E_P2=e_p2, SUB=sub)
     _place_kernel[(num_chunks,)](ids, ranks, counts, sorted_pairs, block_expert, num_pairs, chunk, num_chunks,
                                  blocks, triton.cdiv(blocks, num_chunks), EXPERTS=experts, E_P2=e_p2, SUB=sub,
-                                 CHUNK_TILE=max(1, min(64, 4096 // e_p2)), BLOCK_M=block_m)
+                                 CHUNK_TILE=max(1, min(64, 4096 // e_p2)), BLOCK_M=block_m, COUNT=single)
     return sorted_pairs, block_expert
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-                  topk_weights: torch.Tensor, config: dict[str, int] | None = None) -> torch.Tensor:
-    """x [T, H]; w13 [E, 2I, H] (gate rows first); w2 [E, H, I]; topk_ids/weights [T, K] -> [T, H] in x's dtype.
+                  topk_weights: torch.Tensor, config: dict[str, int] | None = None,
+                  reduce: bool = True) -> torch.Tensor:
+    """x [T, H]; w13 [E, 2I, H] (gate rows first); w2 [E, H, I]; topk_ids/weights [T, K] -> [T, H] in x's dtype,
+    or with `reduce=False` the K weighted rows [T, K, H] unsummed (see `ops.moe.fused_experts`).
 
     Every id must lie in [0, E) (not checked: that would need a sync; a pair with another id is dropped and its
     token's row left undefined). `config` overrides the table/heuristic choice (the tuner uses it).
@@ -221,7 +249,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
                          f"do not match {tokens} tokens")
     out = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     if tokens == 0:
-        return out.view(tokens, hidden)
+        return out.view(tokens, hidden) if reduce else out.view(tokens, top_k, hidden)
     config = check_config(config, "config") if config is not None else \
         moe_config(tokens, experts, inter, hidden, top_k, x.dtype, x.device)
     block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
@@ -240,6 +268,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
         act, w2, out, weights, sorted_pairs, block_expert, num_pairs, blocks, hidden, inter,
         act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), out.stride(1),
         EVEN_K=inter % block_k == 0, **launch)
+    if not reduce:
+        return out.view(tokens, top_k, hidden)
     if top_k == 1:
         return out
     return out.view(tokens, top_k, hidden).sum(dim=1)  # fp32 accumulation inside torch's reduction, one rounding
