@@ -34,7 +34,7 @@ from hybridserve.layers.rotary import RotaryEmbedding
 from hybridserve.layers.weights import new_parameter
 from hybridserve.models.ling_config import LingConfig
 from hybridserve.ops.activation import silu_and_mul
-from hybridserve.ops.lightning import lightning_attention
+from hybridserve.ops.lightning import QKNormRope, lightning_attention
 from hybridserve.ops.ling_norm import qk_norm_rope
 from hybridserve.ops.router import grouped_topk
 
@@ -72,7 +72,8 @@ def lightning_log_decay(config: LingConfig, layer: int) -> torch.Tensor:
 
 
 class LightningAttention(nn.Module):
-    """One Q|K|V|G GEMM, per-head QK RMSNorm + partial NeoX RoPE (one op), the decayed linear recurrence,
+    """One Q|K|V|G GEMM, per-head QK RMSNorm + partial NeoX RoPE (one op; in decode, inside the recurrence's
+    kernel), the decayed linear recurrence,
     GroupRMSNorm fused with the sigmoid output gate (norm first, gate second), then `dense` (spec §2.1)."""
 
     def __init__(self, config: LingConfig, layer_idx: int):
@@ -99,8 +100,13 @@ class LightningAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         qkvg = self.query_key_value(x).view(x.shape[0], 4, self.num_heads, self.head_dim)
         norms = (self.query_layernorm.weight, self.key_layernorm.weight) if self.use_qk_norm else (None, None)
-        q, k = qk_norm_rope(qkvg[:, :2], *norms, batch.positions, self.rotary.inv_freq, self.eps).unbind(1)
-        o = lightning_attention(q, k, qkvg[:, 2], self.log_decay, self.state["lightning"], batch)  # fp32
+        norm_rope = QKNormRope(*norms, batch.positions, self.rotary.inv_freq, self.eps)
+        if batch.is_decode:  # the decode step applies it on load
+            q, k = qkvg[:, 0], qkvg[:, 1]
+        else:
+            q, k = qk_norm_rope(qkvg[:, :2], *norm_rope).unbind(1)
+            norm_rope = None
+        o = lightning_attention(q, k, qkvg[:, 2], self.log_decay, self.state["lightning"], batch, norm_rope)  # fp32
         return self.dense(self.g_norm(o.flatten(1), gate=qkvg[:, 3].flatten(1)))  # in x's dtype
 
 

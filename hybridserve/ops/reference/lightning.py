@@ -12,9 +12,22 @@ host-side lengths only, so nothing here reads a device value back.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from hybridserve.core.batch import ForwardBatch
+from hybridserve.ops.reference.ling_norm import qk_norm_rope
+
+
+class QKNormRope(NamedTuple):
+    """Per-head RMSNorm (weights None: none) + partial NeoX RoPE of raw q and k before the recurrence, with
+    `ops.ling_norm.qk_norm_rope`'s contract (its output rounded to q's dtype)."""
+    q_weight: torch.Tensor | None
+    k_weight: torch.Tensor | None
+    positions: torch.Tensor
+    inv_freq: torch.Tensor
+    eps: float
 
 CHUNK_SIZE = 64
 
@@ -72,7 +85,11 @@ def lightning_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_deca
 
 
 def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
-                        state_pool: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+                        state_pool: torch.Tensor, batch: ForwardBatch,
+                        norm_rope: QKNormRope | None = None) -> torch.Tensor:
+    if norm_rope is not None:
+        q, k = qk_norm_rope(torch.stack((q, k), dim=1), norm_rope.q_weight, norm_rope.k_weight, norm_rope.positions,
+                            norm_rope.inv_freq, norm_rope.eps).unbind(1)
     if batch.is_decode:
         return lightning_decode(q, k, v, log_decay, state_pool, batch)
     return lightning_prefill(q, k, v, log_decay, state_pool, batch)

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from hybridserve.core.batch import ForwardBatch
+from hybridserve.ops.reference.lightning import QKNormRope
 
 CHUNK = 64
 DOT_PRECISION = "tf32x3"
@@ -55,18 +56,46 @@ def _load_state(state_ptr, slots_ptr, has_state_ptr, row, head, offs_k, offs_v, 
 
 
 @triton.jit
+def _load_head(ptr, weight_ptr, offs, mask, position, inv_freq_ptr, eps,
+               DK: tl.constexpr, HALF: tl.constexpr, NORM_ROPE: tl.constexpr, HAS_NORM: tl.constexpr):
+    """One q or k head [BLOCK_K] in fp32; with NORM_ROPE, per-head RMSNorm (HAS_NORM) and NeoX RoPE of its first
+    2 * HALF channels first, rounded to the input's dtype: `ops.ling_norm.qk_norm_rope`'s output, fused."""
+    x = tl.load(ptr + offs, mask=mask, other=0.0)
+    if NORM_ROPE:
+        rotated = offs < 2 * HALF
+        partner = tl.where(offs < HALF, offs + HALF, offs - HALF)  # the other channel of each rotated pair
+        x32 = x.to(tl.float32)
+        other = tl.load(ptr + partner, mask=mask & rotated, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            rstd = tl.math.rsqrt(tl.sum(x32 * x32, axis=0) / DK + eps)
+            x32 = x32 * rstd * tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            other = other * rstd * tl.load(weight_ptr + partner, mask=mask & rotated, other=0.0).to(tl.float32)
+        angle = position * tl.load(inv_freq_ptr + offs % HALF, mask=rotated, other=0.0)
+        out = x32 * tl.cos(angle) + tl.where(offs < HALF, -other, other) * tl.sin(angle)
+        x = tl.where(rotated, out, x32).to(x.dtype)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, state_ptr, slots_ptr, has_state_ptr, log_decay_ptr,
+                   q_weight_ptr, k_weight_ptr, positions_ptr, inv_freq_ptr, eps,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                    stride_slot, stride_sh, stride_sk, scale,
-                   DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+                   DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+                   HALF: tl.constexpr, NORM_ROPE: tl.constexpr, HAS_NORM: tl.constexpr):
     row, head, vblock = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_k = tl.arange(0, BLOCK_K)
     offs_v = vblock * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_k, mask_v = offs_k < DK, offs_v < DV
     state, state_ptrs, store_mask = _load_state(state_ptr, slots_ptr, has_state_ptr, row, head, offs_k, offs_v,
                                                  mask_k, mask_v, stride_slot, stride_sh, stride_sk)
-    q = tl.load(q_ptr + row * stride_qt + head * stride_qh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + row * stride_kt + head * stride_kh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    position = 0.0
+    if NORM_ROPE:
+        position = tl.load(positions_ptr + row).to(tl.float32)
+    q = _load_head(q_ptr + row * stride_qt + head * stride_qh, q_weight_ptr, offs_k, mask_k, position,
+                   inv_freq_ptr, eps, DK, HALF, NORM_ROPE, HAS_NORM)
+    k = _load_head(k_ptr + row * stride_kt + head * stride_kh, k_weight_ptr, offs_k, mask_k, position,
+                   inv_freq_ptr, eps, DK, HALF, NORM_ROPE, HAS_NORM)
     v = tl.load(v_ptr + row * stride_vt + head * stride_vh + offs_v, mask=mask_v, other=0.0).to(tl.float32)
     state = tl.exp(tl.load(log_decay_ptr + head)) * state + k[:, None] * v[None, :]
     tl.store(state_ptrs, state, mask=store_mask)
@@ -136,19 +165,33 @@ def _block(n: int) -> int:
 
 
 def lightning_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
-                     state_pool: torch.Tensor, batch: ForwardBatch, block_v: int = 32) -> torch.Tensor:
-    """One token per row: q, k [B, H, d_k], v [B, H, d_v] -> o [B, H, d_v] fp32; states updated in the pool."""
+                     state_pool: torch.Tensor, batch: ForwardBatch, block_v: int = 32,
+                     norm_rope: QKNormRope | None = None) -> torch.Tensor:
+    """One token per row: q, k [B, H, d_k], v [B, H, d_v] -> o [B, H, d_v] fp32; states updated in the pool.
+    With `norm_rope`, q and k are raw and its norm + RoPE is applied on load (`ops.lightning.QKNormRope`)."""
     _check(q, k, v, state_pool)
     rows, heads, dk = q.shape
     dv = v.shape[2]
     out = torch.empty(rows, heads, dv, device=q.device, dtype=torch.float32)
     block_v = min(block_v, _block(dv))
     grid = (rows, heads, triton.cdiv(dv, block_v))
+    half, has_norm = 0, False
+    weights = (log_decay, log_decay)  # unread without norm_rope
+    positions, inv_freq = batch.positions, log_decay
+    if norm_rope is not None:
+        half, has_norm = norm_rope.inv_freq.numel(), norm_rope.q_weight is not None
+        if has_norm:
+            weights = (norm_rope.q_weight.contiguous(), norm_rope.k_weight.contiguous())
+        positions, inv_freq = norm_rope.positions, norm_rope.inv_freq.contiguous()
+        if 2 * half > dk or positions.shape != (rows,):
+            raise ValueError(f"RoPE of 2*{half} channels of d_k={dk}, positions {tuple(positions.shape)}")
     _decode_kernel[grid](q, k, v, out, state_pool, batch.state_slots, batch.has_initial_state,
-                         log_decay.float().contiguous(), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                         v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+                         log_decay.float().contiguous(), *weights, positions, inv_freq,
+                         norm_rope.eps if norm_rope is not None else 0.0, q.stride(0), q.stride(1), k.stride(0),
+                         k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
                          state_pool.stride(0), state_pool.stride(1), state_pool.stride(2), dk ** -0.5,
-                         DK=dk, DV=dv, BLOCK_K=_block(dk), BLOCK_V=block_v, num_warps=4)
+                         DK=dk, DV=dv, BLOCK_K=_block(dk), BLOCK_V=block_v, HALF=max(half, 1),
+                         NORM_ROPE=norm_rope is not None, HAS_NORM=has_norm, num_warps=4)
     return out
 
 
