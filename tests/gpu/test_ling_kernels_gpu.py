@@ -1,7 +1,8 @@
 """Ling's Triton lightning kernels on CUDA at Ling-2.6-flash widths (32 heads x 128): bf16 q/k/v against the fp32
 torch reference over a varlen prefill and 40 decode steps (errors printed and bounded), the dot-precision choice
-measured, and CUDA-graph replay of the decode kernel. Issue 8's symptom (several requests decoding together in the
-whole model) is tests/gpu/test_decode_agreement_gpu.py, which runs these kernels on the product path.
+measured, CUDA-graph replay of the decode kernel, its QK norm + RoPE on load against the unfused kernels, and
+MLA's latent op at flash widths. Issue 8's symptom (several requests decoding together in the whole model) is
+tests/gpu/test_decode_agreement_gpu.py, which runs these kernels on the product path.
 
     pytest -s tests/gpu/test_ling_kernels_gpu.py      # -s shows the measured errors
 """
@@ -127,3 +128,55 @@ def test_decode_replays_in_a_cuda_graph() -> None:
         graph.replay()
         assert torch.equal(out, eager[step])
     assert torch.equal(graph_pool, eager_pool)
+
+
+def test_decode_with_qk_norm_and_rope_on_load_matches_the_unfused_kernels() -> None:
+    """The product decode path (raw q/k normed and rotated inside the decode kernel) against the two kernels it
+    replaces (ops.ling_norm's qk_norm_rope, then the decode kernel), at flash widths: d 128 with 64 channels
+    rotated, theta 6e6, positions up to 8000. Both round q/k to bf16 at the same point; only the last fp32 bit of
+    the norm's sum order can flip an element by one bf16 unit, so the bound is BOUND."""
+    from hybridserve.ops.triton import lightning as kernel
+    from hybridserve.ops.triton import ling_norm
+
+    log_decay = _log_decay(0)
+    gen = torch.Generator(device=CUDA).manual_seed(3)
+    pool = 0.05 * torch.randn(NUM_SLOTS + 1, HEADS, DIM, DIM, device=CUDA, generator=gen)
+    batch = _batch([1] * 4, [5, 900, 4000, 8000], [4, 12, 7, 2])
+    qkv = (3 * torch.randn(4, 3, HEADS, DIM, device=CUDA, generator=gen)).bfloat16()
+    weights = [(1 + 0.1 * torch.randn(DIM, device=CUDA, generator=gen)).bfloat16() for _ in range(2)]
+    inv_freq = 1.0 / (6e6 ** (torch.arange(0, 64, 2, device=CUDA, dtype=torch.float32) / 64))
+    norm_rope = reference.QKNormRope(*weights, batch.positions, inv_freq, 1e-6)
+    fused_pool, unfused_pool = pool.clone(), pool.clone()
+    out = kernel.lightning_decode(qkv[:, 0], qkv[:, 1], qkv[:, 2], log_decay, fused_pool, batch, norm_rope=norm_rope)
+    q, k = ling_norm.qk_norm_rope(qkv[:, :2], *weights, batch.positions, inv_freq, 1e-6).unbind(1)
+    expected = kernel.lightning_decode(q, k, qkv[:, 2], log_decay, unfused_pool, batch)
+    out_err, state_err = _rel(out, expected), max(_rel(fused_pool[s], unfused_pool[s]) for s in (4, 12, 7, 2))
+    print(f"\nfused QK norm + RoPE decode vs unfused kernels: output {out_err:.2e}, state {state_err:.2e}")
+    assert out_err <= BOUND and state_err <= BOUND
+
+
+def test_mla_latent_rope_at_flash_widths() -> None:
+    """MLA's latent op at flash widths (kv_lora 512, rope 64 interleaved, 32 heads, theta 6e6) on bf16: the cache
+    rows and the query's rope channels against the torch reference on the same values, to one bf16 unit of the
+    largest value (the same roundings; cos/sin and the norm's sum order may differ in the last fp32 bit)."""
+    from hybridserve.ops.reference import ling_norm as norm_reference
+    from hybridserve.ops.triton import ling_norm
+
+    gen = torch.Generator(device=CUDA).manual_seed(4)
+    tokens, rank, rope, nope = 6, 512, 64, 128
+    fused = torch.randn(tokens, 1536 + rank + rope, device=CUDA, generator=gen).bfloat16()  # [q_a | kv_a]
+    weight = (1 + 0.1 * torch.randn(rank, device=CUDA, generator=gen)).bfloat16()
+    q = torch.randn(tokens, HEADS, nope + rope, device=CUDA, generator=gen).bfloat16()
+    positions = torch.tensor([0, 1, 63, 1000, 4097, 8000], device=CUDA)
+    inv_freq = 1.0 / (6e6 ** (torch.arange(0, rope, 2, device=CUDA, dtype=torch.float32) / rope))
+    slots = torch.tensor([3, 40, 7, 0, 21, 9], device=CUDA)
+    results = []
+    for impl in (ling_norm, norm_reference):
+        cache = torch.zeros(48, 1, rank + rope, device=CUDA, dtype=torch.bfloat16)
+        q_attn = torch.zeros(HEADS, tokens, rank + rope, device=CUDA, dtype=torch.bfloat16).transpose(0, 1)
+        impl.mla_latent_rope(fused[:, 1536:], weight, q[..., nope:], q_attn[..., rank:], positions, inv_freq, True,
+                             1e-6, slots, cache)
+        results.append((cache, q_attn))
+    for got, want in zip(*results):
+        err = (got.float() - want.float()).abs().max().item()
+        assert err <= torch.finfo(torch.bfloat16).eps * want.float().abs().max().item(), err
