@@ -74,8 +74,8 @@ def test_ling_mla_absorbed(num_q_heads: int) -> None:
 
 
 def test_no_device_to_host_sync() -> None:
-    """The op entry point on decode batches (ZAYA1 and MLA shapes) and the MLA layer's batched unabsorbed prefill
-    (packed context) run without a device->host synchronisation once warm."""
+    """The op entry point on decode batches (ZAYA1 and MLA shapes), the MLA layer's batched unabsorbed prefill
+    (packed context) and its whole decode forward run without a device->host synchronisation once warm."""
     from hybridserve.layers.mla import MultiLatentAttention
 
     zaya = make_case(_decode_rows([5, 4096, 30000]), **ZAYA1, seed=6)
@@ -85,14 +85,16 @@ def test_no_device_to_host_sync() -> None:
     for param in mla.parameters():
         param.data.normal_(std=0.02)
     mla = mla.to(CUDA, torch.bfloat16)
-    mla.kv["latent"] = prefill.k
-    q_nope = torch.randn(prefill.q.shape[0], 32, 128, device=CUDA, dtype=torch.bfloat16)
-    q_rope = torch.randn(prefill.q.shape[0], 32, 64, device=CUDA, dtype=torch.bfloat16)
+    q = torch.randn(prefill.q.shape[0], 32, 128 + 64, device=CUDA, dtype=torch.bfloat16)
+    x = torch.randn(mla_case.q.shape[0], 4096, device=CUDA, dtype=torch.bfloat16)
 
     def run() -> None:
         for case in (zaya, mla_case):
             attention_op.paged_attention(case.q, case.k, case.v, case.batch, 0.1)
-        mla._attend_unabsorbed(q_nope, q_rope, prefill.batch)
+        mla.kv["latent"] = prefill.k
+        mla._attend_unabsorbed(q, prefill.batch)
+        mla.kv["latent"] = mla_case.k
+        mla(x, mla_case.batch)  # the decode forward: fused q_a|kv_a, latent op, in-place absorbed GEMMs
 
     run()
     torch.cuda.synchronize()

@@ -211,14 +211,24 @@ def test_mla_forms_agree(kernels: bool, dtype: torch.dtype, monkeypatch: pytest.
     mla.kv["latent"].copy_(prefill.k if kernels else prefill.clean_k)  # the torch op's decode reads padding rows
     reference_mla.kv["latent"].copy_(prefill.clean_k)
     gen = torch.Generator().manual_seed(16)
+    def absorbed(q: torch.Tensor, batch) -> torch.Tensor:
+        """The absorbed form's query buffer (head-major, the rope part written as the latent op does)."""
+        q_attn = q.new_empty(4, q.shape[0], 32 + 8).transpose(0, 1)
+        q_attn[..., 32:] = q[..., 16:]
+        return mla._attend_absorbed(q[..., :16], q_attn, batch)
+
+    def picked(q: torch.Tensor, batch) -> torch.Tensor:
+        """The form the layer's forward takes for this batch."""
+        if mla._absorbed(batch, q.device):
+            return absorbed(q, batch)
+        return mla._attend_unabsorbed(q, batch) if kernels else mla._attend_unabsorbed_reference(q, batch)
+
     for batch in (prefill.batch, decode):
-        tokens = sum(batch.query_lens)
-        q_nope = torch.randn(tokens, 4, 16, generator=gen).to(DEVICE, dtype)
-        q_rope = torch.randn(tokens, 4, 8, generator=gen).to(DEVICE, dtype)
-        want = reference_mla._attend_unabsorbed_reference(q_nope.float(), q_rope.float(), batch)
+        q = torch.randn(sum(batch.query_lens), 4, 16 + 8, generator=gen).to(DEVICE, dtype)  # [nope | roped]
+        want = reference_mla._attend_unabsorbed_reference(q.float(), batch)
         tol = MLA_TOLERANCE[dtype]
-        for form in (mla._attend_absorbed, mla._attend_unabsorbed, mla._attend):
-            got = form(q_nope, q_rope, batch).float()
+        for form in (absorbed, mla._attend_unabsorbed, picked):
+            got = form(q, batch).float()
             torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
