@@ -15,6 +15,7 @@ from hybridserve.layers.sampler import Sampler, logprob_dicts
 from hybridserve.loader import read_config
 from hybridserve.ops.backends import select_kernels
 from hybridserve.runtime.model_loader import build_model, resolve_dtype
+from hybridserve.runtime.warmup import DUMMY_PAGE, DUMMY_SLOT, warmup_batches
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,20 @@ class ModelRunner:
     def create_tables(self, max_rows: int, max_model_len: int) -> None:
         """The persistent device page/slot tables: one row per running sequence, wide enough for max_model_len."""
         self.tables = PageTables(max_rows, -(-max_model_len // self.config.page_size) + 1, self.device)
+
+    @torch.inference_mode()
+    def warm_up(self, max_rows: int, max_model_len: int) -> int:
+        """Run the warm-up steps (runtime/warmup.py) on the dummy page and slot, then zero both. Returns the steps."""
+        steps = warmup_batches(self.config.max_num_batched_tokens, max_rows, max_model_len, self.config.page_size)
+        for chunks in steps:
+            batch = build_forward_batch(chunks, self.config.page_size, self.device, self.model.history_len)
+            hidden = self.model(batch)
+            self.model.compute_logits(hidden[batch.logits_indices])
+        self.kv_pool.clear_page(DUMMY_PAGE)
+        self.state_pool.clear_slot(DUMMY_SLOT)
+        if self.footer_pool is not None:
+            self.footer_pool.clear_slot(DUMMY_PAGE)  # footers are indexed by page
+        return len(steps)
 
     @property
     def memory_plan(self) -> MemoryPlan:
