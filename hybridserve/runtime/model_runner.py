@@ -159,8 +159,10 @@ class ModelRunner:
         depend only on their own row, so they are the same either way)."""
         def draw(entries: list[tuple[ChunkResult, list, int]]) -> None:
             draw_rows = [row for _, rows, row in entries for _ in rows]
-            tokens = iter(self.sampler(logits[torch.tensor(draw_rows, device=logits.device)],
-                                       [r for _, rows, _ in entries for r in rows]))
+            contiguous = draw_rows == list(range(draw_rows[0], draw_rows[0] + len(draw_rows)))
+            picked = logits[draw_rows[0]:draw_rows[0] + len(draw_rows)] if contiguous else \
+                logits[torch.tensor(draw_rows, device=logits.device)]
+            tokens = iter(self.sampler(picked, [r for _, rows, _ in entries for r in rows]))
             for result, rows, _ in entries:
                 result.sampled = [next(tokens) for _ in rows]
 
