@@ -55,6 +55,9 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernel-backend", default="auto", choices=["auto", "triton", "torch"],
                         help="auto: Triton kernels on CUDA, the pure-torch references elsewhere; torch: references "
                              "everywhere (debugging); triton: fail unless the kernels can run")
+    parser.add_argument("--skip-warmup", action="store_true",
+                        help="start serving without first compiling every Triton kernel variant (they then compile "
+                             "inside the first requests' steps, seconds each)")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -72,7 +75,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 page_size=args.page_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 gpu_memory_utilization=args.gpu_memory_utilization, state_to_kv_ratio=args.state_to_kv_ratio,
                 max_state_slots=args.max_state_slots, seed=args.seed,
-                kernel_backend=args.kernel_backend)
+                kernel_backend=args.kernel_backend, skip_warmup=args.skip_warmup)
 
 
 def _model_dir(args: argparse.Namespace) -> str:

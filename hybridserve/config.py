@@ -28,6 +28,7 @@ class EngineConfig:
     checkpoint_slots_per_request: int = 2  # sparse-state models: slot headroom per running request for checkpoints
     num_speculative_tokens: int = 0  # draft tokens whose intermediate states the planner reserves
     kernel_backend: str = "auto"  # auto (Triton kernels on CUDA) | triton | torch (the pure-torch references)
+    skip_warmup: bool = False  # skip compiling every kernel variant at start-up (they then compile in the first steps)
     use_tqdm: bool = True  # a progress bar while the weights load
 
     def __post_init__(self) -> None:

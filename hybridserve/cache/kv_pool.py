@@ -85,6 +85,11 @@ class KVPool:
     def layer(self, index: int) -> dict[str, torch.Tensor]:
         return {name: buf[index] for name, buf in self.buffers.items()}
 
+    def clear_page(self, page: int) -> None:
+        """Zero every layer's rows of `page` (the dummy page after warm-up writes)."""
+        for buf in self.buffers.values():
+            buf[:, page * self.page_size:(page + 1) * self.page_size] = 0
+
     def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Every layer's rows of page dst[i] = those of page src[i] (a fork's copy of a partly filled page)."""
         offsets = torch.arange(self.page_size, device=src.device)

@@ -69,6 +69,11 @@ class StatePool:
     def layer(self, index: int) -> dict[str, torch.Tensor]:
         return {name: buf[index] for name, buf in self.buffers.items()}
 
+    def clear_slot(self, slot: int) -> None:
+        """Zero `slot` in every layer and field (the dummy slot after warm-up writes)."""
+        for buf in self.buffers.values():
+            buf[:, slot] = 0
+
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """state[dst[i]] = state[src[i]] for every layer and field."""
         for buf in self.buffers.values():

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from hybridserve.config import EngineConfig
 from hybridserve.core.step import SampledToken
 from hybridserve.engine.request import Request
 from hybridserve.engine.scheduler import Scheduler
+from hybridserve.ops.backends import any_triton
 from hybridserve.outputs import CompletionOutput, RequestOutput
 from hybridserve.runtime.model_runner import ModelRunner
 from hybridserve.sampling import SamplingParams
@@ -69,6 +71,10 @@ class LLMEngine:
         kv_tokens = plan.num_pages * config.page_size
         self.max_model_len = self._max_model_len(kv_tokens)
         self.runner.create_tables(plan.max_running_requests, self.max_model_len)
+        if any_triton() and not config.skip_warmup:
+            start = time.perf_counter()
+            steps = self.runner.warm_up(plan.max_running_requests, self.max_model_len)
+            logger.info("warm-up: %d steps compiled the kernels in %.1f s", steps, time.perf_counter() - start)
         pages, slots = PageAllocator(plan.num_pages + 1), SlotAllocator(plan.num_state_slots)
         cache = None
         if config.enable_prefix_caching:

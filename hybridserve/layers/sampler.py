@@ -41,7 +41,13 @@ def logprob_dicts(logprobs: torch.Tensor, chosen: list[int], k: int) -> list[dic
 
 
 # Rows sampled together: bounds the [rows, vocab] temporaries (sorted copies, a float64 CDF) of one call.
-_MAX_ELEMENTS_PER_CALL = 1 << 24
+_MAX_ELEMENTS_PER_CALL = 1 << 25
+
+
+def _upload(values: list[list[float]], device: torch.device) -> torch.Tensor:
+    """Host rows -> one float64 device tensor in a single copy (pinned and asynchronous on CUDA, no sync)."""
+    host = torch.tensor(values, dtype=torch.float64, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
 
 
 class Sampler:
@@ -56,14 +62,16 @@ class Sampler:
         logits = self._apply_penalties(logits, rows)
         banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids]
         if banned:
-            row_idx, tok_idx = zip(*banned)
-            logits = logits.index_put((torch.tensor(row_idx, device=device), torch.tensor(tok_idx, device=device)),
+            logits = logits.index_put(tuple(_upload([list(pair) for pair in zip(*banned)], device).long()),
                                       torch.tensor(float("-inf"), device=device))
-        tokens = logits.argmax(dim=-1)
-        if not all(r.params.greedy for r in rows):
-            sampled = self._sample(logits, rows)
-            greedy = torch.tensor([r.params.greedy for r in rows], device=device)
-            tokens = torch.where(greedy, tokens, sampled)
+        drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if len(drawn) == len(rows):
+            tokens = self._sample(logits, rows)
+        else:
+            tokens = logits.argmax(dim=-1)
+            if drawn:
+                index = _upload([drawn], device)[0].long()
+                tokens = tokens.index_copy(0, index, self._sample(logits[index], [rows[i] for i in drawn]))
         token_list = tokens.tolist()
         out = [SampledToken(t) for t in token_list]
         if raw_logprobs is not None:
@@ -102,25 +110,55 @@ class Sampler:
 
     @staticmethod
     def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        device, vocab = logits.device, logits.shape[-1]
-        # Greedy rows (temperature below 1e-5) are sampled too but take the argmax; divide them by 1.
-        temperature = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows],
-                                   device=device)[:, None]
-        probs = torch.softmax(logits / temperature, dim=-1)
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        rank = torch.arange(vocab, device=device)[None, :]
-        top_k = torch.tensor([r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows], device=device)
-        sorted_probs = sorted_probs.masked_fill(rank >= top_k[:, None], 0.0)
-        sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
-        top_p = torch.tensor([r.params.top_p for r in rows], device=device)[:, None]
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill((mass_before > top_p) & (rank > 0), 0.0)
-        min_p = torch.tensor([r.params.min_p for r in rows], device=device)[:, None]
-        sorted_probs = sorted_probs.masked_fill(sorted_probs < min_p * sorted_probs[:, :1], 0.0)
-        cdf = sorted_probs.double().cumsum(dim=-1)
-        u = torch.tensor([uniform_for(r.seed, len(r.output_token_ids)) for r in rows], device=device,
-                         dtype=torch.float64)[:, None] * cdf[:, -1:]
-        pick = torch.searchsorted(cdf, u, right=True).clamp(max=vocab - 1)
-        # Never land on a zeroed (filtered) entry through rounding at the top of the CDF.
-        pick = torch.minimum(pick, (sorted_probs > 0).sum(dim=-1, keepdim=True) - 1)
-        return order.gather(-1, pick).squeeze(-1)
+        """One token per row (every row samples), by inverting the CDF of each row's filtered distribution at the
+        row's own uniform number. Only rows with top-k or top-p need the vocabulary sorted; the others invert the
+        CDF in vocabulary order. Which path a row takes depends on its own parameters only, so a draw never
+        depends on the rest of the batch."""
+        vocab = logits.shape[-1]
+        params = _upload([[r.params.temperature, r.params.top_k if 0 < r.params.top_k < vocab else vocab,
+                           r.params.top_p, r.params.min_p, uniform_for(r.seed, len(r.output_token_ids))]
+                          for r in rows], logits.device)
+        probs = torch.softmax(logits / params[:, :1].float(), dim=-1)
+        needs_sort = [0 < r.params.top_k < vocab or r.params.top_p < 1.0 for r in rows]
+        if not any(needs_sort):
+            return _invert(probs, params)
+        if all(needs_sort):
+            return _sorted_draw(probs, params)
+        picks = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        for wanted, draw in ((True, _sorted_draw), (False, _invert)):
+            index = _upload([[i for i, s in enumerate(needs_sort) if s == wanted]], logits.device)[0].long()
+            picks[index] = draw(probs[index], params[index])
+        return picks
+
+
+def _min_p_filter(probs: torch.Tensor, top: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    return probs.masked_fill(probs < min_p * top, 0.0)
+
+
+def _pick(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index where each row's CDF (float64) first exceeds u * total, never on a zeroed entry."""
+    cdf = probs.double().cumsum(dim=-1)
+    pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=probs.shape[-1] - 1)
+    # Rounding at the top of the CDF must not land past the last kept entry.
+    last_kept = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(dim=-1, keepdim=True)
+    return torch.minimum(pick, last_kept)
+
+
+def _invert(probs: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """Rows with neither top-k nor top-p: min-p against the row's top probability, then the CDF in vocab order."""
+    probs = _min_p_filter(probs, probs.amax(dim=-1, keepdim=True), params[:, 3:4].float())
+    return _pick(probs, params[:, 4:5]).squeeze(-1)
+
+
+def _sorted_draw(probs: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """Rows with top-k or top-p: top-k, renormalise, top-p (the smallest prefix holding top_p of the mass), min-p,
+    then the CDF in descending-probability order."""
+    vocab = probs.shape[-1]
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=probs.device)[None, :]
+    sorted_probs = sorted_probs.masked_fill(rank >= params[:, 1:2], 0.0)
+    sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill((mass_before > params[:, 2:3]) & (rank > 0), 0.0)
+    sorted_probs = _min_p_filter(sorted_probs, sorted_probs[:, :1], params[:, 3:4].float())
+    return order.gather(-1, _pick(sorted_probs, params[:, 4:5])).squeeze(-1)

@@ -54,6 +54,11 @@ def select_kernels(device: torch.device, preference: str = "auto") -> dict[str, 
     return dict(_selected)
 
 
+def any_triton() -> bool:
+    """Whether `select_kernels` picked a Triton kernel for any op (so there is something to compile)."""
+    return any(name == "triton" for name in _selected.values())
+
+
 def use_triton(op: str, device: torch.device) -> bool:
     """True when `op` should run its Triton kernel for tensors on `device` (never for CPU tensors)."""
     if device.type != "cuda":

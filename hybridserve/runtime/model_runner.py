@@ -15,6 +15,7 @@ from hybridserve.layers.sampler import Sampler, logprob_dicts
 from hybridserve.loader import read_config
 from hybridserve.ops.backends import select_kernels
 from hybridserve.runtime.model_loader import build_model, resolve_dtype
+from hybridserve.runtime.warmup import DUMMY_PAGE, DUMMY_SLOT, warmup_batches
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,20 @@ class ModelRunner:
     def create_tables(self, max_rows: int, max_model_len: int) -> None:
         """The persistent device page/slot tables: one row per running sequence, wide enough for max_model_len."""
         self.tables = PageTables(max_rows, -(-max_model_len // self.config.page_size) + 1, self.device)
+
+    @torch.inference_mode()
+    def warm_up(self, max_rows: int, max_model_len: int) -> int:
+        """Run the warm-up steps (runtime/warmup.py) on the dummy page and slot, then zero both. Returns the steps."""
+        steps = warmup_batches(self.config.max_num_batched_tokens, max_rows, max_model_len, self.config.page_size)
+        for chunks in steps:
+            batch = build_forward_batch(chunks, self.config.page_size, self.device, self.model.history_len)
+            hidden = self.model(batch)
+            self.model.compute_logits(hidden[batch.logits_indices])
+        self.kv_pool.clear_page(DUMMY_PAGE)
+        self.state_pool.clear_slot(DUMMY_SLOT)
+        if self.footer_pool is not None:
+            self.footer_pool.clear_slot(DUMMY_PAGE)  # footers are indexed by page
+        return len(steps)
 
     @property
     def memory_plan(self) -> MemoryPlan:
@@ -144,8 +159,10 @@ class ModelRunner:
         depend only on their own row, so they are the same either way)."""
         def draw(entries: list[tuple[ChunkResult, list, int]]) -> None:
             draw_rows = [row for _, rows, row in entries for _ in rows]
-            tokens = iter(self.sampler(logits[torch.tensor(draw_rows, device=logits.device)],
-                                       [r for _, rows, _ in entries for r in rows]))
+            contiguous = draw_rows == list(range(draw_rows[0], draw_rows[0] + len(draw_rows)))
+            picked = logits[draw_rows[0]:draw_rows[0] + len(draw_rows)] if contiguous else \
+                logits[torch.tensor(draw_rows, device=logits.device)]
+            tokens = iter(self.sampler(picked, [r for _, rows, _ in entries for r in rows]))
             for result, rows, _ in entries:
                 result.sampled = [next(tokens) for _ in rows]
 

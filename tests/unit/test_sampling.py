@@ -144,6 +144,30 @@ def test_seeded_draws_do_not_depend_on_the_batch():
     assert uniform_for(7, 3) == uniform_for(7, 3) and uniform_for(7, 3) != uniform_for(7, 4)
 
 
+def test_mixed_batches_draw_each_row_as_alone():
+    """Rows with top-k/top-p take the sorted path, the others invert the CDF in vocabulary order, greedy rows take
+    the argmax: whichever path a row takes depends on its own parameters, never on its neighbours'."""
+    logits = torch.randn(8, 40, generator=torch.Generator().manual_seed(2))
+    kinds = [dict(temperature=0.9, top_p=0.9), dict(temperature=0.7), dict(temperature=0), dict(top_k=5),
+             dict(temperature=1.3, min_p=0.05), dict(temperature=0.9, top_p=0.9), dict(temperature=0.7),
+             dict(temperature=0)]
+    rows = [_row(seed=300 + i, **kind) for i, kind in enumerate(kinds)]
+    together = [t.token_id for t in Sampler()(logits, rows)]
+    alone = [Sampler()(logits[i:i + 1], [row])[0].token_id for i, row in enumerate(rows)]
+    assert together == alone
+    assert together[2] == logits[2].argmax().item() and together[7] == logits[7].argmax().item()
+
+
+def test_a_draw_at_the_top_of_the_cdf_lands_on_the_last_kept_token():
+    """u just below 1 with a filtered tail: rounding may put u * total past the CDF's end; the draw must still be a
+    kept token (in vocabulary order the kept ones are not a prefix)."""
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0, 0.0]])
+    params = torch.tensor([[1.0, 7, 1.0, 0.0, 1.0 - 2.0 ** -53]], dtype=torch.float64)
+    assert sampler_module._invert(probs, params).tolist() == [4]
+    params[0, 4] = 0.0
+    assert sampler_module._invert(probs, params).tolist() == [1]
+
+
 def test_penalties():
     logits = torch.tensor([[3.0, 2.9, -1.0, 0.5]])
     sampler = Sampler()
