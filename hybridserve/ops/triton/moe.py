@@ -22,9 +22,10 @@ import triton.language as tl
 from hybridserve.ops.triton.moe_config import check_config, moe_config
 
 _MAX_CHUNKS = 128  # alignment programs: each counts and places a contiguous chunk of pairs
-# Up to this many pairs (a decode batch of 128 tokens at top-8) one program counts and places them all: one launch
-# instead of two, and a few microseconds of work.
-_SINGLE_PROGRAM_PAIRS = 1024
+# Up to this many pairs (a decode batch of 16 tokens at top-8) one program counts and places them all: one launch
+# instead of two. Its two passes walk the pairs serially (SUB at a time), so the bound keeps that to a few steps;
+# larger batches spread the work over chunk programs.
+_SINGLE_PROGRAM_PAIRS = 128
 
 
 @triton.jit
