@@ -73,8 +73,8 @@ def lightning_log_decay(config: LingConfig, layer: int) -> torch.Tensor:
 
 class LightningAttention(nn.Module):
     """One Q|K|V|G GEMM, per-head QK RMSNorm + partial NeoX RoPE (one op; in decode, inside the recurrence's
-    kernel), the decayed linear recurrence,
-    GroupRMSNorm fused with the sigmoid output gate (norm first, gate second), then `dense` (spec §2.1)."""
+    kernel), the decayed linear recurrence, GroupRMSNorm fused with the sigmoid output gate (norm first, gate
+    second), then `dense` (spec §2.1)."""
 
     def __init__(self, config: LingConfig, layer_idx: int):
         super().__init__()
@@ -195,9 +195,10 @@ class LingDecoderLayer(nn.Module):
     """Pre-norm block: x + Attn(norm(x)), then + FFN(norm(.)); attention and FFN kinds chosen per layer (spec §5).
 
     The residual stream is carried next to the block output, so each residual add is fused into the norm after it:
-    the layer takes (the previous block's output, a second part of it or None: the shared expert's output beside
-    the routed experts', the residual stream before it; None for the first layer, whose input is the embedding) and
-    returns the same triple. Sums and roundings are those of the unfused form.
+    the layer takes (the previous block's output: [T, H], or [T, P, H] rows that sum to it; a second part of it or
+    None: the shared expert's output beside the routed experts'; the residual stream before it: None for the first
+    layer, whose input is the embedding) and returns the same triple. Sums and roundings are those of the unfused
+    form.
     """
 
     def __init__(self, config: LingConfig, layer_idx: int, mla: bool, dense: bool):
