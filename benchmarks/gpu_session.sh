@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One GPU session's checks in one call: every kernel and GPU test file in its own process (an illegal memory access
+# poisons the whole process, so one faulting kernel must not hide the others' results), then the benchmarks.
+# Logs and JSON go to $OUT (default ./gpu-out). Usage, from the repository root on the GPU machine:
+#   bash benchmarks/gpu_session.sh [tests|bench|all]
+set -u
+OUT=${OUT:-gpu-out}
+what=${1:-all}
+mkdir -p "$OUT/logs"
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+
+if [[ $what == tests || $what == all ]]; then
+  ls tests/ops/test_*.py tests/gpu/test_*.py | xargs -P 4 -I{} bash -c \
+    'n=$(basename {} .py); timeout 400 python -m pytest -s -p no:cacheprovider {} > "$0/logs/$n.log" 2>&1;
+     echo "rc=$?" >> "$0/logs/$n.log"' "$OUT"
+  for f in "$OUT"/logs/test_*.log; do
+    printf '%-45s %s  %s\n' "$(basename "$f" .log)" "$(tail -n 1 "$f")" \
+      "$(grep -E ' (passed|failed|skipped|error)' "$f" | tail -n 1)"
+  done
+fi
+
+if [[ $what == bench || $what == all ]]; then
+  timeout 300 python benchmarks/decode_launches.py --batch 1 --out "$OUT/launches_b1.json" > "$OUT/logs/launches.log" 2>&1
+  grep -E "launches per decode step" "$OUT/logs/launches.log"
+  timeout 300 python benchmarks/op_microbench.py --out "$OUT/op_microbench.json" > "$OUT/logs/op_microbench.log" 2>&1
+  timeout 500 python benchmarks/offline_throughput.py --layers 40 --scenarios b1 b64 --out "$OUT/offline_40l.json" \
+    > "$OUT/logs/offline.log" 2>&1
+  grep -A 3 "^scenario" "$OUT/logs/offline.log"
+fi
