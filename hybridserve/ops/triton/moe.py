@@ -217,8 +217,8 @@ def align_pairs(topk_ids: torch.Tensor, experts: int, block_m: int) -> tuple[tor
     chunk = sub * triton.cdiv(triton.cdiv(num_pairs, sub), 1 if single else _MAX_CHUNKS)
     num_chunks = triton.cdiv(num_pairs, chunk)
     device = ids.device
-    sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
-    block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
+    aligned = torch.empty(blocks * (block_m + 1), dtype=torch.int32, device=device)  # one allocation for both
+    sorted_pairs, block_expert = aligned[:blocks * block_m], aligned[blocks * block_m:]
     ranks = counts = ids  # unread by a single program
     if not single:
         ranks = torch.empty(num_pairs, dtype=torch.int32, device=device)
@@ -248,16 +248,18 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != tokens:
         raise ValueError(f"topk ids {tuple(topk_ids.shape)} / weights {tuple(topk_weights.shape)} "
                          f"do not match {tokens} tokens")
-    out = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     if tokens == 0:
-        return out.view(tokens, hidden) if reduce else out.view(tokens, top_k, hidden)
+        out = torch.empty(0, hidden, dtype=x.dtype, device=x.device)
+        return out if reduce else out.view(0, top_k, hidden)
     config = check_config(config, "config") if config is not None else \
         moe_config(tokens, experts, inter, hidden, top_k, x.dtype, x.device)
     block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     sorted_pairs, block_expert = align_pairs(topk_ids.contiguous(), experts, block_m)
     blocks, num_pairs = block_expert.numel(), tokens * top_k
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    # The weighted output rows and the activations in one allocation (both in x's dtype).
+    buffer = torch.empty(num_pairs * (hidden + inter), dtype=x.dtype, device=x.device)
+    out, act = buffer[:num_pairs * hidden].view(num_pairs, hidden), buffer[num_pairs * hidden:].view(num_pairs, inter)
     launch = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=config["GROUP_M"],
                   PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                   num_warps=config["num_warps"], num_stages=config["num_stages"])

@@ -54,9 +54,12 @@ def residual_rms_norm(update: torch.Tensor, norm_weight: torch.Tensor, eps: floa
     for name, t in (("update", update), ("residual", residual), ("skip_input", skip_input)):
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"{name} needs a unit column stride")
-    x = torch.empty(rows, width, device=update.device, dtype=torch.float32)
     h = torch.empty(rows, width, device=update.device, dtype=norm_weight.dtype)
-    h32 = (h if norm_weight.dtype == torch.float32 else torch.empty_like(x)) if fp32_copy else None
+    if fp32_copy and norm_weight.dtype != torch.float32:  # the fp32 residual and the fp32 copy: one allocation
+        x, h32 = torch.empty(2, rows, width, device=update.device, dtype=torch.float32)
+    else:
+        x = torch.empty(rows, width, device=update.device, dtype=torch.float32)
+        h32 = h if fp32_copy else None
     if rows:
         block = triton.next_power_of_2(width)
         dummy = update

@@ -124,10 +124,12 @@ def eda_route(z: torch.Tensor, carry: torch.Tensor | None, states_scale: torch.T
     if any(p.dtype != torch.float32 or not p.is_contiguous() for p in (z, *params)):
         raise ValueError("the router kernel takes contiguous fp32 tensors")
     has_carry = states_scale is not None and carry is not None
-    scratch = torch.empty_like(z)
-    out = {name: torch.empty(tokens, 1, device=z.device, dtype=dtype) for name, dtype in (
-        ("choice", torch.int64), ("weight", torch.float32), ("ids", torch.int64), ("expert_w", torch.float32),
-        ("skip_w", torch.float32))}
+    # Two allocations per call (the host cost of an allocation is a few us, 40 layers a step): the int64 outputs
+    # in one buffer, the fp32 outputs and the scratch rows in another.
+    choice, ids = torch.empty(2, tokens, 1, device=z.device, dtype=torch.int64)
+    floats = torch.empty(tokens * (3 + width), device=z.device, dtype=torch.float32)
+    weight, expert_w, skip_w = floats[:3 * tokens].view(3, tokens, 1)
+    scratch = floats[3 * tokens:].view(tokens, width)
     if tokens:
         use_dot = tokens >= DOT_FROM if use_dot is None else use_dot
         block_t = 16 if use_dot else 1
@@ -135,9 +137,9 @@ def eda_route(z: torch.Tensor, carry: torch.Tensor | None, states_scale: torch.T
         block_k = min(32, max(16, triton.next_power_of_2(width)))
         _eda_route_kernel[(triton.cdiv(tokens, block_t),)](
             z, carry if has_carry else z, states_scale if has_carry else z, *params[:6], balancing_biases, scratch,
-            out["choice"], out["weight"], out["ids"], out["expert_w"], out["skip_w"], tokens, eps,
+            choice, weight, ids, expert_w, skip_w, tokens, eps,
             R=width, CLASSES=classes, BLOCK_T=block_t, BLOCK_R=block_r,
             BLOCK_C=max(16, triton.next_power_of_2(classes)), BLOCK_K=block_k, HAS_CARRY=has_carry,
             # The per-token form keeps [BLOCK_K, BLOCK_R] partial sums: 8 warps hold 32 x 256 in 32 registers each.
             USE_DOT=use_dot, num_warps=4 if use_dot else 8)
-    return Routing(out["choice"][:, 0], out["weight"], out["ids"], out["expert_w"], out["skip_w"], z)
+    return Routing(choice[:, 0], weight, ids, expert_w, skip_w, z)
