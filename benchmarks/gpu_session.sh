@@ -2,7 +2,9 @@
 # One GPU session's checks in one call: every kernel and GPU test file in its own process (an illegal memory access
 # poisons the whole process, so one faulting kernel must not hide the others' results), then the benchmarks.
 # Logs and JSON go to $OUT (default ./gpu-out). Usage, from the repository root on the GPU machine:
-#   bash benchmarks/gpu_session.sh [tests|bench|all]
+#   bash benchmarks/gpu_session.sh [tests|bench|all|agreement|profile]
+# (all = tests + bench; agreement = Ling decode agreement per lightning implementation; profile = the b64 step
+# profile of the 40-layer ZAYA1 run)
 set -u
 OUT=${OUT:-gpu-out}
 what=${1:-all}
@@ -26,4 +28,13 @@ if [[ $what == bench || $what == all ]]; then
   timeout 500 python benchmarks/offline_throughput.py --layers 40 --scenarios b1 b64 --out "$OUT/offline_40l.json" \
     > "$OUT/logs/offline.log" 2>&1
   grep -A 3 "^scenario" "$OUT/logs/offline.log"
+fi
+
+if [[ $what == agreement ]]; then
+  timeout 300 python benchmarks/ling_decode_agreement.py --out "$OUT/ling_agreement.json" 2>&1 | grep -E "decode .*prefill"
+fi
+
+if [[ $what == profile ]]; then
+  timeout 500 python benchmarks/profile_step.py --layers 40 --scenario b64 --out "$OUT/profile_b64.json" 2>&1 \
+    | grep -vE "generating|loading|Warn|warn_once" | tail -n 75
 fi
