@@ -29,16 +29,10 @@ from hybridserve import LLM, SamplingParams  # noqa: E402
 from hybridserve.ops import backends  # noqa: E402
 from hybridserve.ops.reference import lightning as reference  # noqa: E402
 from tests.helpers import add_tokenizer  # noqa: E402
-from tests.reference.ling_naive import random_ling_checkpoint, tiny_ling_config, write_checkpoint  # noqa: E402
+from tests.reference.ling_naive import flash_config, random_ling_checkpoint, write_checkpoint  # noqa: E402
 
-FLASH_2_LAYERS = tiny_ling_config(
-    vocab_size=32768, hidden_size=4096, intermediate_size=9216, num_hidden_layers=2, layer_group_size=2,
-    num_attention_heads=32, num_key_value_heads=32, head_dim=128, group_norm_size=4, rope_theta=6e6,
-    q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-    num_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4, moe_intermediate_size=1024,
-    num_shared_experts=1, routed_scaling_factor=2.5, first_k_dense_replace=1, num_nextn_predict_layers=0,
-    lightning_decay_variant="hf_remote_code", max_position_embeddings=4096,
-)
+FLASH_2_LAYERS = flash_config(vocab_size=32768, lightning_decay_variant="hf_remote_code",
+                              max_position_embeddings=4096)
 PROMPT_LENGTHS = (33, 97, 211, 300)
 NEW_TOKENS = 48
 
@@ -62,7 +56,7 @@ def lightning_variants() -> dict[str, types.ModuleType | None]:
         return variants
 
     def fla_chunk_prefill(q, k, v, log_decay, state_pool, batch):
-        cu_host = torch.tensor([0, *batch.query_starts[1:], sum(batch.query_lens)], dtype=torch.long)
+        cu_host = torch.tensor([*batch.query_starts, sum(batch.query_lens)], dtype=torch.long)
         out, final = chunk_simple_gla(q.float()[None], k.float()[None], v.float()[None], g_gamma=log_decay.float(),
                                       initial_state=reference.initial_states(state_pool, batch),
                                       output_final_state=True, cu_seqlens=cu_host.to(q.device),

@@ -31,8 +31,8 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _timed_steps(llm: LLM, prompts: list[list[int]], outputs: list[int], temperature: float) -> list[dict]:
-    """Run the workload with every engine step timed (synchronised): [{seconds}] in step order."""
+def _timed_steps(llm: LLM, prompts: list[list[int]], outputs: list[int], temperature: float) -> list[float]:
+    """Run the workload with every engine step timed (synchronised): seconds per step, in order."""
     engine, steps = llm.engine, []
     original = engine.step
 
@@ -41,7 +41,7 @@ def _timed_steps(llm: LLM, prompts: list[list[int]], outputs: list[int], tempera
         start = time.perf_counter()
         result = original()
         _sync()
-        steps.append({"seconds": time.perf_counter() - start})
+        steps.append(time.perf_counter() - start)
         return result
 
     engine.step = timed_step
@@ -74,11 +74,10 @@ def main() -> None:
         copy_bundled_tokenizer(directory)
         llm = LLM(str(directory), use_tqdm=False, dtype="bfloat16", device="cuda" if torch.cuda.is_available() else "cpu")
         prompts, outputs = workload(SCENARIOS[args.scenario], 0)
-        _timed_steps(llm, prompts[:2], [4] * len(prompts[:2]), args.temperature)  # warm-up: compile and tune every kernel
-        steps = _timed_steps(llm, prompts, outputs, args.temperature)
-        seconds = [s["seconds"] for s in steps]
+        _timed_steps(llm, prompts[:2], [4] * len(prompts[:2]), args.temperature)  # warm-up of the Python paths
+        seconds = _timed_steps(llm, prompts, outputs, args.temperature)
         decode = sorted(seconds[-(min(outputs) - 2):])
-        summary = {"steps": len(steps), "total_s": sum(seconds), "median_late_step_ms": 1e3 * decode[len(decode) // 2],
+        summary = {"steps": len(seconds), "total_s": sum(seconds), "median_late_step_ms": 1e3 * decode[len(decode) // 2],
                    "first_steps_ms": [round(1e3 * s, 2) for s in seconds[:8]]}
         print(json.dumps(summary, indent=1))
 

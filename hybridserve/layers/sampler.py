@@ -44,9 +44,9 @@ def logprob_dicts(logprobs: torch.Tensor, chosen: list[int], k: int) -> list[dic
 _MAX_ELEMENTS_PER_CALL = 1 << 25
 
 
-def _upload(values: list[list[float]], device: torch.device) -> torch.Tensor:
-    """Host rows -> one float64 device tensor in a single copy (pinned and asynchronous on CUDA, no sync)."""
-    host = torch.tensor(values, dtype=torch.float64, pin_memory=device.type == "cuda")
+def _upload(values: list, device: torch.device, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Host values -> a device tensor in one copy (pinned and asynchronous on CUDA, no sync)."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
     return host.to(device, non_blocking=True)
 
 
@@ -62,7 +62,7 @@ class Sampler:
         logits = self._apply_penalties(logits, rows)
         banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids]
         if banned:
-            logits = logits.index_put(tuple(_upload([list(pair) for pair in zip(*banned)], device).long()),
+            logits = logits.index_put(tuple(_upload(list(zip(*banned)), device, torch.long)),
                                       torch.tensor(float("-inf"), device=device))
         drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
         if len(drawn) == len(rows):
@@ -70,7 +70,7 @@ class Sampler:
         else:
             tokens = logits.argmax(dim=-1)
             if drawn:
-                index = _upload([drawn], device)[0].long()
+                index = _upload(drawn, device, torch.long)
                 tokens = tokens.index_copy(0, index, self._sample(logits[index], [rows[i] for i in drawn]))
         token_list = tokens.tolist()
         out = [SampledToken(t) for t in token_list]
@@ -126,7 +126,7 @@ class Sampler:
             return _sorted_draw(probs, params)
         picks = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         for wanted, draw in ((True, _sorted_draw), (False, _invert)):
-            index = _upload([[i for i, s in enumerate(needs_sort) if s == wanted]], logits.device)[0].long()
+            index = _upload([i for i, s in enumerate(needs_sort) if s == wanted], logits.device, torch.long)
             picks[index] = draw(probs[index], params[index])
         return picks
 

@@ -13,8 +13,8 @@ from hybridserve.ops.reference.lightning import lightning_decode, lightning_pref
 from hybridserve.runtime.model_loader import build_model
 from tests.helpers import CacheHarness
 from tests.reference.ling_naive import (
+    flash_config,
     random_ling_checkpoint,
-    tiny_ling_config,
     write_checkpoint,
 )
 
@@ -79,13 +79,7 @@ def test_fla_lightning_matches_torch_reference() -> None:
 # ------------------------------------------------------------------------------------------- flash-shaped model
 
 
-FLASH = tiny_ling_config(
-    vocab_size=16384, hidden_size=4096, intermediate_size=9216, num_hidden_layers=2, layer_group_size=2,
-    num_attention_heads=32, num_key_value_heads=32, head_dim=128, group_norm_size=4, rope_theta=6e6,
-    q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-    num_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4, moe_intermediate_size=1024,
-    num_shared_experts=1, routed_scaling_factor=2.5, first_k_dense_replace=1, num_nextn_predict_layers=0,
-)  # layer 0: lightning + dense FFN; layer 1: MLA + 256-expert MoE
+FLASH = flash_config()  # layer 0: lightning + dense FFN; layer 1: MLA + 256-expert MoE
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,18 @@ IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq", ".slope")
 # --------------------------------------------------------------------------------------------
 
 
+def flash_config(**overrides) -> dict:
+    """Ling-2.6-flash widths (hidden 4096, 32 heads x 128, MLA 1536/512/128/64/128, 256 experts top-8 in groups
+    8/4 x 1024 + 1 shared) on two layers: layer 0 lightning + dense FFN, layer 1 MLA + MoE; vocab reduced."""
+    return tiny_ling_config(**{
+        "vocab_size": 16384, "hidden_size": 4096, "intermediate_size": 9216, "num_hidden_layers": 2,
+        "layer_group_size": 2, "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128,
+        "group_norm_size": 4, "rope_theta": 6e6, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "num_experts": 256, "num_experts_per_tok": 8, "n_group": 8,
+        "topk_group": 4, "moe_intermediate_size": 1024, "num_shared_experts": 1, "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 1, "num_nextn_predict_layers": 0} | overrides)
+
+
 def tiny_ling_config(**overrides) -> dict:
     """A tiny but structurally complete Ling-2.6 config.json; every key can be overridden.
 

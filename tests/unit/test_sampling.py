@@ -159,10 +159,10 @@ def test_mixed_batches_draw_each_row_as_alone():
 
 
 def test_a_draw_at_the_top_of_the_cdf_lands_on_the_last_kept_token():
-    """u just below 1 with a filtered tail: rounding may put u * total past the CDF's end; the draw must still be a
-    kept token (in vocabulary order the kept ones are not a prefix)."""
+    """A filtered tail and u * total at the CDF's end (where float rounding can put it): the search runs past every
+    entry, and the draw must still be a kept token (in vocabulary order the kept ones are not a prefix)."""
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0, 0.0]])
-    params = torch.tensor([[1.0, 7, 1.0, 0.0, 1.0 - 2.0 ** -53]], dtype=torch.float64)
+    params = torch.tensor([[1.0, 7, 1.0, 0.0, 1.0]], dtype=torch.float64)
     assert sampler_module._invert(probs, params).tolist() == [4]
     params[0, 4] = 0.0
     assert sampler_module._invert(probs, params).tolist() == [1]

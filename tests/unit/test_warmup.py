@@ -50,14 +50,12 @@ def test_warm_up_leaves_every_cache_as_it_found_it(model: str, request: pytest.F
     forwards, dirty = [], []
     runner.model.register_forward_hook(lambda module, args, output: forwards.append(1))
     for pool in pools:  # before zeroing: the warm-up did write there (so the check below can fail)
-        clear = pool.clear_page if pool is runner.kv_pool else pool.clear_slot
-        def checked(index, pool=pool, clear=clear):
+        name = "clear_page" if pool is runner.kv_pool else "clear_slot"
+
+        def checked(index, pool=pool, clear=getattr(pool, name)):
             dirty.append(any(bool(torch.count_nonzero(b)) for b in pool.buffers.values()))
             clear(index)
-        if pool is runner.kv_pool:
-            pool.clear_page = checked
-        else:
-            pool.clear_slot = checked
+        setattr(pool, name, checked)
     steps = runner.warm_up(max_rows=8, max_model_len=70)
     assert steps == len(forwards) == len(warmup_batches(40, 8, 70, config.page_size))
     assert dirty == [True] * len(pools)
