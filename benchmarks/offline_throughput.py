@@ -64,7 +64,7 @@ def workload(scenario: Scenario, seed: int) -> tuple[list[list[int]], list[int]]
 
 def run_ours(model_dir: str, workloads: dict, args) -> dict[str, float]:
     llm = LLM(model_dir, use_tqdm=False, dtype="bfloat16", device=args.device,
-              max_running_requests=args.max_running_requests)
+              max_running_requests=args.max_running_requests, enforce_eager=args.enforce_eager)
     rates = {}
     for name, (prompts, outputs) in workloads.items():
         params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True, seed=i)
@@ -141,6 +141,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--hf-batch", type=int, default=64, help="largest static batch for HF generate")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--enforce-eager", action="store_true", help="our engine without CUDA graphs")
     parser.add_argument("--out", default=None, help="write the results here as JSON")
     args = parser.parse_args()
 
@@ -153,6 +154,7 @@ def main() -> None:
         config = json.loads((Path(model_dir) / "config.json").read_text())
         workloads = {name: workload(SCENARIOS[name], args.seed) for name in args.scenarios}
         result = {"model": model_dir, "layers": config["num_hidden_layers"], "device": args.device,
+                  "cuda_graphs": not args.enforce_eager,
                   "scenarios": {name: {"requests": len(p), "input_tokens": sum(map(len, p)),
                                        "output_tokens": sum(o)} for name, (p, o) in workloads.items()}}
         for name, rate in run_ours(model_dir, workloads, args).items():

@@ -50,7 +50,10 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
                         help="state bytes : KV bytes when the cache budget is split (unless --max-state-slots)")
     parser.add_argument("--max-state-slots", type=int, default=None, help="pin the number of state slots")
     parser.add_argument("--enforce-eager", action="store_true",
-                        help="accepted for vLLM compatibility; a no-op, as the engine has no CUDA graphs yet")
+                        help="run every step op by op: no CUDA graphs for decode")
+    parser.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                        help="largest decode batch replayed from a CUDA graph (default: 256 or "
+                             "--max-running-requests, whichever is smaller); larger decode steps run eagerly")
     parser.add_argument("--seed", type=int, default=0, help="seed for requests that bring none")
     parser.add_argument("--kernel-backend", default="auto", choices=["auto", "triton", "torch"],
                         help="auto: Triton kernels on CUDA, the pure-torch references elsewhere; torch: references "
@@ -75,7 +78,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 page_size=args.page_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 gpu_memory_utilization=args.gpu_memory_utilization, state_to_kv_ratio=args.state_to_kv_ratio,
                 max_state_slots=args.max_state_slots, seed=args.seed,
-                kernel_backend=args.kernel_backend, skip_warmup=args.skip_warmup)
+                kernel_backend=args.kernel_backend, skip_warmup=args.skip_warmup, enforce_eager=args.enforce_eager,
+                cuda_graph_max_bs=args.cuda_graph_max_bs)
 
 
 def _model_dir(args: argparse.Namespace) -> str:

@@ -28,6 +28,8 @@ class EngineConfig:
     checkpoint_slots_per_request: int = 2  # sparse-state models: slot headroom per running request for checkpoints
     num_speculative_tokens: int = 0  # draft tokens whose intermediate states the planner reserves
     kernel_backend: str = "auto"  # auto (Triton kernels on CUDA) | triton | torch (the pure-torch references)
+    enforce_eager: bool = False  # run decode op by op: no CUDA graphs
+    cuda_graph_max_bs: int | None = None  # largest decode batch replayed from a graph (default min(256, running cap))
     skip_warmup: bool = False  # skip compiling every kernel variant at start-up (they then compile in the first steps)
     use_tqdm: bool = True  # a progress bar while the weights load
 
@@ -59,6 +61,8 @@ class EngineConfig:
             fail("num_speculative_tokens", "must be >= 0")
         if self.max_model_len is not None and self.max_model_len < 2:
             fail("max_model_len", "must be >= 2")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            fail("cuda_graph_max_bs", "must be >= 1")
         if self.kernel_backend not in ("auto", "triton", "torch"):
             fail("kernel_backend", "must be auto, triton or torch")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

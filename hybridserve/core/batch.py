@@ -83,10 +83,11 @@ class ForwardBatch:
         return rows.flatten(1)
 
 
-class _HostPack:
+class HostPack:
     """Every per-step index tensor packed into one pinned host buffer and moved with one host-to-device copy.
 
-    Segments are 8-byte aligned, so each is a typed view of the same device buffer (int64, int32 or bool).
+    Segments start on 16-byte boundaries, so each is a typed view of the same device buffer (int64, int32 or bool)
+    with the alignment Triton specialises pointers on: a kernel compiled at start-up is the one every step reuses.
     """
 
     def __init__(self) -> None:
@@ -99,8 +100,8 @@ class _HostPack:
         offsets, total = [], 0
         for _, _, host in self._segments:
             offsets.append(total)
-            total += -(-host.numel() * host.element_size() // 8) * 8
-        buffer = torch.empty(max(total, 8), dtype=torch.uint8, pin_memory=device.type == "cuda")
+            total += -(-host.numel() * host.element_size() // 16) * 16
+        buffer = torch.empty(max(total, 16), dtype=torch.uint8, pin_memory=device.type == "cuda")
         for (_, dtype, host), offset in zip(self._segments, offsets):
             nbytes = host.numel() * host.element_size()
             buffer[offset:offset + nbytes].view(dtype).view(host.shape).copy_(host)
@@ -119,11 +120,15 @@ class PageTables:
     names the rows it handed to a new sequence since the last step (`reset`). A step then uploads only the pages
     appended to each row since the step before, and the row's slot when the row is new; the batch's page table is
     a gather of its rows. CUDA graphs replay over these same tensors.
+
+    One more row than sequences, `dummy_row`, stays all page 0 and slot 0 (the dummies): the padding rows of a
+    CUDA-graph decode batch point at it.
     """
 
     def __init__(self, max_rows: int, max_pages: int, device: torch.device):
-        self.pages = torch.zeros(max_rows, max_pages, dtype=torch.long, device=device)  # padded with page 0
-        self.slots = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self.pages = torch.zeros(max_rows + 1, max_pages, dtype=torch.long, device=device)  # padded with page 0
+        self.slots = torch.zeros(max_rows + 1, dtype=torch.long, device=device)
+        self.dummy_row = max_rows
         self._synced = [0] * max_rows  # pages of each row already on the device (0: a new row)
 
     def reset(self, rows: list[int]) -> None:
@@ -147,6 +152,25 @@ class PageTables:
             self._synced[row] = len(chunk.page_ids)
         return rows, cols, pages, slot_rows, slots
 
+    def pack_updates(self, chunks: list[ScheduledChunk], pack: HostPack) -> None:
+        """Add this step's new entries (`updates`) and the chunks' table rows to `pack`, for `apply`."""
+        rows, cols, pages, slot_rows, slots = self.updates(chunks)
+        pack.add("table_rows", [c.table_row for c in chunks])
+        for name, values in (("update_rows", rows), ("update_cols", cols), ("update_pages", pages),
+                             ("slot_rows", slot_rows), ("slots", slots)):
+            pack.add(name, values)
+
+    def apply(self, uploaded: dict[str, torch.Tensor]) -> None:
+        """Write the entries `pack_updates` packed (now on the device) into the tables."""
+        self.pages.index_put_((uploaded["update_rows"], uploaded["update_cols"]), uploaded["update_pages"])
+        self.slots.index_put_((uploaded["slot_rows"],), uploaded["slots"])
+
+    def upload_updates(self, chunks: list[ScheduledChunk]) -> None:
+        """`pack_updates` + `apply` in one upload of their own (a CUDA-graph step, which builds no batch)."""
+        pack = HostPack()
+        self.pack_updates(chunks, pack)
+        self.apply(pack.upload(self.pages.device))
+
 
 def _token_history_rows(chunks: list[ScheduledChunk], length: int) -> tuple[int, list[int], list, list]:
     """(total rows, token_index, history_index, final_index) of the extended layout."""
@@ -159,6 +183,14 @@ def _token_history_rows(chunks: list[ScheduledChunk], length: int) -> tuple[int,
         row += len(chunk.token_ids)
         final_index.append(list(range(row - length, row)))
     return row, token_index, history_index, final_index
+
+
+def decode_token_history(rows: int, length: int, device: torch.device) -> TokenHistory:
+    """The TokenHistory of `rows` one-token rows (it depends on nothing else: CUDA-graph decode batches)."""
+    total_rows, token_index, history_index, final_index = _token_history_rows(
+        [ScheduledChunk([0], 0, [], 0, False)] * rows, length)
+    return TokenHistory(length, total_rows, *(torch.tensor(index, device=device)
+                                              for index in (token_index, history_index, final_index)))
 
 
 def build_forward_batch(chunks: list[ScheduledChunk], page_size: int, device: torch.device,
@@ -188,7 +220,7 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_size: int, device: to
                 page_end_tokens.append(start + pos - chunk.prefix_len)
                 page_end_pages.append(chunk.page_ids[pos // page_size])
         logits_indices.extend(start + i for i in chunk.logits_offsets)
-    pack = _HostPack()
+    pack = HostPack()
     pack.add("input_ids", input_ids)
     pack.add("positions", positions)
     pack.add("query_start_loc", [*query_starts, query_starts[-1] + query_lens[-1]], torch.int32)
@@ -204,11 +236,7 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_size: int, device: to
         pack.add("page_table", [c.page_ids + [0] * (width - len(c.page_ids)) for c in chunks])
         pack.add("state_slots", [c.state_slot for c in chunks])
     else:
-        rows, cols, pages, slot_rows, slots = tables.updates(chunks)
-        pack.add("table_rows", [c.table_row for c in chunks])
-        for name, values in (("update_rows", rows), ("update_cols", cols), ("update_pages", pages),
-                             ("slot_rows", slot_rows), ("slots", slots)):
-            pack.add(name, values)
+        tables.pack_updates(chunks, pack)
     if history_len:
         total_rows, token_index, history_index, final_index = _token_history_rows(chunks, history_len)
         pack.add("token_index", token_index)
@@ -216,8 +244,7 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_size: int, device: to
         pack.add("final_index", final_index)
     t = pack.upload(device)
     if tables is not None:
-        tables.pages.index_put_((t["update_rows"], t["update_cols"]), t["update_pages"])
-        tables.slots.index_put_((t["slot_rows"],), t["slots"])
+        tables.apply(t)
         page_table = tables.pages[:, :width].index_select(0, t["table_rows"])
         state_slots = tables.slots.index_select(0, t["table_rows"])
     else:

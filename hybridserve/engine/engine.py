@@ -75,6 +75,7 @@ class LLMEngine:
             start = time.perf_counter()
             steps = self.runner.warm_up(plan.max_running_requests, self.max_model_len)
             logger.info("warm-up: %d steps compiled the kernels in %.1f s", steps, time.perf_counter() - start)
+        self.runner.capture_graphs(plan.max_running_requests, self.max_model_len)
         pages, slots = PageAllocator(plan.num_pages + 1), SlotAllocator(plan.num_state_slots)
         cache = None
         if config.enable_prefix_caching:

@@ -59,6 +59,11 @@ def any_triton() -> bool:
     return any(name == "triton" for name in _selected.values())
 
 
+def all_triton() -> bool:
+    """Whether `select_kernels` picked the Triton kernel for every op (the forward then never syncs the host)."""
+    return bool(_selected) and all(name == "triton" for name in _selected.values())
+
+
 def use_triton(op: str, device: torch.device) -> bool:
     """True when `op` should run its Triton kernel for tensors on `device` (never for CPU tensors)."""
     if device.type != "cuda":

@@ -13,7 +13,8 @@ from hybridserve.core.batch import PageTables, ScheduledChunk, build_forward_bat
 from hybridserve.core.step import ChunkResult, StepPlan
 from hybridserve.layers.sampler import Sampler, logprob_dicts
 from hybridserve.loader import read_config
-from hybridserve.ops.backends import select_kernels
+from hybridserve.ops.backends import all_triton, select_kernels
+from hybridserve.runtime.cuda_graphs import DecodeGraphs, capture_sizes
 from hybridserve.runtime.model_loader import build_model, resolve_dtype
 from hybridserve.runtime.warmup import DUMMY_PAGE, DUMMY_SLOT, warmup_batches
 
@@ -27,6 +28,7 @@ class ModelRunner:
         self.config = config
         self.device = config.torch_device()
         select_kernels(self.device, config.kernel_backend)
+        self.use_graphs = self._graphs_possible()
         raw = read_config(model_dir, config.hf_overrides)
         self.dtype = resolve_dtype(config.dtype, raw.get("torch_dtype") or raw.get("dtype"))
         self.model, self.model_config = build_model(model_dir, self.dtype, self.device, config.hf_overrides,
@@ -51,10 +53,33 @@ class ModelRunner:
         self._bind(self.kv_pool, self.state_pool, self.footer_pool)
         self.sampler = Sampler()
         self.tables: PageTables | None = None
+        self.graphs: DecodeGraphs | None = None
+
+    def _graphs_possible(self) -> bool:
+        """CUDA graphs for decode: on CUDA, with every op on its kernel (the references may sync), unless eager."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return False
+        if not all_triton():
+            logger.info("CUDA graphs off: some ops run their pure-torch reference (kernel_backend=%s)",
+                        self.config.kernel_backend)
+            return False
+        return True
+
+    def graph_rows(self) -> int:
+        """Rows of the largest decode graph: --cuda-graph-max-bs, else 256 or the running cap, whichever is less."""
+        rows = self.config.cuda_graph_max_bs or 256
+        return min(rows, self.config.max_running_requests, self.config.max_num_batched_tokens)
 
     def create_tables(self, max_rows: int, max_model_len: int) -> None:
         """The persistent device page/slot tables: one row per running sequence, wide enough for max_model_len."""
         self.tables = PageTables(max_rows, -(-max_model_len // self.config.page_size) + 1, self.device)
+
+    def capture_graphs(self, max_rows: int, max_model_len: int) -> None:
+        """Capture the decode graphs (after `create_tables`; the caches are bound for good by then)."""
+        if self.use_graphs:
+            sizes = capture_sizes(min(self.graph_rows(), max_rows))
+            self.graphs = DecodeGraphs(self.model, self.tables, self.config.page_size, max_model_len, sizes,
+                                       self.device, capture=True)
 
     @torch.inference_mode()
     def warm_up(self, max_rows: int, max_model_len: int) -> int:
@@ -82,29 +107,41 @@ class ModelRunner:
 
     def _cache_budget(self) -> int:
         """Bytes for the caches: the CPU budget, or on CUDA the allowed share of the device minus what is already
-        used and the activation peak of a profiling forward at the largest batch."""
+        used, the activation peak of a profiling forward at the largest batch and, with CUDA graphs, the peak of
+        the largest decode graph's forward (its memory pool stays held beside the activations of eager steps)."""
         if self.device.type == "cpu":
             return self.config.kv_cache_memory_bytes or _CPU_CACHE_BYTES
-        peak = self._profile_activations()
+        tokens = self.config.max_num_batched_tokens
+        peak = self._profile_activations([ScheduledChunk([0] * tokens, 0, [], 1, False, [tokens - 1])],
+                                         min(tokens, self.config.max_running_requests))
+        if self.use_graphs:
+            rows = self.graph_rows()
+            self.graph_reserve = self._profile_activations(
+                [ScheduledChunk([0], 0, [], 1, True, [0]) for _ in range(rows)], rows)
+            logger.info("memory plan: %.0f MiB reserved for the CUDA graphs' pool (the forward of %d decode rows)",
+                        self.graph_reserve / 2**20, rows)
+            peak += self.graph_reserve
         free, total = torch.cuda.mem_get_info(self.device)
         return int(total * self.config.gpu_memory_utilization - (total - free) - peak)
 
     @torch.inference_mode()
-    def _profile_activations(self) -> int:
-        """Peak extra memory of one forward over `max_num_batched_tokens` tokens plus the logits of a full batch."""
-        tokens, size = self.config.max_num_batched_tokens, self.config.page_size
-        pages = -(-tokens // size)
-        kv = KVPool(self.model.kv_cache_spec(self.dtype), pages + 1, size, self.device)
-        state = StatePool(self.model.state_spec(self.dtype), 1, self.device)
+    def _profile_activations(self, chunks: list[ScheduledChunk], logits_rows: int) -> int:
+        """Peak extra memory of one forward over `chunks` (given pages here, on temporary caches) plus the logits
+        of `logits_rows` rows."""
+        size = self.config.page_size
+        pages = 1
+        for chunk in chunks:
+            chunk.page_ids = list(range(pages, pages + -(-len(chunk.token_ids) // size)))
+            pages += len(chunk.page_ids)
+        kv = KVPool(self.model.kv_cache_spec(self.dtype), pages, size, self.device)
+        state = StatePool(self.model.state_spec(self.dtype), 2, self.device)
         self._bind(kv, state, None)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        chunk = ScheduledChunk([0] * tokens, 0, list(range(1, pages + 1)), 1, False, [tokens - 1])
-        batch = build_forward_batch([chunk], size, self.device, self.model.history_len)
+        batch = build_forward_batch(chunks, size, self.device, self.model.history_len)
         hidden = self.model(batch)
-        rows = min(tokens, self.config.max_running_requests)
-        self.model.compute_logits(hidden[:rows])
+        self.model.compute_logits(hidden[:logits_rows])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         del kv, state, batch, hidden
@@ -123,20 +160,34 @@ class ModelRunner:
         if self.tables is None:
             raise RuntimeError("create_tables must be called before the first step")
         self.tables.reset(plan.table_resets)
-        batch = build_forward_batch(plan.chunks, self.config.page_size, self.device, self.model.history_len,
-                                    self.tables)
+        chunks = plan.chunks
+        replay = self.graphs is not None and all(len(c.token_ids) == 1 for c in chunks) and \
+            self.graphs.size_for(len(chunks)) is not None
+        if replay:
+            self.tables.upload_updates(chunks)
+        else:
+            batch = build_forward_batch(chunks, self.config.page_size, self.device, self.model.history_len,
+                                        self.tables)
         if plan.page_copies:
             src, dst = zip(*plan.page_copies)
             self.kv_pool.copy_pages(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
         self._copy_slots(plan.restores, self.state_pool)
         self._copy_slots(plan.page_restores, self.footer_pool)
-        hidden = self.model(batch)
-        self._copy_slots(plan.snapshots, self.state_pool)
-        results = [ChunkResult() for _ in plan.chunks]
-        if batch.logits_indices.numel() == 0:
-            return results
+        results = [ChunkResult() for _ in chunks]
         # Logits rows come chunk by chunk: the scored prompt positions, then the last token when it samples.
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        if replay:
+            logits = self.graphs.run(chunks)  # every row's; keep those of chunks that want logits
+            wanted = [i for i, c in enumerate(chunks) if c.logits_offsets]
+            logits = logits if len(wanted) == len(chunks) else logits[torch.tensor(wanted, device=self.device)]
+            self._copy_slots(plan.snapshots, self.state_pool)
+        else:
+            hidden = self.model(batch)
+            self._copy_slots(plan.snapshots, self.state_pool)
+            if batch.logits_indices.numel() == 0:
+                return results
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
+        if logits.shape[0] == 0:
+            return results
         row, sampling = 0, []
         for result, targets, rows in zip(results, plan.prompt_logprobs, plan.samples):
             if targets is not None:

@@ -128,12 +128,18 @@ def test_concurrent_decode_matches_torch_path_and_fp32(name: str, tmp_path: Path
     # The tail pooled over rows and steps: on Ling, bf16 noise flips an expert choice (top-8 of 256) for a few
     # steps of one row or another, on either path, which moves those logits by ~0.1; a broken row moves them all.
     assert fast_err.quantile(0.9).item() <= 1.25 * slow_err.quantile(0.9).item() + 5e-3, (fast_err, slow_err)
+    # States after the same tokens, per layer and row; the same pooled statistics as the logits, and the worst
+    # (layer, row) within 2x of the torch path's worst: bf16 noise differs between the two paths by a factor
+    # of ~1.5 at the extreme, a contaminated or NaN row is off by ~1.
     for field, exact in exact_states.items():
-        fast_state = fast.state.buffers[field][:, slots].float()
-        fast_state_err = _rel(fast_state.flatten(2), exact.flatten(2)).max().item()
-        slow_state_err = _rel(slow_states[field].float().flatten(2), exact.flatten(2)).max().item()
-        print(f"{name}: state {field} vs fp32, max over layers/rows: kernels {fast_state_err:.2e}, "
-              f"torch path {slow_state_err:.2e}")
-        assert fast_state_err <= 1.25 * slow_state_err + 1e-4, field
+        fast_state_err = _rel(fast.state.buffers[field][:, slots].float().flatten(2), exact.flatten(2)).flatten()
+        slow_state_err = _rel(slow_states[field].float().flatten(2), exact.flatten(2)).flatten()
+        print(f"{name}: state {field} vs fp32 over layers/rows, median / q90 / max: kernels "
+              f"{fast_state_err.median():.2e} / {fast_state_err.quantile(0.9):.2e} / {fast_state_err.max():.2e}, "
+              f"torch path {slow_state_err.median():.2e} / {slow_state_err.quantile(0.9):.2e} / "
+              f"{slow_state_err.max():.2e}")
+        assert fast_state_err.median() <= 1.25 * slow_state_err.median() + 1e-4, field
+        assert fast_state_err.quantile(0.9) <= 1.25 * slow_state_err.quantile(0.9) + 1e-4, field
+        assert bool(torch.isfinite(fast_state_err).all()) and fast_state_err.max() <= 2 * slow_state_err.max(), field
     print(f"{name}: greedy agreement with the fp32 reference: kernels {fast_agree:.1%}, torch path {torch_agree:.1%}")
     assert fast_agree >= torch_agree - 0.02

@@ -31,7 +31,9 @@ MIN_KEYS_PER_SPLIT = 128  # below this a split's loads no longer hide the extra 
 MERGE_BLOCK_DV = 64
 
 
-@triton.jit
+# Integers that change from step to step are not specialised on (Triton would compile a variant per class: 1,
+# divisible by 16, other), so the variants compiled at start-up are all there are.
+@triton.jit(do_not_specialize=["stride_pt", "num_splits"])
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     query_start_loc_ptr, kv_lens_ptr, page_table_ptr,
@@ -124,7 +126,7 @@ def _attention_kernel(
         tl.store(out, o.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, num_q_heads, num_splits,
                          DV: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_DV: tl.constexpr):
     token = tl.program_id(0)
@@ -240,5 +242,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if splits > 1:
         merge_grid = (num_tokens, num_q_heads, triton.cdiv(v_dim, MERGE_BLOCK_DV))
         _merge_splits_kernel[merge_grid](part_o, part_lse, out, out.stride(0), out.stride(1), num_q_heads, splits,
-                                         DV=v_dim, SPLITS_PAD=_pow2(splits), BLOCK_DV=MERGE_BLOCK_DV)
+                                         DV=v_dim, SPLITS_PAD=_pow2(MAX_SPLITS), BLOCK_DV=MERGE_BLOCK_DV)
     return out

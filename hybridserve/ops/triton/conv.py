@@ -154,7 +154,7 @@ def _value_block(vb, tok, local, start, seq, mine, starter, proj_ptr, proj_s0, l
     tl.store(lag_ptr + slot[:, None] * lag_s0 + c2, newest.to(lag_ptr.dtype.element_ty), mask=starter[:, None] & ok2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pt_s0", "num_tokens"])  # per-step integers: one variant for all steps
 def _cca_conv_kernel(proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr, b1_ptr, lag_bias_ptr, qk_out_ptr, v_out_ptr,
                      conv_ptr, cs0, cs1, cs2, lag_ptr, lag_s0, cfoot_ptr, cf0, cf1, cf2, lfoot_ptr, lf0,
                      seq_ids_ptr, qsl_ptr, slots_ptr, init_ptr, pos_ptr, pt_ptr, pt_s0, page_size,

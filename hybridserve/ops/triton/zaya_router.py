@@ -125,11 +125,13 @@ def eda_route(z: torch.Tensor, carry: torch.Tensor | None, states_scale: torch.T
         raise ValueError("the router kernel takes contiguous fp32 tensors")
     has_carry = states_scale is not None and carry is not None
     # Two allocations per call (the host cost of an allocation is a few us, 40 layers a step): the int64 outputs
-    # in one buffer, the fp32 outputs and the scratch rows in another.
-    choice, ids = torch.empty(2, tokens, 1, device=z.device, dtype=torch.int64)
-    floats = torch.empty(tokens * (3 + width), device=z.device, dtype=torch.float32)
-    weight, expert_w, skip_w = floats[:3 * tokens].view(3, tokens, 1)
-    scratch = floats[3 * tokens:].view(tokens, width)
+    # in one buffer, the fp32 outputs and the scratch rows in another. Each output starts on a 16-byte boundary
+    # (rows padded to `padded`), as Triton specialises pointers on that: the same kernel variants for any count.
+    padded = -(-tokens // 4) * 4
+    choice, ids = torch.empty(2, padded, 1, device=z.device, dtype=torch.int64)[:, :tokens]
+    floats = torch.empty(padded * (3 + width), device=z.device, dtype=torch.float32)
+    weight, expert_w, skip_w = floats[:3 * padded].view(3, padded, 1)[:, :tokens]
+    scratch = floats[3 * padded:].view(padded, width)[:tokens]
     if tokens:
         use_dot = tokens >= DOT_FROM if use_dot is None else use_dot
         block_t = 16 if use_dot else 1
