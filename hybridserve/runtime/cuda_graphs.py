@@ -59,6 +59,7 @@ class DecodeGraphs:
         self._history = {size: decode_token_history(size, history, device) for size in sizes} if history else {}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
+        self.memory_bytes = 0  # what the captured graphs' pool holds
         if capture:
             self._capture()
 
@@ -87,12 +88,15 @@ class DecodeGraphs:
 
     def _capture(self) -> None:
         self._fill([], self.sizes[-1])  # every row a padding row
+        start = time.perf_counter()
+        for size in self.sizes:
+            self._forward(size)  # eager once: compiles any kernel variant the capture would otherwise meet first
+        # Only the graphs' pool allocates from here on, so the growth of reserved memory is that pool.
         torch.cuda.synchronize(self.device)
-        start, before = time.perf_counter(), torch.cuda.memory_reserved(self.device)
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
-            self._forward(size)  # eager once: compiles any kernel variant the capture would otherwise meet first
-            torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self._logits[size] = self._forward(size)

@@ -21,6 +21,7 @@ from hybridserve.runtime.warmup import DUMMY_PAGE, DUMMY_SLOT, warmup_batches
 logger = logging.getLogger(__name__)
 
 _CPU_CACHE_BYTES = 1 * GiB
+_GRAPH_POOL_HEADROOM = 64 << 20
 
 
 class ModelRunner:
@@ -116,7 +117,9 @@ class ModelRunner:
                                          min(tokens, self.config.max_running_requests))
         if self.use_graphs:
             rows = self.graph_rows()
-            self.graph_reserve = self._profile_activations(
+            # The pool's segments are whole allocator blocks (2 MiB for small tensors, 20 MiB and up for large
+            # ones), hence the headroom over the peak of live tensors.
+            self.graph_reserve = _GRAPH_POOL_HEADROOM + self._profile_activations(
                 [ScheduledChunk([0], 0, [], 1, True, [0]) for _ in range(rows)], rows)
             logger.info("memory plan: %.0f MiB reserved for the CUDA graphs' pool (the forward of %d decode rows)",
                         self.graph_reserve / 2**20, rows)

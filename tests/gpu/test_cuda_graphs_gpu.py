@@ -60,4 +60,4 @@ def test_graph_decode_matches_eager(model: str, tmp_path: Path) -> None:
     reserve = llm.engine.runner.graph_reserve
     print(f"\n{model}: graph pool {graphs.memory_bytes / 2**20:.0f} MiB, reserved {reserve / 2**20:.0f} MiB, "
           f"{len(replays)} replays over sizes {sorted(set(replays))}")
-    assert graphs.memory_bytes <= reserve + (64 << 20)
+    assert 0 < graphs.memory_bytes <= reserve
