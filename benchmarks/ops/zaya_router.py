@@ -1,6 +1,5 @@
 """ZAYA1's EDA router after its down-projection (router width 256, 16 experts + skip, fp32): decode 1 / 16 / 64 / 256
-tokens, prefill 8192; decode sizes also with each form of the products forced (16-token dot blocks, one token per
-program), to place the kernel's DOT_FROM switch."""
+tokens, prefill 8192."""
 from __future__ import annotations
 
 import torch
@@ -24,9 +23,6 @@ def cases(device: torch.device) -> list[OpCase]:
                     out_weight=torch.randn(CLASSES, WIDTH, **f32) / 16, balancing_biases=torch.zeros(CLASSES, **f32))
         moved = tokens * WIDTH * 4 * 3 + (2 * WIDTH * WIDTH + CLASSES * WIDTH) * 4 + tokens * 8 * 5
         flops = 2 * tokens * WIDTH * (2 * WIDTH + CLASSES)
-        forms = {"": None} | ({" dot": True, " per-token": False} if tokens <= 256 else {})
-        for label, use_dot in forms.items():
-            out.append(OpCase("router", f"eda route T={tokens}{label}",
-                              lambda a=args, d=use_dot: kernel.eda_route(**a, use_dot=d),
-                              lambda a=args: reference.eda_route(**a), moved, flops))
+        out.append(OpCase("router", f"eda route T={tokens}", lambda a=args: kernel.eda_route(**a),
+                          lambda a=args: reference.eda_route(**a), moved, flops))
     return out

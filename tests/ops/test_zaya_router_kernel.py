@@ -51,18 +51,20 @@ def biased_probs(args: dict, carry: torch.Tensor) -> torch.Tensor:
     return reference.router_probs(carry, *(args[n] for n in names)) + args["balancing_biases"]
 
 
-@pytest.mark.parametrize("use_dot", [True, False])  # 16-token tl.dot blocks / one token per program
+@pytest.mark.parametrize("tokens", [1, 37])  # one partial token block; several blocks, the last partial
 @pytest.mark.parametrize("with_carry", [True, False])
-@pytest.mark.parametrize("width, experts, skip_bias", [(32, 4, -1.0), (24, 6, 0.15)])
-def test_router_kernel_matches_reference(use_dot, with_carry, width, experts, skip_bias):
-    args = router_inputs(37, width, experts, skip_bias, device="cpu")
+@pytest.mark.parametrize("width, experts, skip_bias", [(40, 4, -1.0), (24, 6, 0.15)])  # 40: 3 column blocks
+def test_router_kernel_matches_reference(tokens, with_carry, width, experts, skip_bias):
+    args = router_inputs(tokens, width, experts, skip_bias, device="cpu")
     if not with_carry:
         args["carry"] = None
     want = reference.eda_route(**{**args, "z": args["z"].clone()})
     got = kernel.eda_route(**{k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v
-                              for k, v in {**args, "z": args["z"].clone()}.items()}, use_dot=use_dot)
+                              for k, v in {**args, "z": args["z"].clone()}.items()})
     check_routing(got, want, biased_probs(args, want.carry))
-    if skip_bias > 0:  # the skip class is chosen for some tokens and mapped to expert 0 with weight 0
+    if with_carry:  # the caller's z is left as it was (the carry comes back as a tensor of its own)
+        assert not torch.equal(got.carry.cpu(), args["z"])
+    if skip_bias > 0 and tokens > 1:  # the skip class is chosen for some tokens and mapped to expert 0 with weight 0
         skip = want.choice == experts
         assert 0 < skip.sum() < len(skip)
         assert (want.expert_ids[skip] == 0).all() and (want.expert_weights[skip] == 0).all()

@@ -1,14 +1,12 @@
-"""ZAYA1's EDA router in one fp32 Triton kernel (contract: ops/reference/zaya_router.py).
+"""ZAYA1's EDA router in fp32 Triton kernels (contract: ops/reference/zaya_router.py).
 
-One program routes BLOCK_T tokens. Layer outputs pass through a per-token fp32 scratch row between the three
-matrix products (K-chunked against the [R, R] weight in fp32: a top-1 choice can flip on a near-tie, so nothing
-here is rounded below fp32); barriers order the scratch writes and reads of one program. With a carry, z (the
-caller's fresh down-projection output) is updated in place and returned as the new carry.
-
-Two forms of the products: 16-token blocks use tl.dot (IEEE fp32), which pads every block to 16 rows; decode
-batches (up to DOT_FROM tokens) run one token per program as multiply-and-sum over K-chunks instead, so that a
-handful of tokens spread over as many SMs rather than one program doing 16 padded rows (the profile of a 64-row
-ZAYA1 decode step on the H200 had this kernel at 71 us per call with 16-token blocks).
+Three launches, each spread over the product's output columns as well as its tokens: (carry +) RMSNorm + fc1 +
+GELU, fc2 + GELU, then the E + 1 class logits with softmax and the biased argmax. The router is a few hundred KB
+of fp32 weights and a few tokens per decode step, so what costs is reading those weights: one program per token
+block (the former single-launch form) read all of them through one SM (the H200 profile of a 64-row decode step:
+71 us per call; one token: 23 us). Split 16 columns per program, every program reads 1/16 of a matrix. Products
+are tl.dot in IEEE fp32 over the whole width at once (a top-1 choice can flip on a near-tie, so nothing here is
+rounded below fp32); a program's rows are padded to 16, which costs nothing next to the weight reads.
 """
 from __future__ import annotations
 
@@ -18,44 +16,8 @@ import triton.language as tl
 
 from hybridserve.ops.reference.zaya_router import Routing
 
-DOT_FROM = 64  # tokens from which 16-token tl.dot blocks replace one token per program (to be tuned on the GPU)
-
-
-@triton.jit
-def _matmul_rows(x_ptr, rows, row_ok, w_ptr, K: tl.constexpr, N: tl.constexpr, BLOCK_T: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """x[rows, :K] @ w[:N, :K]^T in fp32 -> [BLOCK_T, BLOCK_N] (columns >= N are zero)."""
-    n = tl.arange(0, BLOCK_N)
-    acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
-        w = tl.load(w_ptr + n[None, :] * K + k[:, None], mask=(k < K)[:, None] & (n < N)[None, :], other=0.0)
-        acc += tl.dot(a, w, input_precision="ieee")
-    return acc
-
-
-@triton.jit
-def _matvec_rows(x_ptr, rows, row_ok, w_ptr, K: tl.constexpr, N: tl.constexpr, BLOCK_T: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The same product as `_matmul_rows` for a few rows, as fp32 multiply-adds (no 16-row padding): partial sums
-    per K lane, reduced across lanes once at the end."""
-    n = tl.arange(0, BLOCK_N)
-    acc = tl.zeros([BLOCK_T, BLOCK_K, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
-        w = tl.load(w_ptr + n[None, :] * K + k[:, None], mask=(k < K)[:, None] & (n < N)[None, :], other=0.0)
-        acc += a[:, :, None] * w[None, :, :]
-    return tl.sum(acc, axis=1)
-
-
-@triton.jit
-def _product(x_ptr, rows, row_ok, w_ptr, K: tl.constexpr, N: tl.constexpr, BLOCK_T: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
-    if USE_DOT:
-        return _matmul_rows(x_ptr, rows, row_ok, w_ptr, K, N, BLOCK_T, BLOCK_N, BLOCK_K)
-    return _matvec_rows(x_ptr, rows, row_ok, w_ptr, K, N, BLOCK_T, BLOCK_N, BLOCK_K)
+BLOCK_T = 16  # tokens per program (tl.dot's minimum)
+BLOCK_N = 16  # output columns per program of the two R x R layers
 
 
 @triton.jit
@@ -64,44 +26,51 @@ def _gelu(x):
 
 
 @triton.jit
-def _eda_route_kernel(z_ptr, carry_ptr, scale_ptr, norm_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, wo_ptr, bias_ptr,
-                      scratch_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr, num_tokens, eps,
-                      R: tl.constexpr, CLASSES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, HAS_CARRY: tl.constexpr,
-                      USE_DOT: tl.constexpr):
+def _dense_gelu_kernel(x_ptr, carry_ptr, scale_ptr, carry_out_ptr, norm_ptr, w_ptr, b_ptr, out_ptr, num_tokens, eps,
+                       K: tl.constexpr, N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                       BLOCK_N: tl.constexpr, HAS_CARRY: tl.constexpr, NORM: tl.constexpr):
+    """out[:, cols] = GELU(x' @ w[cols]^T + b[cols]) for this program's columns and tokens, where x' is x (+ carry *
+    scale, written to carry_out by the first column block) (RMS-normalised times norm weight, with NORM)."""
+    rows = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < num_tokens
+    k = tl.arange(0, BLOCK_K)
+    k_ok = k < K
+    tile = rows[:, None] * K + k[None, :]
+    ok = row_ok[:, None] & k_ok[None, :]
+    x = tl.load(x_ptr + tile, mask=ok, other=0.0)
+    if HAS_CARRY:
+        x += tl.load(carry_ptr + tile, mask=ok, other=0.0) * tl.load(scale_ptr + k, mask=k_ok, other=0.0)[None, :]
+        if tl.program_id(0) == 0:
+            tl.store(carry_out_ptr + tile, x, mask=ok)  # the carry handed to the next layer's router
+    if NORM:
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / K + eps)
+        x = tl.load(norm_ptr + k, mask=k_ok, other=0.0)[None, :] * (x * rstd[:, None])
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    w = tl.load(w_ptr + n[None, :] * K + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+    acc = tl.dot(x, w, input_precision="ieee") + tl.load(b_ptr + n, mask=n_ok, other=0.0)[None, :]
+    tl.store(out_ptr + rows[:, None] * N + n[None, :], _gelu(acc), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _select_kernel(u_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr, num_tokens,
+                   K: tl.constexpr, CLASSES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_C: tl.constexpr):
+    """Class logits, softmax, argmax over p + balancing biases, and the routing outputs of BLOCK_T tokens."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < num_tokens
-    r = tl.arange(0, BLOCK_R)
-    r_ok = r < R
-    tile = rows[:, None] * R + r[None, :]
-    ok = row_ok[:, None] & r_ok[None, :]
-    z = tl.load(z_ptr + tile, mask=ok, other=0.0)
-    if HAS_CARRY:
-        scale = tl.load(scale_ptr + r, mask=r_ok, other=0.0)
-        z += tl.load(carry_ptr + tile, mask=ok, other=0.0) * scale[None, :]
-        tl.store(z_ptr + tile, z, mask=ok)  # the carry handed on (z is this call's own GEMM output)
-    rstd = tl.rsqrt(tl.sum(z * z, axis=1) / R + eps)
-    u = tl.load(norm_ptr + r, mask=r_ok, other=0.0)[None, :] * (z * rstd[:, None])
-    tl.store(scratch_ptr + tile, u, mask=ok)
-    tl.debug_barrier()
-    u = _gelu(_product(scratch_ptr, rows, row_ok, w1_ptr, R, R, BLOCK_T, BLOCK_R, BLOCK_K, USE_DOT)
-              + tl.load(b1_ptr + r, mask=r_ok, other=0.0)[None, :])
-    tl.debug_barrier()
-    tl.store(scratch_ptr + tile, u, mask=ok)
-    tl.debug_barrier()
-    u = _gelu(_product(scratch_ptr, rows, row_ok, w2_ptr, R, R, BLOCK_T, BLOCK_R, BLOCK_K, USE_DOT)
-              + tl.load(b2_ptr + r, mask=r_ok, other=0.0)[None, :])
-    tl.debug_barrier()
-    tl.store(scratch_ptr + tile, u, mask=ok)
-    tl.debug_barrier()
-    logits = _product(scratch_ptr, rows, row_ok, wo_ptr, R, CLASSES, BLOCK_T, BLOCK_C, BLOCK_K, USE_DOT)
-
+    k = tl.arange(0, BLOCK_K)
+    k_ok = k < K
+    u = tl.load(u_ptr + rows[:, None] * K + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
     c = tl.arange(0, BLOCK_C)
-    c_ok = (c < CLASSES)[None, :]
+    c_valid = c < CLASSES
+    wo = tl.load(wo_ptr + c[None, :] * K + k[:, None], mask=k_ok[:, None] & c_valid[None, :], other=0.0)
+    logits = tl.dot(u, wo, input_precision="ieee")
+    c_ok = c_valid[None, :]
     logits = tl.where(c_ok, logits, float("-inf"))
     e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
     probs = e / tl.sum(e, axis=1)[:, None]
-    biased = tl.where(c_ok, probs + tl.load(bias_ptr + c, mask=c < CLASSES, other=0.0)[None, :], float("-inf"))
+    biased = tl.where(c_ok, probs + tl.load(bias_ptr + c, mask=c_valid, other=0.0)[None, :], float("-inf"))
     choice = tl.argmax(biased, axis=1, tie_break_left=True)
     weight = tl.sum(tl.where(c[None, :] == choice[:, None], probs, 0.0), axis=1)
     skip = choice == CLASSES - 1
@@ -115,9 +84,7 @@ def _eda_route_kernel(z_ptr, carry_ptr, scale_ptr, norm_ptr, w1_ptr, b1_ptr, w2_
 def eda_route(z: torch.Tensor, carry: torch.Tensor | None, states_scale: torch.Tensor | None,
               norm_weight: torch.Tensor, eps: float, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor,
               fc2_weight: torch.Tensor, fc2_bias: torch.Tensor, out_weight: torch.Tensor,
-              balancing_biases: torch.Tensor, use_dot: bool | None = None) -> Routing:
-    """`use_dot` forces a form of the products (benchmarks, tests); by default 16-token tl.dot blocks from
-    DOT_FROM tokens on, one token per program below."""
+              balancing_biases: torch.Tensor) -> Routing:
     tokens, width = z.shape
     classes = out_weight.shape[0]
     params = (norm_weight, fc1_weight, fc1_bias, fc2_weight, fc2_bias, out_weight, balancing_biases)
@@ -125,23 +92,26 @@ def eda_route(z: torch.Tensor, carry: torch.Tensor | None, states_scale: torch.T
         raise ValueError("the router kernel takes contiguous fp32 tensors")
     has_carry = states_scale is not None and carry is not None
     # Two allocations per call (the host cost of an allocation is a few us, 40 layers a step): the int64 outputs
-    # in one buffer, the fp32 outputs and the scratch rows in another. Each output starts on a 16-byte boundary
-    # (rows padded to `padded`), as Triton specialises pointers on that: the same kernel variants for any count.
+    # in one buffer; the fp32 outputs, the two hidden layers and the new carry in another. Each starts on a 16-byte
+    # boundary (rows padded to `padded`), as Triton specialises pointers on that: the same variants for any count.
     padded = -(-tokens // 4) * 4
     choice, ids = torch.empty(2, padded, 1, device=z.device, dtype=torch.int64)[:, :tokens]
-    floats = torch.empty(padded * (3 + width), device=z.device, dtype=torch.float32)
+    rows_of_width = 3 if has_carry else 2
+    floats = torch.empty(padded * (3 + rows_of_width * width), device=z.device, dtype=torch.float32)
     weight, expert_w, skip_w = floats[:3 * padded].view(3, padded, 1)[:, :tokens]
-    scratch = floats[3 * padded:].view(padded, width)[:tokens]
+    hidden = floats[3 * padded:].view(rows_of_width, padded, width)[:, :tokens]
+    new_carry = hidden[2] if has_carry else z
     if tokens:
-        use_dot = tokens >= DOT_FROM if use_dot is None else use_dot
-        block_t = 16 if use_dot else 1
-        block_r = max(16, triton.next_power_of_2(width))
-        block_k = min(32, max(16, triton.next_power_of_2(width)))
-        _eda_route_kernel[(triton.cdiv(tokens, block_t),)](
-            z, carry if has_carry else z, states_scale if has_carry else z, *params[:6], balancing_biases, scratch,
-            choice, weight, ids, expert_w, skip_w, tokens, eps,
-            R=width, CLASSES=classes, BLOCK_T=block_t, BLOCK_R=block_r,
-            BLOCK_C=max(16, triton.next_power_of_2(classes)), BLOCK_K=block_k, HAS_CARRY=has_carry,
-            # The per-token form keeps [BLOCK_K, BLOCK_R] partial sums: 8 warps hold 32 x 256 in 32 registers each.
-            USE_DOT=use_dot, num_warps=4 if use_dot else 8)
-    return Routing(choice[:, 0], weight, ids, expert_w, skip_w, z)
+        block_k = max(16, triton.next_power_of_2(width))
+        grid = (triton.cdiv(width, BLOCK_N), triton.cdiv(tokens, BLOCK_T))
+        layer = dict(K=width, N=width, BLOCK_T=BLOCK_T, BLOCK_K=block_k, BLOCK_N=BLOCK_N, num_warps=4)
+        _dense_gelu_kernel[grid](z, carry if has_carry else z, states_scale if has_carry else z, new_carry,
+                                 norm_weight, fc1_weight, fc1_bias, hidden[0], tokens, eps,
+                                 HAS_CARRY=has_carry, NORM=True, **layer)
+        _dense_gelu_kernel[grid](hidden[0], z, z, z, z, fc2_weight, fc2_bias, hidden[1], tokens, eps,
+                                 HAS_CARRY=False, NORM=False, **layer)
+        _select_kernel[(triton.cdiv(tokens, BLOCK_T),)](
+            hidden[1], out_weight, balancing_biases, choice, weight, ids, expert_w, skip_w, tokens,
+            K=width, CLASSES=classes, BLOCK_T=BLOCK_T, BLOCK_K=block_k,
+            BLOCK_C=max(16, triton.next_power_of_2(classes)), num_warps=4)
+    return Routing(choice[:, 0], weight, ids, expert_w, skip_w, new_carry)
