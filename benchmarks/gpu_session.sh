@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session's checks in one call: every kernel and GPU test file in its own process (an illegal memory access
 # poisons the whole process, so one faulting kernel must not hide the others' results), then the benchmarks.
-# Logs and JSON go to $OUT (default ./gpu-out). Usage, from the repository root on the GPU machine:
+# Logs and JSON go to $OUT (default ./gpu-out); the per-file logs end up in one $OUT/logs.tgz, as the device tool
+# brings back at most 8 files. Usage, from the repository root on the GPU machine:
 #   bash benchmarks/gpu_session.sh [tests|bench|all|agreement|profile]
 # (all = tests + bench; agreement = Ling decode agreement per lightning implementation; profile = the b64 step
 # profile of the 40-layer ZAYA1 run)
@@ -38,3 +39,5 @@ if [[ $what == profile ]]; then
   timeout 500 python benchmarks/profile_step.py --layers 40 --scenario b64 --out "$OUT/profile_b64.json" 2>&1 \
     | grep -vE "generating|loading|Warn|warn_once" | tail -n 75
 fi
+
+tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"
