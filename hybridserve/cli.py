@@ -42,7 +42,9 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                         help="cache budget (KV + state) on CPU (default 1 GiB)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="fraction of GPU memory the engine may use in total")
+                        help="fraction of the GPU's memory this engine may hold (weights, activations, graphs, "
+                             "caches); other processes' use does not count, but the caches never take more than "
+                             "is free")
     parser.add_argument("--state-dtype", default="auto", choices=["auto"],
                         help="recurrent-state dtype; only auto for now (each model's own: the ZAYA1 conv window "
                              "in the model dtype, the Ling lightning state in fp32)")

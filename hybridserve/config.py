@@ -19,7 +19,7 @@ class EngineConfig:
     max_running_requests: int = 256
     max_num_batched_tokens: int = 8192  # tokens per forward (prefill chunks + decode rows)
     kv_cache_memory_bytes: int | None = None  # cache budget on CPU (KV + state); default 1 GiB
-    gpu_memory_utilization: float = 0.9  # fraction of the GPU the engine may use in total
+    gpu_memory_utilization: float = 0.9  # fraction of the GPU this engine may hold (other processes' use aside)
     max_state_slots: int | None = None  # pin the number of state slots instead of sizing them
     state_to_kv_ratio: float = 0.9  # state bytes : KV bytes when slots are sized from memory
     chunked_prefill_size: int | None = None  # max prompt tokens of one request per step (default: the token budget)

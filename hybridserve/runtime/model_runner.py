@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 _CPU_CACHE_BYTES = 1 * GiB
 _GRAPH_POOL_HEADROOM = 64 << 20
+_NON_TORCH_HEADROOM = 1 * GiB  # the CUDA context, cuBLAS workspaces and the like, outside torch's allocator
 
 
 class ModelRunner:
@@ -124,8 +125,11 @@ class ModelRunner:
             logger.info("memory plan: %.0f MiB reserved for the CUDA graphs' pool (the forward of %d decode rows)",
                         self.graph_reserve / 2**20, rows)
             peak += self.graph_reserve
+        # Per instance: gpu_memory_utilization caps what this engine holds (its tensors, the headroom for what is
+        # not torch's), whatever other processes on the device use; the caches never take more than is free.
         free, total = torch.cuda.mem_get_info(self.device)
-        return int(total * self.config.gpu_memory_utilization - (total - free) - peak)
+        held = torch.cuda.memory_reserved(self.device) + _NON_TORCH_HEADROOM
+        return int(min(total * self.config.gpu_memory_utilization - held, free - _NON_TORCH_HEADROOM) - peak)
 
     @torch.inference_mode()
     def _profile_activations(self, chunks: list[ScheduledChunk], logits_rows: int) -> int:
