@@ -16,6 +16,7 @@ class SamplingRow:
     output_token_ids: list[int]
     prompt_token_ids: list[int]
     banned_token_ids: list[int]  # tokens that may not be sampled yet (stop tokens before min_tokens)
+    key: int | None = None  # the sequence (Request.serial), for state the sampler keeps across draws (penalties)
 
 
 @dataclass

@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from dataclasses import dataclass, field
 
 from hybridserve.cache.prefix_cache import TreeNode
 from hybridserve.sampling import SamplingParams
+
+
+_serials = itertools.count()
 
 
 class RequestStatus(enum.Enum):
@@ -37,6 +41,7 @@ class Request:
     num_prompt_scored: int = 0  # prompt positions whose logprobs were already computed
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    serial: int = field(default_factory=lambda: next(_serials))  # unique in the process, unlike a reused request_id
 
     @property
     def num_tokens(self) -> int:

@@ -285,7 +285,8 @@ class Scheduler:
         """The request's next draw, and the first draws of `forks` sequences it forks into (seed + i)."""
         return [SamplingRow(params=request.params, seed=request.seed + i,
                             output_token_ids=request.output_token_ids if i == 0 else [],
-                            prompt_token_ids=request.prompt_token_ids, banned_token_ids=request.banned_token_ids())
+                            prompt_token_ids=request.prompt_token_ids, banned_token_ids=request.banned_token_ids(),
+                            key=request.serial if i == 0 else None)
                 for i in range(1 + forks)]
 
     def fork(self, parent: Request, child: Request, drawn: bool = True) -> None:

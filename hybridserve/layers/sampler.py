@@ -25,18 +25,21 @@ def uniform_for(seed: int, step: int) -> float:
     return (splitmix64(splitmix64(seed & _MASK64) ^ step) >> 11) / float(1 << 53)
 
 
-def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> tuple[list[float], list[list]]:
-    """Logprob of each row's chosen token and its top-k (token, logprob) pairs, as host lists."""
-    chosen_lp = logprobs.gather(-1, chosen[:, None]).squeeze(-1).tolist()
-    if k == 0:
-        return chosen_lp, [[] for _ in chosen_lp]
-    values, ids = logprobs.topk(k, dim=-1)
-    return chosen_lp, [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> tuple[list[int], list[float], list[list]]:
+    """Each row's chosen token, its logprob and its top-k (token, logprob) pairs, as host lists: one device-to-host
+    copy (ids travel as float64, exact for any vocabulary)."""
+    columns = [chosen[:, None].double(), logprobs.gather(-1, chosen[:, None]).double()]
+    if k:
+        values, ids = logprobs.topk(k, dim=-1)
+        columns += [ids.double(), values.double()]
+    host = torch.cat(columns, dim=1).tolist()
+    return ([int(r[0]) for r in host], [r[1] for r in host],
+            [list(zip(map(int, r[2:2 + k]), r[2 + k:])) for r in host])
 
 
 def logprob_dicts(logprobs: torch.Tensor, chosen: list[int], k: int) -> list[dict[int, float]]:
     """Per row {token: logprob} for the chosen token and the row's top-k (the chosen one included)."""
-    chosen_lp, tops = top_logprobs(logprobs, torch.tensor(chosen, device=logprobs.device), k)
+    _, chosen_lp, tops = top_logprobs(logprobs, torch.tensor(chosen, device=logprobs.device), k)
     return [dict(top) | {token: lp} for token, lp, top in zip(chosen, chosen_lp, tops)]
 
 
@@ -50,7 +53,70 @@ def _upload(values: list, device: torch.device, dtype: torch.dtype = torch.float
     return host.to(device, non_blocking=True)
 
 
+class PenaltyCounts:
+    """Each penalised sequence's output-token counts and prompt-token flags on the device, kept across its draws:
+    a draw adds only the tokens appended since the sequence's previous one (rebuilding them from the whole token
+    lists every step made long generations quadratic). Rows live in [capacity, vocab] tensors allocated on first
+    use (5 bytes per vocabulary entry and row); a sequence without a draw in a step (finished, preempted) gives its
+    row back at `end_step` and is rebuilt from its lists if it draws again."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.counts: torch.Tensor | None = None  # [capacity, vocab] fp32
+        self.seen: torch.Tensor | None = None  # [capacity, vocab] bool: prompt tokens
+        self._rows: dict[int, list[int]] = {}  # key -> [row, output tokens counted]
+        self._drawn: set[int] = set()
+
+    def rows(self, rows: list[SamplingRow], vocab: int, device: torch.device) -> list[int | None]:
+        """The state row of each sampling row, brought up to date (None: no key, or no room; compute afresh)."""
+        if self.counts is None or self.counts.shape[1] != vocab or self.counts.device != device:
+            self.counts = torch.zeros(self.capacity, vocab, device=device)
+            self.seen = torch.zeros(self.capacity, vocab, dtype=torch.bool, device=device)
+            self._rows.clear()
+        free = sorted(set(range(self.capacity)) - {r for r, _ in self._rows.values()}, reverse=True)
+        out, add_rows, add_tokens, flag_rows, flag_tokens, cleared = [], [], [], [], [], []
+        for row in rows:
+            entry = self._rows.get(row.key) if row.key is not None else None
+            if entry is None and row.key is not None and free:
+                entry = self._rows[row.key] = [free.pop(), 0]
+                cleared.append(entry[0])
+                flag_rows += [entry[0]] * len(row.prompt_token_ids)
+                flag_tokens += row.prompt_token_ids
+            if entry is None:
+                out.append(None)
+                continue
+            new = row.output_token_ids[entry[1]:]
+            add_rows += [entry[0]] * len(new)
+            add_tokens += new
+            entry[1] = len(row.output_token_ids)
+            self._drawn.add(row.key)
+            out.append(entry[0])
+        if cleared:
+            index = _upload(cleared, device, torch.long)
+            self.counts.index_fill_(0, index, 0.0)
+            self.seen.index_fill_(0, index, False)
+        if flag_rows:
+            self.seen.index_put_(tuple(_upload([flag_rows, flag_tokens], device, torch.long)),
+                                 torch.tensor(True, device=device))
+        if add_rows:
+            self.counts.index_put_(tuple(_upload([add_rows, add_tokens], device, torch.long)),
+                                   torch.tensor(1.0, device=device), accumulate=True)
+        return out
+
+    def end_step(self) -> None:
+        """Free the rows of sequences that drew nothing since the previous call."""
+        for key in [k for k in self._rows if k not in self._drawn]:
+            del self._rows[key]
+        self._drawn.clear()
+
+
 class Sampler:
+    def __init__(self, penalty_capacity: int = 256):
+        self.penalties = PenaltyCounts(penalty_capacity)
+
+    def end_step(self) -> None:
+        self.penalties.end_step()
+
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
         step = max(1, _MAX_ELEMENTS_PER_CALL // logits.shape[-1])
         return [token for start in range(0, len(rows), step)
@@ -72,31 +138,37 @@ class Sampler:
             if drawn:
                 index = _upload(drawn, device, torch.long)
                 tokens = tokens.index_copy(0, index, self._sample(logits[index], [rows[i] for i in drawn]))
-        token_list = tokens.tolist()
+        if raw_logprobs is None:
+            return [SampledToken(t) for t in tokens.tolist()]
+        token_list, chosen_lp, tops = top_logprobs(raw_logprobs, tokens, max(r.params.logprobs or 0 for r in rows))
         out = [SampledToken(t) for t in token_list]
-        if raw_logprobs is not None:
-            k = max(r.params.logprobs or 0 for r in rows)
-            chosen_lp, tops = top_logprobs(raw_logprobs, tokens, k)
-            for i, row in enumerate(rows):
-                if row.params.logprobs is not None:
-                    out[i].logprob = chosen_lp[i]
-                    out[i].top_logprobs = tops[i][: row.params.logprobs]
+        for i, row in enumerate(rows):
+            if row.params.logprobs is not None:
+                out[i].logprob = chosen_lp[i]
+                out[i].top_logprobs = tops[i][: row.params.logprobs]
         return out
 
-    @staticmethod
-    def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         idx = [i for i, r in enumerate(rows) if r.params.uses_penalties]
         if not idx:
             return logits
         logits = logits.clone()
         device = logits.device
         sub = logits[idx]
+        state = self.penalties.rows([rows[i] for i in idx], logits.shape[-1], device)
+        kept = [j for j, s in enumerate(state) if s is not None]
         counts = torch.zeros_like(sub)
         seen = torch.zeros_like(sub, dtype=torch.bool)
-        for j, i in enumerate(idx):
-            out_ids = torch.tensor(rows[i].output_token_ids, dtype=torch.long, device=device)
-            counts[j].index_add_(0, out_ids, torch.ones_like(out_ids, dtype=counts.dtype))
-            seen[j, torch.tensor(rows[i].prompt_token_ids, dtype=torch.long, device=device)] = True
+        if kept:
+            index, state_index = _upload(kept, device, torch.long), _upload([state[j] for j in kept], device,
+                                                                             torch.long)
+            counts[index] = self.penalties.counts[state_index]
+            seen[index] = self.penalties.seen[state_index]
+        for j, i in enumerate(idx):  # rows without kept state (forks' first draws, tests): from their lists
+            if state[j] is None:
+                out_ids = torch.tensor(rows[i].output_token_ids, dtype=torch.long, device=device)
+                counts[j].index_add_(0, out_ids, torch.ones_like(out_ids, dtype=counts.dtype))
+                seen[j, torch.tensor(rows[i].prompt_token_ids, dtype=torch.long, device=device)] = True
         seen |= counts > 0
 
         def column(name: str) -> torch.Tensor:

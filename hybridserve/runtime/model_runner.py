@@ -53,7 +53,7 @@ class ModelRunner:
         self.state_pool = StatePool(state_spec, self.memory.num_state_slots, self.device)
         self.footer_pool = StatePool(state_spec, self.memory.num_pages, self.device) if self.page_footers else None
         self._bind(self.kv_pool, self.state_pool, self.footer_pool)
-        self.sampler = Sampler()
+        self.sampler = Sampler(config.max_running_requests)
         self.tables: PageTables | None = None
         self.graphs: DecodeGraphs | None = None
 
@@ -127,6 +127,9 @@ class ModelRunner:
             peak += self.graph_reserve
         # Per instance: gpu_memory_utilization caps what this engine holds (its tensors, the headroom for what is
         # not torch's), whatever other processes on the device use; the caches never take more than is free.
+        # The sampler's penalty counts (fp32 count + bool flag per vocabulary entry and running request), allocated
+        # when a request first uses a penalty.
+        peak += self.config.max_running_requests * self.model_config.vocab_size * 5
         free, total = torch.cuda.mem_get_info(self.device)
         held = torch.cuda.memory_reserved(self.device) + _NON_TORCH_HEADROOM
         return int(min(total * self.config.gpu_memory_utilization - held, free - _NON_TORCH_HEADROOM) - peak)
@@ -209,6 +212,7 @@ class ModelRunner:
                 row += 1
         if sampling:
             self._sample(logits, sampling)
+        self.sampler.end_step()
         return results
 
     def _sample(self, logits: torch.Tensor, sampling: list[tuple[ChunkResult, list, int]]) -> None:

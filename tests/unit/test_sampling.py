@@ -190,3 +190,40 @@ def test_logprobs_are_the_models_raw_distribution():
     top = reference[0].topk(3)
     assert [t for t, _ in out[0].top_logprobs] == top.indices.tolist()
     assert out[1].top_logprobs == []
+
+
+
+def _penalised(key: int, outputs: list[int], prompt: list[int], keep: bool) -> SamplingRow:
+    row = _row(temperature=0.9, seed=key, outputs=outputs, prompt=prompt, repetition_penalty=1.3,
+               frequency_penalty=0.4, presence_penalty=-0.2)
+    row.key = key if keep else None
+    return row
+
+
+def test_penalty_counts_kept_across_draws_equal_counts_from_the_lists(monkeypatch):
+    """Sequences 1 and 2 draw from step 0 (2 skips steps 4-5, as if preempted), 3 joins at step 6, with room kept
+    for two: kept counts, updated with each step's new tokens only, give exactly the penalised logits that
+    counting the whole lists gives; a continuing sequence uploads its one new token; one that skipped a step gave
+    its row back and is rebuilt; the one without room is computed from its lists."""
+    gen = torch.Generator().manual_seed(5)
+    vocab = 40
+    prompts = {1: [3, 4, 4, 9], 2: [7], 3: [0, 1, 2, 39]}
+    outputs = {1: [5, 5], 2: [], 3: [8]}
+    kept, fresh = Sampler(penalty_capacity=2), Sampler()
+    uploads = []
+    upload = sampler_module._upload
+    monkeypatch.setattr(sampler_module, "_upload", lambda values, *a: (uploads.append(values), upload(values, *a))[1])
+    for step in range(10):
+        keys = [k for k in outputs if not (k == 2 and step in (4, 5)) and not (k == 3 and step < 6)]
+        logits = torch.randn(len(keys), vocab, generator=gen)
+        uploads.clear()
+        with_state = kept._apply_penalties(logits, [_penalised(k, outputs[k], prompts[k], True) for k in keys])
+        token_uploads = sum(len(v[1]) for v in uploads if len(v) == 2 and isinstance(v[0], list))
+        without = fresh._apply_penalties(logits, [_penalised(k, outputs[k], prompts[k], False) for k in keys])
+        assert torch.equal(with_state, without), step
+        if step in (1, 2, 3, 7, 8, 9):  # sequences 1 and 2 continue in their rows: one new token each
+            assert token_uploads == 2, step
+        kept.end_step()
+        assert sorted(kept.penalties._rows) == ([1, 2] if step not in (4, 5) else [1])
+        for k in keys:
+            outputs[k].append(int(torch.randint(vocab, (1,), generator=gen)))
