@@ -24,7 +24,7 @@ def _store(cache, allocator, tokens, checkpoint=None):
 
 
 def _assert_accounting(cache, allocator, slot_allocator, request_pages=0, request_slots=0):
-    held, locked, checkpoints, locked_checkpoints = cache.recount()
+    held, locked, checkpoints, locked_checkpoints, _ = cache.recount()
     assert (cache.num_pages, cache.num_locked_pages) == (len(held), len(locked))
     assert (cache.num_checkpoints, cache.num_locked_checkpoints) == (checkpoints, locked_checkpoints)
     assert allocator.num_free + len(held) + request_pages == allocator.capacity
