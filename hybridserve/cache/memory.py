@@ -116,8 +116,8 @@ def plan_memory(budget_bytes: int, page_bytes: int, slot_bytes: int, *, max_runn
     if pages < reserved:  # fewer full pages than that: one window page per full page is all the group can use
         pages = window = int(kv_bytes // (page_bytes + window_page_bytes))
     if pages < 1:
-        raise ValueError(f"after {reserved} window pages ({_size(reserved * window_page_bytes)}) for the sliding-"
-                         f"window layers of {running} running requests no memory is left for the other KV pages; "
-                         "lower max_running_requests or max_num_batched_tokens, or raise the memory budget")
+        raise ValueError(f"{_size(kv_bytes)} of KV memory cannot hold one page of the full layers and one of the "
+                         "sliding-window layers; raise the memory budget (gpu_memory_utilization / "
+                         "kv_cache_memory_bytes) or lower max_state_slots / state_to_kv_ratio")
     return dataclasses.replace(plan, num_pages=pages, num_window_pages=window,
                                window_page_bytes=window_page_bytes, min_window_pages=reserved)
