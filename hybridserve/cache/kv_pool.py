@@ -2,6 +2,10 @@
 
 The allocator (scheduler side) hands out page ids; the pool (runner side) owns the tensors. Page 0 is never
 handed out: padding rows write there, so a padded row can never touch a live page.
+
+KV groups: sliding-window layers keep only the pages their window can still see, so they live in a group of their
+own (the "window" group: its own pool, page ids, allocator and page table) beside the "full" group of the other
+attention layers. A model without sliding layers has the full group only.
 """
 from __future__ import annotations
 
@@ -17,10 +21,39 @@ class KVCacheSpec:
     num_layers: int
     fields: dict[str, tuple[int, ...]]
     dtype: torch.dtype
+    window_layers: tuple[int, ...] = ()  # KV layers with a sliding window (the window group)
+    sliding_window: int | None = None  # W: key j is visible to query i iff i - W < j <= i
+
+    def __post_init__(self) -> None:
+        if self.window_layers and not (self.sliding_window and self.sliding_window >= 1):
+            raise ValueError("window layers need a sliding_window >= 1")
 
     def bytes_per_token(self) -> int:
         per_layer = sum(torch.Size(shape).numel() for shape in self.fields.values())
         return self.num_layers * per_layer * self.dtype.itemsize
+
+    def groups(self) -> tuple[KVCacheSpec, KVCacheSpec | None]:
+        """(full group, window group or None): the same fields, split by layer."""
+        if not self.window_layers:
+            return self, None
+        window = len(self.window_layers)
+        return (KVCacheSpec(self.num_layers - window, self.fields, self.dtype),
+                KVCacheSpec(window, self.fields, self.dtype))
+
+    def layer_groups(self) -> list[tuple[bool, int]]:
+        """Per KV layer: (in the window group, index inside its group)."""
+        counts, out = [0, 0], []
+        for layer in range(self.num_layers):
+            window = layer in self.window_layers
+            out.append((window, counts[window]))
+            counts[window] += 1
+        return out
+
+
+def window_first_page(end: int, window: int, page_size: int) -> int:
+    """The first page a query at position `end` still sees under a sliding window of `window` keys (its keys are
+    > end - window): every page before it can be released once `end` tokens are in the cache."""
+    return max(0, end - window + 1) // page_size
 
 
 class PageAllocator:

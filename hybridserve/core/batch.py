@@ -7,6 +7,7 @@ share a batch.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -24,6 +25,9 @@ class ScheduledChunk:
     has_initial_state: bool  # the slot holds the state after `prefix_len` tokens (else start from zero)
     logits_offsets: list[int] = field(default_factory=list)  # which new tokens need logits (0-based in chunk)
     table_row: int = 0  # the sequence's row in the device PageTables while it runs (engine steps only)
+    # Window-group pages (models with sliding-window layers), column for column like page_ids: 0 (the dummy) for
+    # pages before the window, which the sequence no longer holds. None without a window group.
+    window_page_ids: list[int] | None = None
 
 
 @dataclass
@@ -67,10 +71,24 @@ class ForwardBatch:
     page_end_tokens: torch.Tensor  # [F] packed token index of the last token of every page this step fills
     page_end_pages: torch.Tensor  # [F] the page each of those tokens completes
     token_history: TokenHistory | None = None
+    # The window group's page table and KV rows (models with sliding-window layers; None without a window group).
+    window_page_table: torch.Tensor | None = None  # [B, W] like page_table, 0 before each row's window
+    window_slot_mapping: torch.Tensor | None = None  # [T]
+    _window_view: ForwardBatch | None = field(default=None, init=False, repr=False)
 
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
+
+    def window_view(self) -> ForwardBatch:
+        """The batch as a sliding-window layer sees it: the window group's page table and KV rows in place of the
+        full group's (the batch itself when the caches have no window group)."""
+        if self.window_page_table is None:
+            return self
+        if self._window_view is None:
+            self._window_view = dataclasses.replace(self, page_table=self.window_page_table,
+                                                    slot_mapping=self.window_slot_mapping)
+        return self._window_view
 
     def kv_slots(self, seq: int, kv_len: int) -> torch.Tensor:
         """KV rows of positions [0, kv_len) of one sequence."""
@@ -113,63 +131,103 @@ class HostPack:
         return views
 
 
+class GroupTable:
+    """One KV group's page table on the device, one row per running sequence plus the all-dummy `dummy_row`.
+
+    A step writes only what changed in a row since the step before: the pages appended to it, and (window group)
+    the entries of pages the sequence released, set back to the dummy page 0. Released pages are always a prefix
+    of the row (positions that fell out of the window), so a row's change is found without scanning it whole.
+    """
+
+    def __init__(self, max_rows: int, max_pages: int, device: torch.device):
+        self.pages = torch.zeros(max_rows + 1, max_pages, dtype=torch.long, device=device)  # padded with page 0
+        self._synced = [0] * max_rows  # entries of each row already on the device (0: a new row)
+        self._cleared = [0] * max_rows  # leading entries known to be 0 on the device
+
+    def reset(self, row: int) -> None:
+        self._synced[row] = self._cleared[row] = 0
+
+    def updates(self, row: int, page_ids: list[int], cols: list[int], pages: list[int]) -> None:
+        """Append to (cols, pages) the entries of `row` to write for `page_ids`."""
+        if len(page_ids) > self.pages.shape[1]:
+            raise ValueError(f"{len(page_ids)} pages exceed the page table's width {self.pages.shape[1]}")
+        synced, cleared = self._synced[row], self._cleared[row]
+        while cleared < synced and page_ids[cleared] == 0:  # released since the last step
+            cols.append(cleared)
+            pages.append(0)
+            cleared += 1
+        cols.extend(range(synced, len(page_ids)))
+        pages.extend(page_ids[synced:])
+        if cleared == synced:
+            while cleared < len(page_ids) and page_ids[cleared] == 0:
+                cleared += 1
+        self._synced[row], self._cleared[row] = len(page_ids), cleared
+
+
 class PageTables:
-    """The page table and the state-slot table on the device, one row per running sequence, kept across steps.
+    """The page tables (one per KV group) and the state-slot table on the device, one row per running sequence,
+    kept across steps.
 
     The scheduler gives each running sequence a table row for as long as it runs (`ScheduledChunk.table_row`) and
-    names the rows it handed to a new sequence since the last step (`reset`). A step then uploads only the pages
-    appended to each row since the step before, and the row's slot when the row is new; the batch's page table is
-    a gather of its rows. CUDA graphs replay over these same tensors.
+    names the rows it handed to a new sequence since the last step (`reset`). A step then uploads only the entries
+    that changed in each row since the step before (`GroupTable`), and the row's slot when the row is new; the
+    batch's page tables are gathers of its rows. CUDA graphs replay over these same tensors.
 
     One more row than sequences, `dummy_row`, stays all page 0 and slot 0 (the dummies): the padding rows of a
     CUDA-graph decode batch point at it.
     """
 
-    def __init__(self, max_rows: int, max_pages: int, device: torch.device):
-        self.pages = torch.zeros(max_rows + 1, max_pages, dtype=torch.long, device=device)  # padded with page 0
+    def __init__(self, max_rows: int, max_pages: int, device: torch.device, window: bool = False):
+        self.full = GroupTable(max_rows, max_pages, device)
+        self.window = GroupTable(max_rows, max_pages, device) if window else None
         self.slots = torch.zeros(max_rows + 1, dtype=torch.long, device=device)
         self.dummy_row = max_rows
-        self._synced = [0] * max_rows  # pages of each row already on the device (0: a new row)
+        self._new = [True] * max_rows  # rows whose slot is not on the device yet
 
     def reset(self, rows: list[int]) -> None:
         for row in rows:
-            self._synced[row] = 0
-
-    def updates(self, chunks: list[ScheduledChunk]) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
-        """(rows, columns, pages) of the entries to write, and (rows, slots) of rows whose slot is new."""
-        rows, cols, pages, slot_rows, slots = [], [], [], [], []
-        for chunk in chunks:
-            row, synced = chunk.table_row, self._synced[chunk.table_row]
-            if len(chunk.page_ids) > self.pages.shape[1]:
-                raise ValueError(f"{len(chunk.page_ids)} pages exceed the page table's width {self.pages.shape[1]}")
-            if synced == 0:
-                slot_rows.append(row)
-                slots.append(chunk.state_slot)
-            new = chunk.page_ids[synced:]
-            rows.extend([row] * len(new))
-            cols.extend(range(synced, len(chunk.page_ids)))
-            pages.extend(new)
-            self._synced[row] = len(chunk.page_ids)
-        return rows, cols, pages, slot_rows, slots
+            self._new[row] = True
+            for group in (self.full, self.window):
+                if group is not None:
+                    group.reset(row)
 
     def pack_updates(self, chunks: list[ScheduledChunk], pack: HostPack) -> None:
-        """Add this step's new entries (`updates`) and the chunks' table rows to `pack`, for `apply`."""
-        rows, cols, pages, slot_rows, slots = self.updates(chunks)
+        """Add this step's changed entries and the chunks' table rows to `pack`, for `apply`."""
+        rows, cols, pages, slot_rows, slots = [], [], [], [], []
+        w_rows, w_cols, w_pages = [], [], []
+        for chunk in chunks:
+            row = chunk.table_row
+            if self._new[row]:
+                slot_rows.append(row)
+                slots.append(chunk.state_slot)
+                self._new[row] = False
+            before = len(cols)
+            self.full.updates(row, chunk.page_ids, cols, pages)
+            rows.extend([row] * (len(cols) - before))
+            if self.window is not None:
+                before = len(w_cols)
+                self.window.updates(row, chunk.window_page_ids, w_cols, w_pages)
+                w_rows.extend([row] * (len(w_cols) - before))
         pack.add("table_rows", [c.table_row for c in chunks])
-        for name, values in (("update_rows", rows), ("update_cols", cols), ("update_pages", pages),
-                             ("slot_rows", slot_rows), ("slots", slots)):
+        named = [("update_rows", rows), ("update_cols", cols), ("update_pages", pages), ("slot_rows", slot_rows),
+                 ("slots", slots)]
+        if self.window is not None:
+            named += [("window_rows", w_rows), ("window_cols", w_cols), ("window_pages", w_pages)]
+        for name, values in named:
             pack.add(name, values)
 
     def apply(self, uploaded: dict[str, torch.Tensor]) -> None:
         """Write the entries `pack_updates` packed (now on the device) into the tables."""
-        self.pages.index_put_((uploaded["update_rows"], uploaded["update_cols"]), uploaded["update_pages"])
+        self.full.pages.index_put_((uploaded["update_rows"], uploaded["update_cols"]), uploaded["update_pages"])
+        if self.window is not None:
+            self.window.pages.index_put_((uploaded["window_rows"], uploaded["window_cols"]), uploaded["window_pages"])
         self.slots.index_put_((uploaded["slot_rows"],), uploaded["slots"])
 
     def upload_updates(self, chunks: list[ScheduledChunk]) -> None:
         """`pack_updates` + `apply` in one upload of their own (a CUDA-graph step, which builds no batch)."""
         pack = HostPack()
         self.pack_updates(chunks, pack)
-        self.apply(pack.upload(self.pages.device))
+        self.apply(pack.upload(self.slots.device))
 
 
 def _token_history_rows(chunks: list[ScheduledChunk], length: int) -> tuple[int, list[int], list, list]:
@@ -197,8 +255,9 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_size: int, device: to
                         history_len: int = 0, tables: PageTables | None = None) -> ForwardBatch:
     """Pack scheduled chunks into one ForwardBatch: host work, then one non-blocking upload.
 
-    With `tables` (the engine) the page table and the slots come from the persistent device tables, updated by
-    this step's new entries; without (tests driving a model by hand) they are built from the chunks' lists.
+    With `tables` (the engine) the page tables and the slots come from the persistent device tables, updated by
+    this step's changed entries; without (tests driving a model by hand) they are built from the chunks' lists.
+    Chunks with `window_page_ids` also give the window group's page table and KV rows.
     """
     if not chunks or any(not c.token_ids for c in chunks):
         raise ValueError("a forward batch needs at least one row and every row needs at least one token")
@@ -208,14 +267,20 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_size: int, device: to
     input_ids, positions, slot_mapping, logits_indices, page_end_tokens, page_end_pages = [], [], [], [], [], []
     seq_ids = [row for row, n in enumerate(query_lens) for _ in range(n)]
     kv_lens = [c.prefix_len + len(c.token_ids) for c in chunks]
+    window = chunks[0].window_page_ids is not None
+    window_slots = []
     for chunk, start in zip(chunks, query_starts):
         end = chunk.prefix_len + len(chunk.token_ids)
         if len(chunk.page_ids) * page_size < end:
             raise ValueError(f"{len(chunk.page_ids)} pages cannot hold {end} tokens")
+        if window and (chunk.window_page_ids is None or len(chunk.window_page_ids) != len(chunk.page_ids)):
+            raise ValueError("every chunk needs one window page entry per page when the caches have a window group")
         input_ids.extend(chunk.token_ids)
         for pos in range(chunk.prefix_len, end):
             positions.append(pos)
             slot_mapping.append(chunk.page_ids[pos // page_size] * page_size + pos % page_size)
+            if window:
+                window_slots.append(chunk.window_page_ids[pos // page_size] * page_size + pos % page_size)
             if (pos + 1) % page_size == 0:
                 page_end_tokens.append(start + pos - chunk.prefix_len)
                 page_end_pages.append(chunk.page_ids[pos // page_size])
@@ -232,10 +297,16 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_size: int, device: to
     pack.add("page_offsets", list(range(page_size)))
     pack.add("page_end_tokens", page_end_tokens)
     pack.add("page_end_pages", page_end_pages)
+    if window:
+        pack.add("window_slot_mapping", window_slots)
     if tables is None:
         pack.add("page_table", [c.page_ids + [0] * (width - len(c.page_ids)) for c in chunks])
+        if window:
+            pack.add("window_page_table", [c.window_page_ids + [0] * (width - len(c.page_ids)) for c in chunks])
         pack.add("state_slots", [c.state_slot for c in chunks])
     else:
+        if (tables.window is not None) != window:
+            raise ValueError("the chunks' window pages and the page tables' window group disagree")
         tables.pack_updates(chunks, pack)
     if history_len:
         total_rows, token_index, history_index, final_index = _token_history_rows(chunks, history_len)
@@ -245,10 +316,11 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_size: int, device: to
     t = pack.upload(device)
     if tables is not None:
         tables.apply(t)
-        page_table = tables.pages[:, :width].index_select(0, t["table_rows"])
+        page_table = tables.full.pages[:, :width].index_select(0, t["table_rows"])
+        window_table = tables.window.pages[:, :width].index_select(0, t["table_rows"]) if window else None
         state_slots = tables.slots.index_select(0, t["table_rows"])
     else:
-        page_table, state_slots = t["page_table"], t["state_slots"]
+        page_table, state_slots, window_table = t["page_table"], t["state_slots"], t.get("window_page_table")
     history = None
     if history_len:
         history = TokenHistory(length=history_len, total_rows=total_rows, token_index=t["token_index"],
@@ -275,4 +347,6 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_size: int, device: to
         page_end_tokens=t["page_end_tokens"],
         page_end_pages=t["page_end_pages"],
         token_history=history,
+        window_page_table=window_table,
+        window_slot_mapping=t.get("window_slot_mapping"),
     )

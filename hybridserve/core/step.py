@@ -44,6 +44,7 @@ class StepPlan:
     # State and page copies, all executed on the device in this order: page copies, restores, page restores
     # (before the forward), snapshots (after it).
     page_copies: list[tuple[int, int]] = field(default_factory=list)  # (KV page -> KV page)
+    window_page_copies: list[tuple[int, int]] = field(default_factory=list)  # the same in the window group
     restores: list[tuple[int, int]] = field(default_factory=list)  # (slot -> working slot)
     page_restores: list[tuple[int, int]] = field(default_factory=list)  # (page footer -> working slot)
     snapshots: list[tuple[int, int]] = field(default_factory=list)  # (working slot -> checkpoint slot)

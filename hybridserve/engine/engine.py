@@ -68,7 +68,7 @@ class LLMEngine:
         self.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = self._eos_token_ids(model_dir)
         plan = self.runner.memory_plan
-        kv_tokens = plan.num_pages * config.page_size
+        kv_tokens = plan.num_pages * config.page_size  # the full group's capacity (the window group's is no limit)
         self.max_model_len = self._max_model_len(kv_tokens)
         self.runner.create_tables(plan.max_running_requests, self.max_model_len)
         if any_triton() and not config.skip_warmup:
@@ -77,12 +77,15 @@ class LLMEngine:
             logger.info("warm-up: %d steps compiled the kernels in %.1f s", steps, time.perf_counter() - start)
         self.runner.capture_graphs(plan.max_running_requests, self.max_model_len)
         pages, slots = PageAllocator(plan.num_pages + 1), SlotAllocator(plan.num_state_slots)
+        window = self.runner.sliding_window  # a window KV group for sliding-window layers, or None
+        window_pages = PageAllocator(plan.num_window_pages + 1) if window is not None else None
         cache = None
         if config.enable_prefix_caching:
-            cache = HybridPrefixCache(config.page_size, pages, slots, per_page_state=self.runner.page_footers)
+            cache = HybridPrefixCache(config.page_size, pages, slots, per_page_state=self.runner.page_footers,
+                                      window_pages=window_pages, sliding_window=window)
         self.scheduler = Scheduler(pages, slots, config.page_size, plan.max_running_requests,
                                    config.max_num_batched_tokens, config.chunked_prefill_size, cache,
-                                   config.state_checkpoint_interval)
+                                   config.state_checkpoint_interval, window_pages, window)
         self._seeds = random.Random(config.seed)
         self._groups: dict[str, _Group] = {}
         self._sequences: dict[str, tuple[_Group, _Sequence]] = {}  # by the scheduler's request id

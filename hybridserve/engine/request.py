@@ -30,6 +30,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     page_ids: list[int] = field(default_factory=list)
+    window_page_ids: list[int] = field(default_factory=list)  # window group (sliding layers): 0 before the window
+    window_start: int = 0  # window pages before this column are released (0 in window_page_ids)
     state_slot: int | None = None
     table_row: int | None = None  # its row in the device page/slot tables while it runs
     num_computed_tokens: int = 0  # tokens whose KV is written and whose state is folded into state_slot

@@ -11,13 +11,18 @@ step its newly cached positions are inserted: for per-page-state models every co
 snapshots taken at the end of the prompt (the last page boundary before it), every `checkpoint_interval` tokens and
 at branch points. When pages or slots run out, unlocked cache entries are evicted first; then the most recently
 admitted running request is preempted (everything it holds is freed and it is recomputed later).
+
+Sliding-window layers (a window KV group): a request holds window pages, column for column beside its full pages,
+only where a current or future query can still see them. Both groups' pages for new tokens are allocated together;
+after a step that leaves kv_len tokens, window pages before `window_first_page(kv_len)` are released (after the
+completed pages went to the prefix cache, which keeps its own reference on them).
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
-from hybridserve.cache.kv_pool import PageAllocator
+from hybridserve.cache.kv_pool import PageAllocator, window_first_page
 from hybridserve.cache.prefix_cache import HybridPrefixCache, TreeNode
 from hybridserve.cache.state_pool import SlotAllocator
 from hybridserve.core.batch import ScheduledChunk
@@ -41,8 +46,13 @@ class ScheduledStep:
 class Scheduler:
     def __init__(self, pages: PageAllocator, slots: SlotAllocator, page_size: int, max_running_requests: int,
                  max_num_batched_tokens: int, chunked_prefill_size: int | None = None,
-                 prefix_cache: HybridPrefixCache | None = None, checkpoint_interval: int | None = None):
+                 prefix_cache: HybridPrefixCache | None = None, checkpoint_interval: int | None = None,
+                 window_pages: PageAllocator | None = None, sliding_window: int | None = None):
+        if (window_pages is None) != (sliding_window is None):
+            raise ValueError("a window group needs both its page allocator and the sliding window")
         self.pages = pages
+        self.window_pages = window_pages  # the window group's allocator (None without sliding layers)
+        self.window = sliding_window
         self.slots = slots
         self.page_size = page_size
         self.max_running = max_running_requests
@@ -61,6 +71,7 @@ class Scheduler:
         # Copies a fork needs before the next forward (whatever that step schedules), and the table rows handed
         # to new sequences since the last plan.
         self._pending_page_copies: list[tuple[int, int]] = []
+        self._pending_window_copies: list[tuple[int, int]] = []
         self._pending_restores: list[tuple[int, int]] = []
         self._pending_row_resets: list[int] = []
         self._free_rows = list(range(max_running_requests - 1, -1, -1))  # running sequences <= max_running
@@ -90,6 +101,9 @@ class Scheduler:
         request.cache_node = None
         self.pages.release(request.page_ids)
         request.page_ids = []
+        if self.window_pages is not None:
+            self.window_pages.release([p for p in request.window_page_ids[request.window_start:] if p])
+            request.window_page_ids, request.window_start = [], 0
         if request.state_slot is not None:
             self.slots.release(request.state_slot)
             request.state_slot = None
@@ -106,12 +120,30 @@ class Scheduler:
         self.num_preemptions += 1
 
     # --- allocation with eviction ----------------------------------------------------------------------------
-    def _allocate_pages(self, count: int) -> list[int] | None:
+    def _allocate_pages(self, count: int) -> tuple[list[int], list[int]] | None:
+        """`count` full pages and (window group) `count` window pages, or None and nothing taken."""
         pages = self.pages.allocate(count)
         if pages is None and self.cache is not None:
             self.cache.evict_pages(count - self.pages.num_free)
             pages = self.pages.allocate(count)
-        return pages
+        if pages is None or self.window_pages is None:
+            return None if pages is None else (pages, [])
+        window = self.window_pages.allocate(count)
+        if window is None and self.cache is not None:
+            self.cache.evict_window_pages(count - self.window_pages.num_free)
+            window = self.window_pages.allocate(count)
+        if window is None:
+            self.pages.release(pages)
+            return None
+        return pages, window
+
+    def _release_window(self, request: Request) -> None:
+        """Release the window pages no current or future query of the request can see any more."""
+        first = window_first_page(request.num_computed_tokens, self.window, self.page_size)
+        if first > request.window_start:
+            self.window_pages.release([p for p in request.window_page_ids[request.window_start:first] if p])
+            request.window_page_ids[request.window_start:first] = [0] * (first - request.window_start)
+            request.window_start = first
 
     def _take_row(self) -> int:
         """A device-table row; callers check `max_running` first, so one is always free."""
@@ -128,7 +160,9 @@ class Scheduler:
         step = ScheduledStep(StepPlan(chunks=[], samples=[], prompt_logprobs=[],
                                       page_copies=self._pending_page_copies, restores=self._pending_restores,
                                       table_resets=self._pending_row_resets), [], scoring_left=self.scoring_per_step)
+        step.plan.window_page_copies = self._pending_window_copies
         self._pending_page_copies, self._pending_restores, self._pending_row_resets = [], [], []
+        self._pending_window_copies = []
         budget = self.max_tokens
         for request in list(self.running):
             if budget == 0:
@@ -147,6 +181,7 @@ class Scheduler:
         if not step.requests:
             # Nothing to run, so nothing can overwrite a fork's source yet: keep its copies for the next plan.
             self._pending_page_copies, self._pending_restores = step.plan.page_copies, step.plan.restores
+            self._pending_window_copies = step.plan.window_page_copies
             self._pending_row_resets = step.plan.table_resets
             return None
         return step
@@ -184,7 +219,8 @@ class Scheduler:
         while True:
             pages = self._allocate_pages(needed)
             if pages is not None:
-                request.page_ids.extend(pages)
+                request.page_ids.extend(pages[0])
+                request.window_page_ids.extend(pages[1])
                 return True
             if not preempt:
                 return False
@@ -209,6 +245,10 @@ class Scheduler:
             self.pages.share(hit.pages)
             self.cache.lock(hit.node)
             request.page_ids, request.cache_node = list(hit.pages), hit.node
+            if self.window_pages is not None:
+                request.window_page_ids = list(hit.window_pages)
+                request.window_start = window_first_page(hit.num_tokens, self.window, self.page_size)
+                self.window_pages.share([p for p in hit.window_pages if p])
             request.num_computed_tokens = request.cached_len = hit.num_tokens
         if not self._reserve_pages(request, self._chunk_length(request, budget, step), preempt=False):
             self._free(request)  # drops the shared pages and the lock taken for the hit
@@ -257,6 +297,7 @@ class Scheduler:
             has_initial_state=start > 0,
             logits_offsets=scored + ([count - 1] if draws else []),
             table_row=request.table_row,
+            window_page_ids=list(request.window_page_ids) if self.window_pages is not None else None,
         ))
         plan.samples.append(draws)
         plan.prompt_logprobs.append(targets)
@@ -298,16 +339,23 @@ class Scheduler:
         size = self.page_size
         full, partial = divmod(parent.num_computed_tokens, size)
         slot = self._allocate_slot() if drawn and len(self.running) < self.max_running else None
-        page = self._allocate_pages(1 if partial else 0) if slot is not None else None
-        if page is None:
+        new = self._allocate_pages(1 if partial else 0) if slot is not None else None
+        if new is None:
             if slot is not None:
                 self.slots.release(slot)
             self.waiting.appendleft(child)
             return
+        page, window = new
         self.pages.share(parent.page_ids[:full])
         child.page_ids = parent.page_ids[:full] + page
         if partial:
             self._pending_page_copies.append((parent.page_ids[full], page[0]))
+        if self.window_pages is not None:
+            self.window_pages.share([p for p in parent.window_page_ids[:full] if p])
+            child.window_page_ids = parent.window_page_ids[:full] + window
+            child.window_start = parent.window_start
+            if partial:
+                self._pending_window_copies.append((parent.window_page_ids[full], window[0]))
         self._pending_restores.append((parent.state_slot, slot))
         child.state_slot, child.num_computed_tokens = slot, parent.num_computed_tokens
         child.table_row = self._take_row()
@@ -323,14 +371,17 @@ class Scheduler:
         """Hand this step's checkpoints and completed pages to the prefix cache; release restore locks."""
         for node in step.state_locked:
             self.cache.unlock_state(node)
-        if self.cache is None:
-            return
-        for request, position, checkpoint in step.snapshots:
-            self._insert(request, position, checkpoint)
-        if not self.sparse:
+        if self.cache is not None:
+            for request, position, checkpoint in step.snapshots:
+                self._insert(request, position, checkpoint)
+            if not self.sparse:
+                for request in step.requests:
+                    if request.status is RequestStatus.RUNNING:
+                        self._cache_pages(request)
+        if self.window_pages is not None:
             for request in step.requests:
                 if request.status is RequestStatus.RUNNING:
-                    self._cache_pages(request)
+                    self._release_window(request)
 
     def _cache_pages(self, request: Request) -> None:
         """Per-page-state models: cache every completed page (each carries its state footer)."""
@@ -341,8 +392,9 @@ class Scheduler:
             self._insert(request, full, None)
 
     def _insert(self, request: Request, position: int, checkpoint: int | None) -> None:
-        node = self.cache.insert(request.token_ids(0, position), request.page_ids[: position // self.page_size],
-                                 checkpoint)
+        pages = position // self.page_size
+        window = request.window_page_ids[:pages] if self.window_pages is not None else None
+        node = self.cache.insert(request.token_ids(0, position), request.page_ids[:pages], checkpoint, window)
         self.cache.lock(node)
         self.cache.unlock(request.cache_node)
         request.cache_node = node
@@ -351,24 +403,29 @@ class Scheduler:
     # --- bookkeeping --------------------------------------------------------------------------------------------
     def resource_counts(self) -> dict[str, int]:
         """Free / evictable (held only by the prefix cache) / protected (in use) pages and slots. Cheap: kept by
-        counters; `check_resources` recounts everything and checks free + evictable + protected == total."""
+        counters; `check_resources` recounts everything and checks free + evictable + protected == total. With
+        a window group also its total, free and cached (held by the prefix cache, maybe also by requests) pages."""
         cache = self.cache
         pages_evictable = cache.num_pages - cache.num_locked_pages if cache else 0
         slots_evictable = cache.num_checkpoints - cache.num_locked_checkpoints if cache else 0
-        return {
+        counts = {
             "pages_total": self.pages.capacity, "pages_free": self.pages.num_free, "pages_evictable": pages_evictable,
             "pages_protected": self.pages.capacity - self.pages.num_free - pages_evictable,
             "slots_total": self.slots.capacity, "slots_free": self.slots.num_free, "slots_evictable": slots_evictable,
             "slots_protected": self.slots.capacity - self.slots.num_free - slots_evictable,
         }
+        if self.window_pages is not None:
+            counts.update(window_pages_total=self.window_pages.capacity, window_pages_free=self.window_pages.num_free,
+                          window_pages_cached=cache.num_window_pages if cache else 0)
+        return counts
 
     def check_resources(self) -> None:
         """Recount who holds every page and slot; raise on a leak, a double count or a drifted counter."""
         request_pages = {p for r in self.running for p in r.page_ids}
         working = [r.state_slot for r in self.running if r.state_slot is not None]
-        tree_pages, tree_locked, checkpoints, locked_checkpoints = set(), set(), 0, 0
+        tree_pages, tree_locked, checkpoints, locked_checkpoints, tree_window = set(), set(), 0, 0, []
         if self.cache is not None:
-            tree_pages, tree_locked, checkpoints, locked_checkpoints = self.cache.recount()
+            tree_pages, tree_locked, checkpoints, locked_checkpoints, tree_window = self.cache.recount()
         recounted = {
             "pages_evictable": len(tree_pages - tree_locked - request_pages),
             "pages_protected": len(request_pages | tree_locked),
@@ -384,6 +441,29 @@ class Scheduler:
         rows = [r.table_row for r in self.running]
         if sorted(rows + self._free_rows) != list(range(self.max_running)):
             raise RuntimeError(f"device-table rows broken: running {rows}, free {self._free_rows}")
+        if self.window_pages is not None:
+            self._check_window(tree_window)
+            recounted["window_pages_cached"] = len(tree_window)
         drifted = {k: (v, counts[k]) for k, v in recounted.items() if counts[k] != v}
         if drifted:
             raise RuntimeError(f"resource counters drifted from a recount (recount, counter): {drifted}")
+
+    def _check_window(self, tree_window: list[int]) -> None:
+        """The window group: every page's reference count equals its holders (requests and prefix-cache nodes),
+        the free list holds exactly the pages nobody holds, and each request holds a column's window page exactly
+        from its window start on."""
+        holders = [0] * (self.window_pages.capacity + 1)
+        for request in self.running:
+            held = request.window_page_ids
+            if (len(held) != len(request.page_ids) or any(held[:request.window_start])
+                    or not all(held[request.window_start:])):
+                raise RuntimeError(f"request {request.request_id}: window pages {held} do not match its "
+                                   f"{len(request.page_ids)} pages from window start {request.window_start}")
+            for page in held[request.window_start:]:
+                holders[page] += 1
+        for page in tree_window:
+            holders[page] += 1
+        wrong = [p for p in range(1, len(holders)) if holders[p] != self.window_pages.refcount(p)]
+        if wrong or holders.count(0) - 1 != self.window_pages.num_free:
+            raise RuntimeError(f"window-group accounting broken: pages {wrong[:8]} have other reference counts than "
+                               f"holders; {holders.count(0) - 1} unheld, {self.window_pages.num_free} free")

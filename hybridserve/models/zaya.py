@@ -129,9 +129,11 @@ class CCAAttention(nn.Module):
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj(h, batch, self.state, self.page_state)
-        q = qk_norm_rope_cache(q, k, v, self.qk_norm.temp, self.rotary.inv_freq, batch.positions,
-                               batch.slot_mapping, self.kv["k"], self.kv["v"], h.dtype)
-        out = paged_attention(q, self.kv["k"], self.kv["v"], batch, self.scale, self.sliding_window)
+        # A sliding layer's KV lives in the window group (its own pages and table), when the caches have one.
+        kv_batch = batch if self.sliding_window is None else batch.window_view()
+        q = qk_norm_rope_cache(q, k, v, self.qk_norm.temp, self.rotary.inv_freq, kv_batch.positions,
+                               kv_batch.slot_mapping, self.kv["k"], self.kv["v"], h.dtype)
+        out = paged_attention(q, self.kv["k"], self.kv["v"], kv_batch, self.scale, self.sliding_window)
         return self.o_proj(out.flatten(1))
 
 
@@ -308,7 +310,9 @@ class ZayaForCausalLM(nn.Module):
     def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
         attn = self.model.layers[0].self_attn.qkv_proj
         shape = (attn.k_heads, self.config.head_dim)
-        return KVCacheSpec(num_layers=self.config.num_layers, fields={"k": shape, "v": shape}, dtype=dtype)
+        window = tuple(i for i, kind in enumerate(self.config.layer_types) if kind == "hybrid_sliding")
+        return KVCacheSpec(num_layers=self.config.num_layers, fields={"k": shape, "v": shape}, dtype=dtype,
+                           window_layers=window, sliding_window=self.config.sliding_window if window else None)
 
     def state_spec(self, dtype: torch.dtype) -> StateSpec:
         attn = self.model.layers[0].self_attn.qkv_proj

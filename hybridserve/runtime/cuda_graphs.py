@@ -3,9 +3,9 @@
 A decode step of B rows (one token each) runs the graph captured for the smallest size >= B; rows B.. are padding
 that points at the dummies (page 0 through the page tables' dummy row, state slot 0, position 0, one key), so they
 touch nothing a request owns. Every input the graph reads lives in static device buffers: the per-step values (token,
-position, key count, KV row, table row, initial-state flag) are written into a pinned host twin and moved with one
-copy before the replay; the page table and the state slots are gathered from the persistent `PageTables` inside the
-graph. Shapes come from the size alone: the attention kernel plans its key splits for `max_model_len` keys (splits
+position, key count, KV row, table row, initial-state flag, and the window group's KV row for sliding-window layers)
+are written into a pinned host twin and moved with one copy before the replay; the page tables (both KV groups) and
+the state slots are gathered from the persistent `PageTables` inside the graph. Shapes come from the size alone: the attention kernel plans its key splits for `max_model_len` keys (splits
 beyond a row's keys are empty), so one graph serves any context length.
 
 All sizes share one memory pool, captured largest first so the smaller graphs reuse its blocks; the model runner
@@ -24,8 +24,9 @@ from hybridserve.runtime.warmup import DUMMY_PAGE
 
 logger = logging.getLogger(__name__)
 
-# Per-step values, one int64 row each in the static buffer (the initial-state flags follow as bools).
-_FIELDS = ("input_ids", "positions", "kv_lens", "slot_mapping", "table_rows")
+# Per-step values, one int64 row each in the static buffer (the initial-state flags follow as bools); the window
+# group's KV rows (sliding-window layers) only when the tables have a window group.
+_FIELDS = ("input_ids", "positions", "kv_lens", "slot_mapping", "table_rows", "window_slot_mapping")
 
 
 def capture_sizes(max_size: int) -> list[int]:
@@ -41,15 +42,16 @@ class DecodeGraphs:
                  device: torch.device, capture: bool):
         self.model, self.tables, self.page_size, self.max_model_len = model, tables, page_size, max_model_len
         self.sizes, self.device = sizes, device
+        self._fields = _FIELDS if tables.window is not None else _FIELDS[:-1]
         rows = sizes[-1]
-        longs = len(_FIELDS) * rows * 8
+        longs = len(self._fields) * rows * 8
         self._nbytes = longs + rows
         # Two pinned host twins, used in turn: a step's copy may still be queued while the next step is filled.
         self._host = [torch.zeros(self._nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
                       for _ in range(2)]
         self._turn = 0
         self._static = torch.zeros(self._nbytes, dtype=torch.uint8, device=device)
-        self._longs = self._static[:longs].view(torch.long).view(len(_FIELDS), rows)
+        self._longs = self._static[:longs].view(torch.long).view(len(self._fields), rows)
         self._flags = self._static[longs:].view(torch.bool)
         self._query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=device)
         self._row_index = torch.arange(rows, device=device)
@@ -69,18 +71,21 @@ class DecodeGraphs:
 
     def _batch(self, size: int) -> ForwardBatch:
         """The decode batch of `size` rows over the static buffers (the page table gathered from the tables)."""
-        field = dict(zip(_FIELDS, self._longs[:, :size]))
+        field = dict(zip(self._fields, self._longs[:, :size]))
         rows = field["table_rows"]
+        window = self.tables.window
         return ForwardBatch(
             query_lens=[1] * size, query_starts=list(range(size)), prefix_lens=[self.max_model_len - 1] * size,
             page_size=self.page_size, is_decode=True, max_query_len=1, max_kv_len=self.max_model_len,
             input_ids=field["input_ids"], positions=field["positions"],
             query_start_loc=self._query_start_loc[:size + 1], seq_ids=self._query_start_loc[:size],
-            kv_lens=field["kv_lens"], page_table=self.tables.pages.index_select(0, rows),
+            kv_lens=field["kv_lens"], page_table=self.tables.full.pages.index_select(0, rows),
             slot_mapping=field["slot_mapping"], state_slots=self.tables.slots.index_select(0, rows),
             has_initial_state=self._flags[:size], logits_indices=self._row_index[:size],
             page_offsets=self._page_offsets, page_end_tokens=self._no_tokens, page_end_pages=self._no_tokens,
-            token_history=self._history.get(size))
+            token_history=self._history.get(size),
+            window_page_table=window.pages.index_select(0, rows) if window is not None else None,
+            window_slot_mapping=field.get("window_slot_mapping"))
 
     def _forward(self, size: int) -> torch.Tensor:
         batch = self._batch(size)
@@ -111,18 +116,23 @@ class DecodeGraphs:
         host = self._host[self._turn]
         self._turn ^= 1
         rows = self.sizes[-1]
-        longs = host[:len(_FIELDS) * rows * 8].view(torch.long).view(len(_FIELDS), rows)
-        flags = host[len(_FIELDS) * rows * 8:].view(torch.bool)
-        values = [[], [], [], [], []]
+        fields = len(self._fields)
+        longs = host[:fields * rows * 8].view(torch.long).view(fields, rows)
+        flags = host[fields * rows * 8:].view(torch.bool)
+        values = [[] for _ in range(fields)]
+        size_p = self.page_size
         for chunk in chunks:
             pos = chunk.prefix_len
             values[0].append(chunk.token_ids[0])
             values[1].append(pos)
             values[2].append(pos + 1)
-            values[3].append(chunk.page_ids[pos // self.page_size] * self.page_size + pos % self.page_size)
+            values[3].append(chunk.page_ids[pos // size_p] * size_p + pos % size_p)
             values[4].append(chunk.table_row)
+            if fields > 5:
+                values[5].append(chunk.window_page_ids[pos // size_p] * size_p + pos % size_p)
         pad = size - len(chunks)
-        for column, fill in zip(values, (0, 0, 1, DUMMY_PAGE * self.page_size, self.tables.dummy_row)):
+        fills = (0, 0, 1, DUMMY_PAGE * size_p, self.tables.dummy_row, DUMMY_PAGE * size_p)
+        for column, fill in zip(values, fills):
             column.extend([fill] * pad)
         longs[:, :size] = torch.tensor(values, dtype=torch.long)
         flags[:size] = torch.tensor([c.has_initial_state for c in chunks] + [False] * pad)

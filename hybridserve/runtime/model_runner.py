@@ -38,8 +38,10 @@ class ModelRunner:
         caching = config.enable_prefix_caching
         self.page_footers = caching and self.model.state_checkpoints == "per_page"
         self.sparse_checkpoints = caching and self.model.state_checkpoints == "sparse"
-        kv_spec, state_spec = self.model.kv_cache_spec(self.dtype), self.model.state_spec(self.dtype)
-        page_bytes = kv_spec.bytes_per_token() * config.page_size
+        self.kv_spec, state_spec = self.model.kv_cache_spec(self.dtype), self.model.state_spec(self.dtype)
+        full_spec, window_spec = self.kv_spec.groups()
+        self.sliding_window = self.kv_spec.sliding_window if window_spec is not None else None
+        page_bytes = full_spec.bytes_per_token() * config.page_size
         if self.page_footers:
             page_bytes += state_spec.bytes_per_slot()
         self.memory = plan_memory(
@@ -47,12 +49,17 @@ class ModelRunner:
             max_running_requests=config.max_running_requests, state_to_kv_ratio=config.state_to_kv_ratio,
             slots_per_request=1 + config.checkpoint_slots_per_request if self.sparse_checkpoints else 1,
             num_speculative_tokens=config.num_speculative_tokens, max_state_slots=config.max_state_slots,
-            slots_hold_checkpoints=self.sparse_checkpoints)
+            slots_hold_checkpoints=self.sparse_checkpoints,
+            window_page_bytes=window_spec.bytes_per_token() * config.page_size if window_spec else 0,
+            sliding_window=self.sliding_window, page_size=config.page_size,
+            max_num_batched_tokens=config.max_num_batched_tokens)
         logger.info("memory plan: %s", self.memory.describe(config.page_size))
-        self.kv_pool = KVPool(kv_spec, self.memory.num_pages + 1, config.page_size, self.device)
+        self.kv_pool = KVPool(full_spec, self.memory.num_pages + 1, config.page_size, self.device)
+        self.window_pool = KVPool(window_spec, self.memory.num_window_pages + 1, config.page_size, self.device) \
+            if window_spec is not None else None
         self.state_pool = StatePool(state_spec, self.memory.num_state_slots, self.device)
         self.footer_pool = StatePool(state_spec, self.memory.num_pages, self.device) if self.page_footers else None
-        self._bind(self.kv_pool, self.state_pool, self.footer_pool)
+        self._bind(self.kv_pool, self.window_pool, self.state_pool, self.footer_pool)
         self.sampler = Sampler(config.max_running_requests)
         self.tables: PageTables | None = None
         self.graphs: DecodeGraphs | None = None
@@ -74,7 +81,8 @@ class ModelRunner:
 
     def create_tables(self, max_rows: int, max_model_len: int) -> None:
         """The persistent device page/slot tables: one row per running sequence, wide enough for max_model_len."""
-        self.tables = PageTables(max_rows, -(-max_model_len // self.config.page_size) + 1, self.device)
+        self.tables = PageTables(max_rows, -(-max_model_len // self.config.page_size) + 1, self.device,
+                                 window=self.window_pool is not None)
 
     def capture_graphs(self, max_rows: int, max_model_len: int) -> None:
         """Capture the decode graphs (after `create_tables`; the caches are bound for good by then)."""
@@ -83,15 +91,25 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.tables, self.config.page_size, max_model_len, sizes,
                                        self.device, capture=True)
 
+    def _with_window_pages(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+        """Chunks that run outside the scheduler (warm-up, profiling) use the same page ids in the window group."""
+        if self.window_pool is not None:
+            for chunk in chunks:
+                chunk.window_page_ids = list(chunk.page_ids)
+        return chunks
+
     @torch.inference_mode()
     def warm_up(self, max_rows: int, max_model_len: int) -> int:
         """Run the warm-up steps (runtime/warmup.py) on the dummy page and slot, then zero both. Returns the steps."""
         steps = warmup_batches(self.config.max_num_batched_tokens, max_rows, max_model_len, self.config.page_size)
         for chunks in steps:
-            batch = build_forward_batch(chunks, self.config.page_size, self.device, self.model.history_len)
+            batch = build_forward_batch(self._with_window_pages(chunks), self.config.page_size, self.device,
+                                        self.model.history_len)
             hidden = self.model(batch)
             self.model.compute_logits(hidden[batch.logits_indices])
         self.kv_pool.clear_page(DUMMY_PAGE)
+        if self.window_pool is not None:
+            self.window_pool.clear_page(DUMMY_PAGE)
         self.state_pool.clear_slot(DUMMY_SLOT)
         if self.footer_pool is not None:
             self.footer_pool.clear_slot(DUMMY_PAGE)  # footers are indexed by page
@@ -101,11 +119,12 @@ class ModelRunner:
     def memory_plan(self) -> MemoryPlan:
         return self.memory
 
-    def _bind(self, kv: KVPool, state: StatePool, footers: StatePool | None) -> None:
+    def _bind(self, kv: KVPool, window: KVPool | None, state: StatePool, footers: StatePool | None) -> None:
+        """Bind every layer to its caches: a sliding-window layer's KV to the window group's pool."""
         layers = range(state.spec.num_layers)
         footer_layers = [footers.layer(i) for i in layers] if footers is not None else None
-        self.model.bind_caches([kv.layer(i) for i in range(kv.spec.num_layers)], [state.layer(i) for i in layers],
-                               footer_layers)
+        kv_layers = [(window if in_window else kv).layer(i) for in_window, i in self.kv_spec.layer_groups()]
+        self.model.bind_caches(kv_layers, [state.layer(i) for i in layers], footer_layers)
 
     def _cache_budget(self) -> int:
         """Bytes for the caches: the CPU budget, or on CUDA the allowed share of the device minus what is already
@@ -125,11 +144,11 @@ class ModelRunner:
             logger.info("memory plan: %.0f MiB reserved for the CUDA graphs' pool (the forward of %d decode rows)",
                         self.graph_reserve / 2**20, rows)
             peak += self.graph_reserve
-        # Per instance: gpu_memory_utilization caps what this engine holds (its tensors, the headroom for what is
-        # not torch's), whatever other processes on the device use; the caches never take more than is free.
         # The sampler's penalty counts (fp32 count + bool flag per vocabulary entry and running request), allocated
         # when a request first uses a penalty.
         peak += self.config.max_running_requests * self.model_config.vocab_size * 5
+        # Per instance: gpu_memory_utilization caps what this engine holds (its tensors, the headroom for what is
+        # not torch's), whatever other processes on the device use; the caches never take more than is free.
         free, total = torch.cuda.mem_get_info(self.device)
         held = torch.cuda.memory_reserved(self.device) + _NON_TORCH_HEADROOM
         return int(min(total * self.config.gpu_memory_utilization - held, free - _NON_TORCH_HEADROOM) - peak)
@@ -143,18 +162,20 @@ class ModelRunner:
         for chunk in chunks:
             chunk.page_ids = list(range(pages, pages + -(-len(chunk.token_ids) // size)))
             pages += len(chunk.page_ids)
-        kv = KVPool(self.model.kv_cache_spec(self.dtype), pages, size, self.device)
+        full_spec, window_spec = self.kv_spec.groups()
+        kv = KVPool(full_spec, pages, size, self.device)
+        window = KVPool(window_spec, pages, size, self.device) if window_spec is not None else None
         state = StatePool(self.model.state_spec(self.dtype), 2, self.device)
-        self._bind(kv, state, None)
+        self._bind(kv, window, state, None)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        batch = build_forward_batch(chunks, size, self.device, self.model.history_len)
+        batch = build_forward_batch(self._with_window_pages(chunks), size, self.device, self.model.history_len)
         hidden = self.model(batch)
         self.model.compute_logits(hidden[:logits_rows])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
-        del kv, state, batch, hidden
+        del kv, window, state, batch, hidden
         torch.cuda.empty_cache()
         return peak
 
@@ -178,9 +199,10 @@ class ModelRunner:
         else:
             batch = build_forward_batch(chunks, self.config.page_size, self.device, self.model.history_len,
                                         self.tables)
-        if plan.page_copies:
-            src, dst = zip(*plan.page_copies)
-            self.kv_pool.copy_pages(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
+        for pool, copies in ((self.kv_pool, plan.page_copies), (self.window_pool, plan.window_page_copies)):
+            if copies:
+                src, dst = zip(*copies)
+                pool.copy_pages(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
         self._copy_slots(plan.restores, self.state_pool)
         self._copy_slots(plan.page_restores, self.footer_pool)
         results = [ChunkResult() for _ in chunks]

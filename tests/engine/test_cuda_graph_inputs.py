@@ -33,6 +33,8 @@ def test_static_padded_decode_matches_eager_steps(model: str, zaya_dir, ling_dir
     options = {"enable_prefix_caching": model == "ling"}
     eager, graphed = _llm(directory, **options), _llm(directory, **options)
     runner, engine = graphed.engine.runner, graphed.engine
+    # zaya_dir's tiny config has a sliding layer (W = 6): its window group's table and slot mapping are graph inputs.
+    assert (runner.tables.window is not None) == (model == "zaya")
     runner.graphs = DecodeGraphs(runner.model, runner.tables, engine.config.page_size, engine.max_model_len,
                                  capture_sizes(4), runner.device, capture=False)
     sizes = []

@@ -48,9 +48,11 @@ def test_batched_and_chunked_runs_equal_single_runs(zaya_dir, alone):
 
 
 def tiny_pool_options(llm: LLM, pages: int, slots: int) -> dict:
-    """Engine options whose cache budget holds exactly `pages` KV pages and `slots` state slots."""
+    """Engine options whose cache budget holds exactly `pages` KV pages (and as many window-group pages, when
+    that is fewer than the running requests may need) and `slots` state slots."""
     plan = llm.engine.runner.memory_plan
-    return dict(kv_cache_memory_bytes=slots * plan.slot_bytes + pages * plan.page_bytes, max_state_slots=slots)
+    page_bytes = plan.page_bytes + plan.window_page_bytes
+    return dict(kv_cache_memory_bytes=slots * plan.slot_bytes + pages * page_bytes, max_state_slots=slots)
 
 
 def test_preemption_under_a_tiny_kv_pool_recomputes_exactly(zaya_dir, llm, alone):

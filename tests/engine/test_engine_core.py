@@ -172,7 +172,7 @@ def test_tiny_pools_with_preemption_eviction_and_random_aborts(model):
     roomy = _engine(directory)
     plan = roomy.runner.memory_plan
     engine = _engine(directory, max_model_len=64, max_state_slots=12,
-                     kv_cache_memory_bytes=12 * plan.slot_bytes + 24 * plan.page_bytes)
+                     kv_cache_memory_bytes=12 * plan.slot_bytes + 24 * (plan.page_bytes + plan.window_page_bytes))
     assert engine.runner.memory_plan.num_pages == 24
     ids = []
     for i, p in enumerate(prompts):

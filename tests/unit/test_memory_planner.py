@@ -65,3 +65,34 @@ def test_impossible_settings_name_the_knob(kwargs, knob):
 def test_an_empty_budget_names_the_memory_knobs():
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         plan_memory(0, CELL, P, max_running_requests=4)
+
+
+def test_window_group_gets_what_running_requests_need_and_the_full_group_the_rest():
+    """ZAYA1-74B-like sliding layers (W = 4096, page 16): 64 running requests keep ceil(4095/16) + 1 = 257 window
+    pages each, one step of 8192 tokens takes 512 + 64 more; every other byte goes to the full group."""
+    full_page, window_page = 3 * CELL * 16, 5 * CELL * 16
+    plan = plan_memory(R, full_page, P, max_running_requests=64, window_page_bytes=window_page,
+                       sliding_window=4096, page_size=16, max_num_batched_tokens=8192)
+    assert plan.min_window_pages == plan.num_window_pages == 64 * 257 + 512 + 64
+    no_window = plan_memory(R, full_page, P, max_running_requests=64)
+    assert plan.num_pages == (no_window.kv_bytes - plan.num_window_pages * window_page) // full_page
+    assert plan.kv_bytes <= no_window.kv_bytes and "sliding-window layers" in plan.describe(16)
+    # Fewer full pages than that: the groups get one page each per token slot, as many window as full pages.
+    small = plan_memory(64 * P + 1000 * (full_page + window_page), full_page, P, max_running_requests=64,
+                        max_state_slots=64, window_page_bytes=window_page, sliding_window=4096, page_size=16,
+                        max_num_batched_tokens=8192)
+    assert small.num_pages == small.num_window_pages == 1000
+
+
+def test_no_window_group_leaves_the_plan_unchanged():
+    """Ling- and ZAYA1-8B-like models (no sliding layers): the same numbers as without the window arguments."""
+    base = plan_memory(R, CELL, P, max_running_requests=64, slots_per_request=3, slots_hold_checkpoints=True)
+    same = plan_memory(R, CELL, P, max_running_requests=64, slots_per_request=3, slots_hold_checkpoints=True,
+                       page_size=16, max_num_batched_tokens=8192)
+    assert base == same and base.num_window_pages == 0 and "sliding" not in base.describe(1)
+
+
+def test_a_window_group_without_room_for_full_pages_names_the_knobs():
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
+        plan_memory(64 * P + CELL + 10, CELL, P, max_running_requests=64, max_state_slots=64,
+                    window_page_bytes=CELL, sliding_window=8, page_size=1, max_num_batched_tokens=8)

@@ -24,7 +24,7 @@ def _store(cache, allocator, tokens, checkpoint=None):
 
 
 def _assert_accounting(cache, allocator, slot_allocator, request_pages=0, request_slots=0):
-    held, locked, checkpoints, locked_checkpoints = cache.recount()
+    held, locked, checkpoints, locked_checkpoints, _ = cache.recount()
     assert (cache.num_pages, cache.num_locked_pages) == (len(held), len(locked))
     assert (cache.num_checkpoints, cache.num_locked_checkpoints) == (checkpoints, locked_checkpoints)
     assert allocator.num_free + len(held) + request_pages == allocator.capacity
@@ -121,3 +121,31 @@ def test_state_locked_checkpoints_are_not_evicted():
     _assert_accounting(cache, allocator, slots)
     cache.unlock_state(hit.node)
     assert cache.evict_checkpoint()  # the checkpoint goes; the path-locked node stays as a tombstone
+
+
+def test_window_pages_limit_hits_and_are_evicted_apart():
+    """W = 6, page 4: a hit of P tokens needs the window pages of positions (P - 6, P). A column whose window page
+    was released at insert time (0) caps the hit below it; dropping window pages keeps the full pages but shortens
+    the next hit; removing a leaf releases its window pages too."""
+    full, window, slots = PageAllocator(32), PageAllocator(32), SlotAllocator(4)
+    cache = HybridPrefixCache(P, full, slots, per_page_state=True, window_pages=window, sliding_window=6)
+    tokens = list(range(24))  # 6 pages
+    pages, held = full.allocate(6), window.allocate(6)
+    window.release([held[1]])
+    held[1] = 0  # the inserter had released page 1's window page (positions 4..7)
+    cache.insert(tokens, pages, window_pages=held)
+    full.release(pages)
+    window.release([p for p in held if p])
+    hit = cache.match(tokens + [99], max_tokens=24)
+    assert hit.num_tokens == 24 and hit.window_pages == [0, 0, 0, 0, held[4], held[5]]  # (18, 24): pages 4, 5
+    assert cache.match(tokens[:12] + [99], max_tokens=12).num_tokens == 4  # 12 and 8 need page 1; 4 needs page 0
+    assert cache.num_window_pages == 5 and window.num_free == 31 - 5
+    assert cache.evict_window_pages(1) == 5  # whole nodes, least recently used first: the one node holds all 5
+    assert cache.num_window_pages == 0 and window.num_free == 31 and cache.num_pages == 6
+    assert cache.match(tokens + [99], max_tokens=24).num_tokens == 0
+    fresh = window.allocate(6)  # an inserter with the same full pages: the node adopts its window pages
+    cache.insert(tokens, pages, window_pages=fresh)
+    window.release(fresh)
+    assert cache.num_window_pages == 6 and cache.match(tokens + [99], max_tokens=24).num_tokens == 24
+    cache.clear()
+    assert cache.num_pages == cache.num_window_pages == 0 and window.num_free == 31 and full.num_free == 31

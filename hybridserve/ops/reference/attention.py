@@ -38,11 +38,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
     for seq, (start, length) in enumerate(zip(batch.query_starts, batch.query_lens)):
         prefix, kv_len = batch.prefix_lens[seq], batch.prefix_lens[seq] + length
-        slots = batch.kv_slots(seq, kv_len)
+        first = max(0, prefix - sliding_window + 1) if sliding_window else 0  # pages before it may be released
+        slots = batch.kv_slots(seq, kv_len)[first:]
         k, v = k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1)  # [Hk, K, D]
         qs = q[start:start + length].view(length, num_kv_heads, group, -1).permute(1, 2, 0, 3)  # [Hk, G, Q, D]
         q_pos = torch.arange(prefix, kv_len, device=q.device)[:, None]
-        k_pos = torch.arange(kv_len, device=q.device)[None, :]
+        k_pos = torch.arange(first, kv_len, device=q.device)[None, :]
         o = _softmax_attend(qs, k, v, _key_mask(q_pos, k_pos, sliding_window), scale)
         out[start:start + length] = o.permute(2, 0, 1, 3).reshape(length, q.shape[1], -1)
     return out
