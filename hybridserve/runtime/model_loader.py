@@ -56,8 +56,8 @@ def build_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
         model = family.model_class(config)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
+        logger.info("initialised %s random weights in %.1f s", type(model).__name__, time.monotonic() - start)
     else:
         load_weights(model, model_dir, progress)
-    logger.info("%s %s weights for %s in %.1f s", "initialised" if load_format == "dummy" else "loaded",
-                type(model).__name__, model_dir, time.monotonic() - start)
+        logger.info("loaded %s weights from %s in %.1f s", type(model).__name__, model_dir, time.monotonic() - start)
     return model.eval(), config
