@@ -78,3 +78,13 @@ def test_checkpoint_formats_without_weights_fail_clearly(config_only_dir, load_f
 def test_an_unknown_load_format_is_named():
     with pytest.raises(ValueError, match="load_format='pt'.*auto, safetensors, dummy"):
         EngineConfig(model="unused", load_format="pt")
+
+
+def test_the_cli_passes_load_format_and_refuses_unknown_ones(capsys):
+    from hybridserve.cli import _engine_kwargs, build_parser
+
+    assert _engine_kwargs(build_parser().parse_args(["serve", "/m", "--load-format", "dummy"]))["load_format"] == \
+        "dummy"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "/m", "--load-format", "pt"])
+    assert "invalid choice: 'pt'" in capsys.readouterr().err
