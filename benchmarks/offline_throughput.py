@@ -6,6 +6,7 @@ generate() call, prefill included, after a warm-up; temperature 0.6, ignore_eos)
   b64      64 requests, prompts uniform in [100, 512], 128 new tokens
   nano     nano-vllm's workload: 256 requests, prompt and output lengths uniform in [100, 1024]
   prefill  64 prompts x 512 tokens, 1 new token: reported as prefill (prompt) tok/s
+  smoke    2 requests, prompts of 16-32 tokens, 4 new tokens (a quick check that the script runs, e.g. on CPU)
 With no --model, a random model of `--model-type` is made in a temporary directory (deleted at the end): ZAYA1-8B
 widths (`--layers`, default 40 = the real depth) or Ling-2.6-flash widths (`--layers` a multiple of its layer group
 of 8, default 32: 7 lightning layers then one MLA layer per group); `--width demo` takes the demo checkpoints' tiny
@@ -59,7 +60,8 @@ class Scenario:
 
 
 SCENARIOS = {"b1": Scenario(1, 512, 512, 128, 128), "b64": Scenario(64, 100, 512, 128, 128),
-             "nano": Scenario(256, 100, 1024, 100, 1024), "prefill": Scenario(64, 512, 512, 1, 1, prefill=True)}
+             "nano": Scenario(256, 100, 1024, 100, 1024), "prefill": Scenario(64, 512, 512, 1, 1, prefill=True),
+             "smoke": Scenario(2, 16, 32, 4, 4)}
 DEMO_VOCAB, DEMO_EOS = 151680, [151645]  # the bundled tokenizer's (the demo checkpoints' widths)
 
 
@@ -179,9 +181,14 @@ def zaya_decode_floor(config: dict, batch: int, context: int) -> float:
 
 
 def ling_decode_floor(config: dict, batch: int, context: int) -> float:
-    """Tokens/s if one decode step only had to move its bytes at HBM speed: the weights it touches (bf16; routers
-    fp32; routed experts as the expected number of distinct ones the batch picks), every MLA layer's latent KV of
-    the context (bf16) and every lightning layer's fp32 state (read and written)."""
+    """Tokens/s if one decode step only had to move its bytes (`ling_decode_bytes`) at HBM speed."""
+    return batch / (sum(ling_decode_bytes(config, batch, context).values()) / HBM_BYTES_PER_S)
+
+
+def ling_decode_bytes(config: dict, batch: int, context: int) -> dict[str, float]:
+    """Bytes one Ling decode step moves: the weights it touches (bf16; routers fp32; routed experts as the expected
+    number of distinct ones the batch picks; norms left out), every MLA layer's latent KV of the context (bf16) and
+    every lightning layer's fp32 state (read and written)."""
     c = parse_ling_config(config)
     h, heads, qk = c.hidden_size, c.num_heads, c.qk_nope_head_dim + c.qk_rope_head_dim
     lightning = 5 * heads * c.head_dim * h  # Q|K|V|G in, dense out
@@ -195,7 +202,7 @@ def ling_decode_floor(config: dict, batch: int, context: int) -> float:
                        for i in range(c.num_layers)) + c.vocab_size * h)  # + the LM head
     kv = batch * context * len(c.mla_layers) * (c.kv_lora_rank + c.qk_rope_head_dim) * 2
     states = batch * len(c.lightning_layers) * heads * c.head_dim ** 2 * 4 * 2
-    return batch / ((weights + kv + states) / HBM_BYTES_PER_S)
+    return {"weights": weights, "kv": kv, "states": states}
 
 
 def _sync(device: str) -> None:
