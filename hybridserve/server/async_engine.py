@@ -214,8 +214,9 @@ class AsyncEngine:
                 engine.abort_request(request_id)
             self._loop.call_soon_threadsafe(_settle, command.accepted, err)
             return
-        self._mailboxes.update((request.request_id, (command.mailbox, request.params.output_kind is RequestOutputKind.DELTA))
-                               for request in command.requests)
+        self._mailboxes.update(
+            (request.request_id, (command.mailbox, request.params.output_kind is RequestOutputKind.DELTA))
+            for request in command.requests)
         self._loop.call_soon_threadsafe(_settle, command.accepted, None)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
