@@ -1,16 +1,24 @@
-"""Offline throughput: hybridserve `LLM.generate` side by side with HF transformers, in one run, on one checkpoint.
+"""Offline throughput: hybridserve `LLM.generate` side by side with HF transformers, in one run, on one model.
 
-Scenarios (`--scenarios`, run in order on the same checkpoint; throughput = requested output tokens / wall time of
-one generate() call, prefill included, after a warm-up; temperature 0.6, ignore_eos):
-  b1     1 request, prompt 512, 128 new tokens (batch-1 decode)
-  b64    64 requests, prompts uniform in [100, 512], 128 new tokens
-  nano   nano-vllm's workload: 256 requests, prompt and output lengths uniform in [100, 1024]
-With no --model, a random-weight checkpoint with ZAYA1-8B widths (--layers of them, 40 = the real depth) is written
-first and deleted at the end. On CUDA and for ZAYA1 the same prompts also go through HF transformers `generate`
-(static batches of up to 64, left-padded, after our engine has been freed), and the script prints both rates,
-their ratio and the decode bandwidth floor of each scenario. Results also go to --out as JSON.
+Scenarios (`--scenarios`, run in order on the same model; throughput = requested output tokens / wall time of one
+generate() call, prefill included, after a warm-up; temperature 0.6, ignore_eos):
+  b1       1 request, prompt 512, 128 new tokens (batch-1 decode)
+  b64      64 requests, prompts uniform in [100, 512], 128 new tokens
+  nano     nano-vllm's workload: 256 requests, prompt and output lengths uniform in [100, 1024]
+  prefill  64 prompts x 512 tokens, 1 new token: reported as prefill (prompt) tok/s
+  smoke    2 requests, prompts of 16-32 tokens, 4 new tokens (a quick check that the script runs, e.g. on CPU)
+With no --model, a random model of `--model-type` is made in a temporary directory (deleted at the end): ZAYA1-8B
+widths (`--layers`, default 40 = the real depth) or Ling-2.6-flash widths (`--layers` a multiple of its layer group
+of 8, default 32: 7 lightning layers then one MLA layer per group); `--width demo` takes the demo checkpoints' tiny
+widths instead (CPU smoke tests). `--load-format dummy` (the default for Ling, whose checkpoint would not fit on
+disk) writes only config.json and the tokenizer and has the engine draw random weights on the device; `auto`
+writes a random safetensors checkpoint first. Every decode scenario reports its bandwidth floor (the bytes one
+decode step must move over HBM bandwidth); on CUDA and for ZAYA1 the same prompts also go through HF transformers
+`generate` (static batches of up to 64, left-padded, after our engine has been freed); Ling-2.6 has no HF model
+class here (n/a). Results also go to --out as JSON.
 
-    python benchmarks/offline_throughput.py --layers 40 --scenarios b1 b64 --out results.json
+    python benchmarks/offline_throughput.py --layers 40 --scenarios b1 b64 prefill --out results.json
+    python benchmarks/offline_throughput.py --model-type ling --layers 16 --scenarios b1 b64 prefill
 """
 from __future__ import annotations
 
@@ -20,14 +28,23 @@ import json
 import random
 import shutil
 import tempfile
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from hybridserve import LLM, SamplingParams
-from hybridserve.demo import copy_bundled_tokenizer, write_random_checkpoint
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: hybridserve, tests.reference
+
+from hybridserve import LLM, SamplingParams  # noqa: E402
+from hybridserve.demo import (  # noqa: E402
+    copy_bundled_tokenizer,
+    demo_ling_config,
+    demo_zaya_config,
+    write_random_checkpoint,
+)
+from hybridserve.models.ling_config import parse_ling_config  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12  # H200 device-to-device copy bandwidth measured on the lent machines (KINDS.md)
 
@@ -39,10 +56,13 @@ class Scenario:
     max_input: int
     min_output: int
     max_output: int
+    prefill: bool = False  # rate = prompt tokens / s (else output tokens / s)
 
 
 SCENARIOS = {"b1": Scenario(1, 512, 512, 128, 128), "b64": Scenario(64, 100, 512, 128, 128),
-             "nano": Scenario(256, 100, 1024, 100, 1024)}
+             "nano": Scenario(256, 100, 1024, 100, 1024), "prefill": Scenario(64, 512, 512, 1, 1, prefill=True),
+             "smoke": Scenario(2, 16, 32, 4, 4)}
+DEMO_VOCAB, DEMO_EOS = 151680, [151645]  # the bundled tokenizer's (the demo checkpoints' widths)
 
 
 def zaya1_8b_config(layers: int) -> dict:
@@ -55,6 +75,28 @@ def zaya1_8b_config(layers: int) -> dict:
     }
 
 
+def ling_flash_config(layers: int) -> dict:
+    """Ling-2.6-flash: the widths of tests/reference/ling_naive.flash_config, its real vocabulary and layer groups
+    of 8 (MLA layers 7, 15, ...), `layers` main layers, no MTP layer (the forward does not run it)."""
+    from tests.reference.ling_naive import flash_config
+
+    return flash_config(num_hidden_layers=layers, layer_group_size=8, vocab_size=157184, torch_dtype="bfloat16",
+                        max_position_embeddings=131072, eos_token_id=[156892, 156895], pad_token_id=156892)
+
+
+def model_config(model_type: str, width: str, layers: int | None) -> dict:
+    """The random model's config.json: full widths or the demo checkpoints' tiny ones, with `layers` layers."""
+    if model_type == "zaya":
+        layers = layers or 40
+        if width == "full":
+            return zaya1_8b_config(layers)
+        return demo_zaya_config(DEMO_VOCAB, DEMO_EOS) | {"num_hidden_layers": layers, "layer_types": ["hybrid"] * layers}
+    layers = layers or 32
+    if width == "full":
+        return ling_flash_config(layers)
+    return demo_ling_config(DEMO_VOCAB, DEMO_EOS) | {"num_hidden_layers": layers, "num_nextn_predict_layers": 0}
+
+
 def workload(scenario: Scenario, seed: int) -> tuple[list[list[int]], list[int]]:
     rng = random.Random(seed)
     prompts = [[rng.randrange(10, 20000) for _ in range(rng.randint(scenario.min_input, scenario.max_input))]
@@ -63,8 +105,8 @@ def workload(scenario: Scenario, seed: int) -> tuple[list[list[int]], list[int]]
 
 
 def run_ours(model_dir: str, workloads: dict, args) -> dict[str, float]:
-    llm = LLM(model_dir, use_tqdm=False, dtype="bfloat16", device=args.device,
-              max_running_requests=args.max_running_requests, enforce_eager=args.enforce_eager)
+    llm = LLM(model_dir, use_tqdm=False, dtype=args.dtype, device=args.device, load_format=args.load_format,
+              max_running_requests=args.max_running_requests, enforce_eager=args.enforce_eager, seed=args.seed)
     rates = {}
     for name, (prompts, outputs) in workloads.items():
         params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True, seed=i)
@@ -76,8 +118,8 @@ def run_ours(model_dir: str, workloads: dict, args) -> dict[str, float]:
         _sync(args.device)
         elapsed = time.perf_counter() - start
         assert [len(r.outputs[0].token_ids) for r in results] == outputs
-        rates[name] = sum(outputs) / elapsed
-        print(f"hybridserve {name}: {rates[name]:.1f} output tok/s", flush=True)
+        rates[name] = _tokens(name, prompts, outputs) / elapsed
+        print(f"hybridserve {name}: {rates[name]:.1f} {_unit(name)}", flush=True)
     del llm
     gc.collect()
     torch.cuda.empty_cache() if args.device.startswith("cuda") else None
@@ -85,9 +127,14 @@ def run_ours(model_dir: str, workloads: dict, args) -> dict[str, float]:
 
 
 def run_hf(model_dir: str, workloads: dict, args) -> dict[str, float]:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(args.device).eval()
+    if args.load_format == "dummy":  # no weights on disk: HF's own random init (the timing does not depend on it)
+        with torch.device(args.device):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.bfloat16)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(args.device)
+    model.eval()
     model.generation_config.eos_token_id = None
     rates = {}
     for name, (prompts, outputs) in workloads.items():
@@ -99,9 +146,17 @@ def run_hf(model_dir: str, workloads: dict, args) -> dict[str, float]:
         for batch in batches:
             _hf_generate(model, [prompts[i] for i in batch], max(outputs[i] for i in batch), args)
         _sync(args.device)
-        rates[name] = sum(outputs) / (time.perf_counter() - start)
-        print(f"HF transformers {name} (static batches of {size}): {rates[name]:.1f} output tok/s", flush=True)
+        rates[name] = _tokens(name, prompts, outputs) / (time.perf_counter() - start)
+        print(f"HF transformers {name} (static batches of {size}): {rates[name]:.1f} {_unit(name)}", flush=True)
     return rates
+
+
+def _tokens(name: str, prompts: list[list[int]], outputs: list[int]) -> int:
+    return sum(map(len, prompts)) if SCENARIOS[name].prefill else sum(outputs)
+
+
+def _unit(name: str) -> str:
+    return "prefill tok/s" if SCENARIOS[name].prefill else "output tok/s"
 
 
 def _hf_generate(model, prompts, new_tokens: int, args) -> None:
@@ -125,6 +180,31 @@ def zaya_decode_floor(config: dict, batch: int, context: int) -> float:
     return batch / ((weights + kv) / HBM_BYTES_PER_S)
 
 
+def ling_decode_floor(config: dict, batch: int, context: int) -> float:
+    """Tokens/s if one decode step only had to move its bytes (`ling_decode_bytes`) at HBM speed."""
+    return batch / (sum(ling_decode_bytes(config, batch, context).values()) / HBM_BYTES_PER_S)
+
+
+def ling_decode_bytes(config: dict, batch: int, context: int) -> dict[str, float]:
+    """Bytes one Ling decode step moves: the weights it touches (bf16; routers fp32; routed experts as the expected
+    number of distinct ones the batch picks; norms left out), every MLA layer's latent KV of the context (bf16) and
+    every lightning layer's fp32 state (read and written)."""
+    c = parse_ling_config(config)
+    h, heads, qk = c.hidden_size, c.num_heads, c.qk_nope_head_dim + c.qk_rope_head_dim
+    lightning = 5 * heads * c.head_dim * h  # Q|K|V|G in, dense out
+    q = c.q_lora_rank * h + heads * qk * c.q_lora_rank if c.q_lora_rank else heads * qk * h
+    mla = (q + (c.kv_lora_rank + c.qk_rope_head_dim) * h + heads * (c.qk_nope_head_dim + c.v_head_dim) * c.kv_lora_rank
+           + heads * c.v_head_dim * h)
+    touched = c.num_experts * (1 - (1 - c.num_experts_per_tok / c.num_experts) ** batch)
+    moe = (touched * 3 * c.moe_intermediate_size + 3 * c.shared_expert_width + 2 * c.num_experts) * h
+    dense = 3 * c.intermediate_size * h
+    weights = 2 * (sum((mla if c.is_mla(i) else lightning) + (dense if c.is_dense(i) else moe)
+                       for i in range(c.num_layers)) + c.vocab_size * h)  # + the LM head
+    kv = batch * context * len(c.mla_layers) * (c.kv_lora_rank + c.qk_rope_head_dim) * 2
+    states = batch * len(c.lightning_layers) * heads * c.head_dim ** 2 * 4 * 2
+    return {"weights": weights, "kv": kv, "states": states}
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -132,48 +212,68 @@ def _sync(device: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="HF-layout directory (default: random ZAYA1-8B widths)")
-    parser.add_argument("--layers", type=int, default=40, help="layers of the random ZAYA1-8B-shaped model")
+    parser.add_argument("--model", default=None, help="HF-layout directory (default: a random model, see above)")
+    parser.add_argument("--model-type", default="zaya", choices=["zaya", "ling"], help="the random model's family")
+    parser.add_argument("--width", default="full", choices=["full", "demo"],
+                        help="the random model's widths: ZAYA1-8B / Ling-2.6-flash, or the tiny demo ones")
+    parser.add_argument("--layers", type=int, default=None, help="layers of the random model (default: real depth)")
+    parser.add_argument("--load-format", default=None, choices=["auto", "dummy"],
+                        help="dummy: random weights drawn by the engine from config.json alone (default for ling); "
+                             "auto: a random safetensors checkpoint is written first (default for zaya)")
     parser.add_argument("--scenarios", nargs="+", default=["b1", "b64"], choices=list(SCENARIOS))
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-running-requests", type=int, default=256)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--hf-batch", type=int, default=64, help="largest static batch for HF generate")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true", help="our engine without CUDA graphs")
     parser.add_argument("--out", default=None, help="write the results here as JSON")
     args = parser.parse_args()
+    args.load_format = args.load_format or ("dummy" if args.model_type == "ling" else "auto")
 
     model_dir, temporary = args.model, args.model is None
     if temporary:
-        model_dir = tempfile.mkdtemp(prefix="zaya8b-")
-        write_random_checkpoint(Path(model_dir), zaya1_8b_config(args.layers))
+        model_dir = tempfile.mkdtemp(prefix=f"{args.model_type}-bench-")
+        config = model_config(args.model_type, args.width, args.layers)
+        if args.load_format == "dummy":
+            (Path(model_dir) / "config.json").write_text(json.dumps(config, indent=2))
+        else:
+            write_random_checkpoint(Path(model_dir), config)
         copy_bundled_tokenizer(Path(model_dir))
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
+        zaya = config["model_type"] == "zaya"
         workloads = {name: workload(SCENARIOS[name], args.seed) for name in args.scenarios}
-        result = {"model": model_dir, "layers": config["num_hidden_layers"], "device": args.device,
+        result = {"model": args.model or f"random {args.model_type} ({args.width} widths)",
+                  "layers": config["num_hidden_layers"], "device": args.device, "load_format": args.load_format,
                   "cuda_graphs": not args.enforce_eager,
                   "scenarios": {name: {"requests": len(p), "input_tokens": sum(map(len, p)),
-                                       "output_tokens": sum(o)} for name, (p, o) in workloads.items()}}
+                                       "output_tokens": sum(o), "unit": _unit(name)}
+                                for name, (p, o) in workloads.items()}}
         for name, rate in run_ours(model_dir, workloads, args).items():
-            result["scenarios"][name]["ours_tok_s"] = rate
-        if args.device.startswith("cuda") and config["model_type"] == "zaya" and not args.skip_hf:
+            entry = result["scenarios"][name]
+            entry["ours_tok_s"] = rate
+            sc = SCENARIOS[name]
+            if not sc.prefill:
+                context = (sc.min_input + sc.max_input) // 2 + (sc.min_output + sc.max_output) // 4
+                floor = zaya_decode_floor if zaya else ling_decode_floor
+                entry["floor_tok_s"] = floor(config, min(sc.requests, args.max_running_requests), context)
+        if not zaya:
+            for entry in result["scenarios"].values():
+                entry["hf_tok_s"] = "n/a"  # no Ling-2.6 model class in transformers here
+        elif args.device.startswith("cuda") and not args.skip_hf:
             for name, rate in run_hf(model_dir, workloads, args).items():
                 entry = result["scenarios"][name]
                 entry["hf_tok_s"], entry["ratio"] = rate, entry["ours_tok_s"] / rate
-                sc = SCENARIOS[name]
-                context = (sc.min_input + sc.max_input) // 2 + (sc.min_output + sc.max_output) // 4
-                entry["floor_tok_s"] = zaya_decode_floor(config, min(sc.requests, args.max_running_requests),
-                                                         context)
         print(f"{'scenario':<9} {'ours tok/s':>11} {'HF tok/s':>10} {'ours/HF':>8} {'floor tok/s':>12} {'of floor':>9}")
         for name, e in result["scenarios"].items():
-            if "hf_tok_s" in e:
-                print(f"{name:<9} {e['ours_tok_s']:>11.1f} {e['hf_tok_s']:>10.1f} {e['ratio']:>7.2f}x "
-                      f"{e['floor_tok_s']:>12.0f} {e['ours_tok_s'] / e['floor_tok_s']:>8.1%}")
-            else:
-                print(f"{name:<9} {e['ours_tok_s']:>11.1f}")
+            hf = e.get("hf_tok_s", "-")
+            hf_text = f"{hf:>10.1f} {e['ratio']:>7.2f}x" if isinstance(hf, float) else f"{hf:>10} {'-':>8}"
+            floor = f"{e['floor_tok_s']:>12.0f} {e['ours_tok_s'] / e['floor_tok_s']:>8.1%}" if "floor_tok_s" in e \
+                else f"{'-':>12} {'-':>9}"
+            print(f"{name:<9} {e['ours_tok_s']:>11.1f} {hf_text} {floor}  ({e['unit']})")
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=2))
     finally:

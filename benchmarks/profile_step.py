@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.offline_throughput import SCENARIOS, workload, zaya1_8b_config  # noqa: E402
 from hybridserve import LLM, SamplingParams  # noqa: E402
 from hybridserve.demo import copy_bundled_tokenizer, write_random_checkpoint  # noqa: E402
+from hybridserve.outputs import RequestOutputKind  # noqa: E402
 
 
 def _sync() -> None:
@@ -82,8 +83,8 @@ def main() -> None:
         print(json.dumps(summary, indent=1))
 
         # Profile a few decode steps in the middle of a run.
-        params = [SamplingParams(temperature=args.temperature, max_tokens=32, ignore_eos=True, seed=i)
-                  for i in range(len(prompts))]
+        params = [SamplingParams(temperature=args.temperature, max_tokens=32, ignore_eos=True, seed=i,
+                                 output_kind=RequestOutputKind.DELTA) for i in range(len(prompts))]  # as the server
         engine = llm.engine
         for i, (p, sp) in enumerate(zip(prompts, params)):
             engine.add_request(f"profile-{i}", p, sp)

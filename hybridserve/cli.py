@@ -56,7 +56,11 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cuda-graph-max-bs", type=int, default=None,
                         help="largest decode batch replayed from a CUDA graph (default: 256 or "
                              "--max-running-requests, whichever is smaller); larger decode steps run eagerly")
-    parser.add_argument("--seed", type=int, default=0, help="seed for requests that bring none")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed for requests that bring none (and for --load-format dummy weights)")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+                        help="auto / safetensors: the checkpoint's *.safetensors; dummy: random weights from "
+                             "config.json alone, no weight files read (benchmarks of full-size models)")
     parser.add_argument("--kernel-backend", default="auto", choices=["auto", "triton", "torch"],
                         help="auto: Triton kernels on CUDA, the pure-torch references elsewhere; torch: references "
                              "everywhere (debugging); triton: fail unless the kernels can run")
@@ -81,7 +85,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 gpu_memory_utilization=args.gpu_memory_utilization, state_to_kv_ratio=args.state_to_kv_ratio,
                 max_state_slots=args.max_state_slots, seed=args.seed,
                 kernel_backend=args.kernel_backend, skip_warmup=args.skip_warmup, enforce_eager=args.enforce_eager,
-                cuda_graph_max_bs=args.cuda_graph_max_bs)
+                cuda_graph_max_bs=args.cuda_graph_max_bs, load_format=args.load_format)
 
 
 def _model_dir(args: argparse.Namespace) -> str:

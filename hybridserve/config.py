@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
 
 @dataclass
 class EngineConfig:
@@ -32,6 +34,7 @@ class EngineConfig:
     cuda_graph_max_bs: int | None = None  # largest decode batch replayed from a graph (default min(256, running cap))
     skip_warmup: bool = False  # skip compiling every kernel variant at start-up (they then compile in the first steps)
     use_tqdm: bool = True  # a progress bar while the weights load
+    load_format: str = "auto"  # auto = safetensors (the checkpoint's weights) | dummy (random, from config.json alone)
 
     def __post_init__(self) -> None:
         def fail(name: str, why: str) -> None:
@@ -65,6 +68,8 @@ class EngineConfig:
             fail("cuda_graph_max_bs", "must be >= 1")
         if self.kernel_backend not in ("auto", "triton", "torch"):
             fail("kernel_backend", "must be auto, triton or torch")
+        if self.load_format not in LOAD_FORMATS:
+            fail("load_format", f"must be one of {', '.join(LOAD_FORMATS)}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             fail("device", "must be auto, cpu, cuda or cuda:N")
 

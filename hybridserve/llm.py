@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 
 from tqdm import tqdm
 
 from hybridserve.config import EngineConfig
 from hybridserve.demo import ensure_demo_checkpoint
 from hybridserve.engine.engine import LLMEngine
-from hybridserve.outputs import RequestOutput
+from hybridserve.outputs import RequestOutput, RequestOutputKind
 from hybridserve.sampling import SamplingParams
 from hybridserve.tokenizer import chat_prompt_ids
 
@@ -51,7 +52,8 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         try:
             for request_id, prompt, p in zip(ids, inputs, params):
-                self.engine.add_request(request_id, prompt, p)
+                # The engine folds each step's delta in and hands back only the finished output.
+                self.engine.add_request(request_id, prompt, replace(p, output_kind=RequestOutputKind.FINAL_ONLY))
             with tqdm(total=len(ids), desc="generating", unit="request",
                       disable=not (self.use_tqdm if use_tqdm is None else use_tqdm)) as progress:
                 while self.engine.has_unfinished_requests():

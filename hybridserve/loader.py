@@ -50,7 +50,8 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
         return files
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir} (load_format='dummy' runs random weights "
+                                "from config.json alone)")
     return files
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from hybridserve.outputs import RequestOutputKind
+
 MAX_LOGPROBS = 20
 MAX_N = 128  # sequences per prompt: each runs with its own state slot
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (dividing logits by them would overflow)
@@ -56,6 +58,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for every prompt token
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what each engine step hands back
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -103,6 +106,8 @@ class SamplingParams:
                 fail(name, f"must be an integer in [0, {MAX_LOGPROBS}]")
         if self.seed is not None and not _is_int(self.seed):
             fail("seed", "must be a 64-bit signed integer")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            fail("output_kind", "must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
         if len(self.stop) > MAX_STOP_STRINGS or any(
                 not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop):
             fail("stop", f"must be at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_STRING_CHARS} "

@@ -49,38 +49,56 @@ class IncrementalDetokenizer:
 
 
 class StopStringMatcher:
-    """Accumulates output text, finds stop strings, and says how much text is safe to show.
+    """Finds stop strings in the output text and releases the text that is safe to show.
 
-    Text that could still turn into the start of a stop string is held back, so a stop string is never
-    streamed partially.
+    Text that could still turn into the start of a stop string (the last `holdback` characters) is held back, so
+    a stop string is never streamed partially. Only the held text is searched and copied per step: O(delta).
     """
 
     def __init__(self, stop: list[str], include_stop: bool):
         self.stop = stop
         self.include_stop = include_stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
-        self.text = ""
+        self._released: list[str] = []  # text already released, in pieces
+        self._held = ""  # text not released yet: at most `holdback` characters plus the latest delta
         self.matched: str | None = None
+
+    @property
+    def text(self) -> str:
+        """All text so far (cut at the stop string once one has appeared)."""
+        return "".join(self._released) + self._held
 
     def add(self, delta: str) -> bool:
         """Append text; True when a stop string has appeared (the text is then cut there)."""
-        start = max(0, len(self.text) - self.holdback)
-        self.text += delta
+        start = max(0, len(self._held) - self.holdback)  # earlier text was searched when it arrived
+        self._held += delta
         if not self.stop:
             return False
-        hits = [(self.text.find(s, start), s) for s in self.stop]
+        hits = [(self._held.find(s, start), s) for s in self.stop]
         hits = [(pos, s) for pos, s in hits if pos >= 0]
         if not hits:
             return False
         pos, self.matched = min(hits)
-        self.text = self.text[: pos + len(self.matched) if self.include_stop else pos]
+        self._held = self._held[: pos + len(self.matched) if self.include_stop else pos]
         return True
 
-    def visible(self, finished: bool) -> str:
-        """The text that may be shown now."""
+    def _safe(self, finished: bool) -> int:
+        """How many held characters may be shown now."""
         if finished or self.matched is not None:
-            return self.text
-        return self.text[: len(self.text) - self.holdback] if self.holdback else self.text
+            return len(self._held)
+        return max(0, len(self._held) - self.holdback)
+
+    def visible(self, finished: bool) -> str:
+        """All the text that may be shown now."""
+        return "".join(self._released) + self._held[: self._safe(finished)]
+
+    def release(self, finished: bool) -> str:
+        """The text that became safe to show since the last release."""
+        safe = self._safe(finished)
+        new, self._held = self._held[:safe], self._held[safe:]
+        if new:
+            self._released.append(new)
+        return new
 
 
 def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], template_options: dict | None = None,

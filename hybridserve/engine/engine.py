@@ -16,7 +16,7 @@ from hybridserve.core.step import SampledToken
 from hybridserve.engine.request import Request
 from hybridserve.engine.scheduler import Scheduler
 from hybridserve.ops.backends import any_triton
-from hybridserve.outputs import CompletionOutput, RequestOutput
+from hybridserve.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from hybridserve.runtime.model_runner import ModelRunner
 from hybridserve.sampling import SamplingParams
 from hybridserve.tokenizer import (
@@ -30,14 +30,18 @@ logger = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class _Sequence:
-    """One generated sequence plus what turns its tokens into user-facing output."""
+    """One generated sequence plus what turns its tokens into user-facing output, and how much of it was handed
+    out already (each step's output carries only what is new)."""
 
     request: Request
     index: int
     detokenizer: IncrementalDetokenizer
     text: StopStringMatcher
-    logprobs: list[dict[int, float]] | None = None
+    new_logprobs: list[dict[int, float]] | None = None  # of the tokens not handed out yet
     cumulative_logprob: float | None = None
+    num_reported: int = 0  # output tokens handed out
+    announced: bool = False  # handed out at least once (an empty sequence is announced too)
+    reported_finish: bool = False
 
 
 @dataclass(eq=False)
@@ -50,6 +54,8 @@ class _Group:
     sequences: list[_Sequence]
     prompt_logprobs: list[dict[int, float] | None] | None
     error: str | None = None  # set when the request failed (and was aborted) while the others kept running
+    started: bool = False  # a delta was built (the prompt logprobs go out with the first)
+    total: RequestOutput | None = None  # the deltas so far, folded (CUMULATIVE and FINAL_ONLY requests)
 
     @property
     def finished(self) -> bool:
@@ -140,7 +146,7 @@ class LLMEngine:
         sequence = _Sequence(request, len(group.sequences),
                              IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens),
                              StopStringMatcher(params.stop, params.include_stop_str_in_output),
-                             logprobs=[] if params.logprobs is not None else None,
+                             new_logprobs=[] if params.logprobs is not None else None,
                              cumulative_logprob=0.0 if params.logprobs is not None else None)
         group.sequences.append(sequence)
         self._sequences[request.request_id] = (group, sequence)
@@ -186,7 +192,8 @@ class LLMEngine:
 
     # --- the step loop ---------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one forward over the scheduled batch; return outputs of the requests that made progress."""
+        """Run one forward over the scheduled batch; return outputs of the requests that made progress, each as its
+        SamplingParams.output_kind asks (what is new, everything so far, or only the finished result)."""
         scheduled = self.scheduler.schedule()
         if scheduled is None:
             return []
@@ -214,7 +221,7 @@ class LLMEngine:
             except Exception as err:  # this request's failure: abort it alone, everyone else keeps going
                 self._fail(group, err)
                 progressed[group.request_id] = group
-        outputs = [self._output(group) for group in progressed.values()]
+        outputs = [output for group in progressed.values() if (output := self._output(group)) is not None]
         for group in progressed.values():
             if group.finished:
                 del self._groups[group.request_id]
@@ -242,10 +249,10 @@ class LLMEngine:
         stops = request.stop_token_hit(sampled.token_id)
         request.output_token_ids.append(sampled.token_id)
         self.num_generation_tokens += 1
-        if tracked.logprobs is not None:
+        if tracked.new_logprobs is not None:
             entry = dict(sampled.top_logprobs or [])
             entry[sampled.token_id] = sampled.logprob
-            tracked.logprobs.append(entry)
+            tracked.new_logprobs.append(entry)
             tracked.cumulative_logprob += sampled.logprob
         if tracked.text.add(tracked.detokenizer.add(sampled.token_id)):
             request.stop_reason = tracked.text.matched
@@ -258,16 +265,43 @@ class LLMEngine:
                 or request.num_tokens >= self.max_model_len:
             self.scheduler.finish(request, "length")
 
-    def _output(self, group: _Group) -> RequestOutput:
-        completions = [CompletionOutput(
-            index=seq.index, text=seq.text.visible(seq.request.finished), token_ids=list(seq.request.output_token_ids),
-            finish_reason=seq.request.finish_reason, stop_reason=seq.request.stop_reason,
-            cumulative_logprob=seq.cumulative_logprob,
-            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,  # a snapshot, like token_ids
-        ) for seq in group.sequences]
+    def _output(self, group: _Group) -> RequestOutput | None:
+        """This step's output of a group that progressed, by its output kind (None: nothing to hand out yet)."""
+        delta = self._delta(group)
+        kind = group.params.output_kind
+        if kind is RequestOutputKind.DELTA:
+            return delta
+        if group.total is None:
+            group.total = delta
+        else:
+            group.total.add(delta)
+        if kind is RequestOutputKind.CUMULATIVE:
+            return group.total.copy()
+        return group.total if group.finished else None
+
+    def _delta(self, group: _Group) -> RequestOutput:
+        """What is new in a group since its previous delta: per sequence the new tokens, their logprobs and the text
+        that became safe to show, in time proportional to that (sequences with nothing new are left out)."""
+        completions = []
+        for seq in group.sequences:
+            request = seq.request
+            if seq.reported_finish:
+                continue
+            tokens = request.output_token_ids[seq.num_reported:]
+            text = seq.text.release(request.finished)
+            if seq.announced and not (tokens or text or request.finished):
+                continue
+            logprobs = seq.new_logprobs
+            if logprobs is not None:
+                seq.new_logprobs = []
+            seq.num_reported += len(tokens)
+            seq.announced, seq.reported_finish = True, request.finished
+            completions.append(CompletionOutput(seq.index, text, tokens, request.finish_reason, request.stop_reason,
+                                                seq.cumulative_logprob, logprobs))
+        prompt_logprobs = list(group.prompt_logprobs) if group.prompt_logprobs and not group.started else None
+        group.started = True
         first = group.sequences[0].request
         return RequestOutput(request_id=group.request_id, prompt=group.prompt,
                              prompt_token_ids=first.prompt_token_ids, outputs=completions, finished=group.finished,
-                             num_cached_tokens=first.num_cached_tokens or 0,
-                             prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs else None,
+                             num_cached_tokens=first.num_cached_tokens or 0, prompt_logprobs=prompt_logprobs,
                              error=group.error)

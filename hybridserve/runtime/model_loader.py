@@ -11,6 +11,7 @@ from torch import nn
 
 from hybridserve.loader import load_weights, read_config
 from hybridserve.models.registry import model_family
+from hybridserve.runtime.dummy_weights import init_dummy_weights
 
 logger = logging.getLogger(__name__)
 
@@ -41,14 +42,22 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def build_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
-                hf_overrides: dict | None = None, progress: bool = False) -> tuple[nn.Module, object]:
-    """(model with weights loaded, parsed model config); `progress` shows a bar while the weights load."""
+                hf_overrides: dict | None = None, progress: bool = False, load_format: str = "auto",
+                seed: int = 0) -> tuple[nn.Module, object]:
+    """(model with weights loaded, parsed model config); `progress` shows a bar while the weights load.
+
+    load_format auto / safetensors: the checkpoint's *.safetensors (the only format read); dummy: random weights
+    seeded with `seed`, nothing read but config.json."""
     start = time.monotonic()
     raw = read_config(model_dir, hf_overrides)
     family = model_family(raw)
     config = family.parse_config(raw)
     with torch.device(device), _default_dtype(dtype):
         model = family.model_class(config)
-    load_weights(model, model_dir, progress)
-    logger.info("loaded %s weights from %s in %.1f s", type(model).__name__, model_dir, time.monotonic() - start)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+        logger.info("initialised %s random weights in %.1f s", type(model).__name__, time.monotonic() - start)
+    else:
+        load_weights(model, model_dir, progress)
+        logger.info("loaded %s weights from %s in %.1f s", type(model).__name__, model_dir, time.monotonic() - start)
     return model.eval(), config

@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from hybridserve.config import EngineConfig
 from hybridserve.engine.engine import LLMEngine
-from hybridserve.outputs import RequestOutput
+from hybridserve.outputs import RequestOutput, RequestOutputKind
 from hybridserve.sampling import SamplingParams
 from hybridserve.tokenizer import load_tokenizer
 
@@ -50,8 +50,8 @@ class EngineDead(RuntimeError):
 class OutputMailbox:
     """Where one API call's outputs arrive (event-loop side).
 
-    Outputs are cumulative, so a newer output replaces an unread older one of the same request: a slow reader
-    costs no memory and simply gets bigger deltas.
+    A newer output of a request meets an unread older one there: a delta is folded into it (RequestOutput.add), a
+    cumulative output replaces it. A slow reader costs no extra memory and simply gets bigger deltas.
     """
 
     def __init__(self):
@@ -59,8 +59,12 @@ class OutputMailbox:
         self._interrupt: BaseException | None = None
         self._ready = asyncio.Event()
 
-    def put(self, output: RequestOutput) -> None:
-        self._latest[output.request_id] = output
+    def put(self, output: RequestOutput, delta: bool) -> None:
+        unread = self._latest.get(output.request_id)
+        if delta and unread is not None:
+            unread.add(output)
+        else:
+            self._latest[output.request_id] = output
         self._ready.set()
 
     def interrupt(self, reason: BaseException) -> None:
@@ -102,7 +106,8 @@ class AsyncEngine:
         self._commands: list[_Add | _Abort] = []
         self._wakeup = threading.Condition()
         self._stopping = False
-        self._mailboxes: dict[str, OutputMailbox] = {}  # engine thread only: request id -> its API call's mailbox
+        # Engine thread only: request id -> its API call's mailbox, and whether its outputs are deltas.
+        self._mailboxes: dict[str, tuple[OutputMailbox, bool]] = {}
         self._engine: LLMEngine | None = None  # kept after the thread ends: freeing its caches can take a second
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_fatal: Callable[[], None] = lambda: None
@@ -134,7 +139,7 @@ class AsyncEngine:
     async def add(self, requests: list[EngineRequest], mailbox: OutputMailbox) -> None:
         """Queue requests as one group: all are accepted, or none (the engine's ValueError is raised here).
 
-        Their outputs (the engine's cumulative RequestOutputs) arrive in `mailbox`.
+        Their outputs (RequestOutputs of each request's output kind) arrive in `mailbox`.
         """
         accepted = self._loop.create_future()
         if not self._submit(_Add(requests, mailbox, accepted)):
@@ -209,16 +214,18 @@ class AsyncEngine:
                 engine.abort_request(request_id)
             self._loop.call_soon_threadsafe(_settle, command.accepted, err)
             return
-        self._mailboxes.update((request_id, command.mailbox) for request_id in added)
+        self._mailboxes.update(
+            (request.request_id, (command.mailbox, request.params.output_kind is RequestOutputKind.DELTA))
+            for request in command.requests)
         self._loop.call_soon_threadsafe(_settle, command.accepted, None)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         batch = []
         for output in outputs:
             pop = self._mailboxes.pop if output.finished else self._mailboxes.get
-            mailbox = pop(output.request_id, None)
-            if mailbox is not None:
-                batch.append((mailbox, output))
+            target = pop(output.request_id, None)
+            if target is not None:
+                batch.append((*target, output))
         if batch:
             self._loop.call_soon_threadsafe(_put_all, batch)
 
@@ -233,7 +240,7 @@ class AsyncEngine:
             waiting, self._commands = [c.accepted for c in self._commands if isinstance(c, _Add)], []
         for future in waiting:
             self._loop.call_soon_threadsafe(_settle, future, dead)
-        for mailbox in set(self._mailboxes.values()):
+        for mailbox in {mailbox for mailbox, _ in self._mailboxes.values()}:
             self._loop.call_soon_threadsafe(mailbox.interrupt, dead)
         self._loop.call_soon_threadsafe(self._on_fatal)
 
@@ -247,6 +254,6 @@ def _settle(future: asyncio.Future, error: BaseException | None) -> None:
         future.set_exception(error)
 
 
-def _put_all(items: list[tuple[OutputMailbox, RequestOutput]]) -> None:
-    for mailbox, output in items:
-        mailbox.put(output)
+def _put_all(items: list[tuple[OutputMailbox, bool, RequestOutput]]) -> None:
+    for mailbox, delta, output in items:
+        mailbox.put(output, delta)

@@ -4,8 +4,10 @@ A call becomes one engine request per prompt (the engine computes the prompt onc
 submitted as one group, with outputs in the call's own mailbox. Choice `index` = prompt index * n + sequence
 index, as vLLM numbers them.
 
-Deltas: the engine reports cumulative state, and its `text` is already safe to show (text that could still become
-a stop string is held back), so what is new is simply the text and tokens past what was already sent.
+Deltas: the engine hands out only what is new per step (output kind DELTA), and its text is already safe to show
+(text that could still become a stop string is held back). A choice's tokens whose text is still held back wait
+here until their text comes; each call's outputs are also folded into `final` (for the non-streaming body, usage
+and echo), all in time proportional to what is new.
 
 Client disconnects: a watcher task waits for the ASGI disconnect message and aborts whatever is unfinished, at any
 point, even when a streaming response never got to start its body; the engine then frees pages and state.
@@ -20,13 +22,13 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from hybridserve.outputs import RequestOutput, TopLogprobs
+from hybridserve.outputs import RequestOutput, RequestOutputKind, TopLogprobs
 from hybridserve.sampling import SamplingParamError, SamplingParams
 from hybridserve.server.async_engine import EngineDead, EngineRequest, OutputMailbox
 from hybridserve.server.errors import APIError, shutting_down
@@ -56,11 +58,12 @@ class Delta:
 
 
 @dataclass
-class _Sent:
-    chars: int = 0
-    tokens: int = 0
-    started: bool = False
-    finished: bool = False
+class _Unsent:
+    """A choice's tokens (and logprobs) received but not sent yet (their text is still held back)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TopLogprobs] = field(default_factory=list)
+    started: bool = False  # the choice's first delta went out
 
 
 class Generation:
@@ -69,12 +72,13 @@ class Generation:
         self.server, self.engine, self.metrics, self.http = server, server.engine, server.metrics, http
         self.n = params.n
         self.prompt_param = prompt_param
+        params = replace(params, output_kind=RequestOutputKind.DELTA)
         self.requests = [EngineRequest(f"{call_id}-{i}", ids, params) for i, ids in enumerate(prompts)]
-        self.final: list[RequestOutput | None] = [None] * len(prompts)  # latest output per prompt
+        self.final: list[RequestOutput | None] = [None] * len(prompts)  # each prompt's deltas so far, folded
         self._index = {request.request_id: i for i, request in enumerate(self.requests)}
         self._unfinished = set(self._index)
         self._aborted = False
-        self._sent = [_Sent() for _ in range(len(prompts) * self.n)]
+        self._unsent = [_Unsent() for _ in range(len(prompts) * self.n)]
         self._mailbox = OutputMailbox()
         self._timers: dict[str, RequestTimer] = {}
         self._watcher: asyncio.Task | None = None
@@ -126,7 +130,7 @@ class Generation:
         self._mailbox.interrupt(ClientDisconnected())
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, cumulative output) as the engine reports progress, until every prompt is finished.
+        """(prompt index, its delta) as the engine reports progress, until every prompt is finished.
 
         Raises ClientDisconnected when the client goes away, an APIError (500) when the engine fails."""
         while self._unfinished:
@@ -141,7 +145,10 @@ class Generation:
                                    code="request_failed")
                 self._timers[output.request_id].observe(output)
                 prompt_index = self._index[output.request_id]
-                self.final[prompt_index] = output
+                if self.final[prompt_index] is None:
+                    self.final[prompt_index] = output.copy()
+                else:
+                    self.final[prompt_index].add(output)
                 if output.finished:
                     self._unfinished.discard(output.request_id)
                 yield prompt_index, output
@@ -155,24 +162,28 @@ class Generation:
             self.close()
 
     def deltas(self, prompt_index: int, output: RequestOutput) -> list[Delta]:
-        """What is new in `output` for each of its choices; a choice with nothing visible yet gives none."""
+        """The choices' deltas for one delta output; a choice with no new visible text (and not finished) gives
+        none yet: its tokens wait for their text."""
         found = []
         for completion in output.outputs:
             index = prompt_index * self.n + completion.index
-            sent = self._sent[index]
-            text = completion.text[sent.chars:]
-            if sent.finished or (not text and completion.finish_reason is None):
+            unsent = self._unsent[index]
+            unsent.token_ids += completion.token_ids
+            if completion.logprobs is not None:
+                unsent.logprobs += completion.logprobs
+            if not completion.text and completion.finish_reason is None:
                 continue
-            logprobs = completion.logprobs[sent.tokens:] if completion.logprobs is not None else None
-            found.append(Delta(index, prompt_index, text, completion.token_ids[sent.tokens:], logprobs,
-                               completion.finish_reason, completion.stop_reason, first=not sent.started))
-            sent.chars, sent.tokens = len(completion.text), len(completion.token_ids)
-            sent.started, sent.finished = True, completion.finish_reason is not None
+            found.append(Delta(index, prompt_index, completion.text, unsent.token_ids,
+                               unsent.logprobs if completion.logprobs is not None else None,
+                               completion.finish_reason, completion.stop_reason, first=not unsent.started))
+            self._unsent[index] = _Unsent(started=True)
         return found
 
     def final_deltas(self) -> list[Delta]:
         """Every choice in full, in index order (the body of a non-streaming response)."""
-        found = [delta for i, output in enumerate(self.final) for delta in self.deltas(i, output)]
+        found = [Delta(prompt_index * self.n + c.index, prompt_index, c.text, c.token_ids, c.logprobs,
+                       c.finish_reason, c.stop_reason, first=True)
+                 for prompt_index, output in enumerate(self.final) for c in output.outputs]
         return sorted(found, key=lambda delta: delta.index)
 
     def usage(self) -> dict:

@@ -85,8 +85,8 @@ class ServerMetrics:
 
 
 class RequestTimer:
-    """Latencies of one engine request (one prompt, n sequences), observed as its cumulative outputs reach the
-    event loop (what a client sees); outputs that arrive coalesced count each of their tokens."""
+    """Latencies of one engine request (one prompt, n sequences), observed as its delta outputs reach the event
+    loop (what a client sees); deltas that arrive coalesced count each of their tokens."""
 
     def __init__(self, metrics: ServerMetrics, arrival: float):
         self.metrics = metrics
@@ -98,8 +98,8 @@ class RequestTimer:
         now = time.monotonic()
         for completion in output.outputs:
             count, last = self.seen.get(completion.index, (0, now))
-            new = len(completion.token_ids) - count
-            if new <= 0:
+            new = len(completion.token_ids)
+            if new == 0:
                 continue
             gaps = new - 1 if count == 0 else new  # a sequence's first token closes no gap
             if self.first_token is None:
