@@ -3,9 +3,9 @@
 # poisons the whole process, so one faulting kernel must not hide the others' results), then the benchmarks.
 # Logs and JSON go to $OUT (default ./gpu-out); the per-file logs end up in one $OUT/logs.tgz, as the device tool
 # brings back at most 8 files. Usage, from the repository root on the GPU machine:
-#   bash benchmarks/gpu_session.sh [tests|bench|all|agreement|profile]
-# (all = tests + bench; agreement = Ling decode agreement per lightning implementation; profile = the b64 step
-# profile of the 40-layer ZAYA1 run)
+#   bash benchmarks/gpu_session.sh [tests|bench|all|ling|agreement|profile]
+# (all = tests + bench; ling = 16 Ling-2.6-flash layers with dummy weights and the shared-expert overlap; agreement =
+# Ling decode agreement per lightning implementation; profile = the b64 step profile of the 40-layer ZAYA1 run)
 set -u
 OUT=${OUT:-gpu-out}
 what=${1:-all}
@@ -26,9 +26,17 @@ if [[ $what == bench || $what == all ]]; then
   timeout 300 python benchmarks/decode_launches.py --batch 1 --out "$OUT/launches_b1.json" > "$OUT/logs/launches.log" 2>&1
   grep -E "launches per decode step" "$OUT/logs/launches.log"
   timeout 300 python benchmarks/op_microbench.py --out "$OUT/op_microbench.json" > "$OUT/logs/op_microbench.log" 2>&1
-  timeout 500 python benchmarks/offline_throughput.py --layers 40 --scenarios b1 b64 --out "$OUT/offline_40l.json" \
-    > "$OUT/logs/offline.log" 2>&1
-  grep -A 3 "^scenario" "$OUT/logs/offline.log"
+  timeout 500 python benchmarks/offline_throughput.py --layers 40 --scenarios b1 b64 prefill \
+    --out "$OUT/offline_40l.json" > "$OUT/logs/offline.log" 2>&1
+  grep -A 4 "^scenario" "$OUT/logs/offline.log"
+fi
+
+if [[ $what == ling ]]; then
+  timeout 300 python benchmarks/ling_moe_overlap.py --out "$OUT/ling_moe_overlap.json" > "$OUT/logs/overlap.log" 2>&1
+  tail -n 8 "$OUT/logs/overlap.log"
+  timeout 500 python benchmarks/offline_throughput.py --model-type ling --layers 16 --scenarios b1 b64 prefill \
+    --out "$OUT/offline_ling16.json" > "$OUT/logs/offline_ling.log" 2>&1
+  grep -A 4 "^scenario" "$OUT/logs/offline_ling.log"
 fi
 
 if [[ $what == agreement ]]; then

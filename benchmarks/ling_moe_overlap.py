@@ -7,6 +7,7 @@ as a captured CUDA graph (how decode runs), per token count.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -51,7 +52,9 @@ def graphed(fn) -> torch.cuda.CUDAGraph:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 1024])
+    parser.add_argument("--out", default=None, help="write the table here as JSON")
     args = parser.parse_args()
+    results = {}
     device = torch.device("cuda")
     moe = flash_moe(device)
     print(f"{'tokens':>6} {'eager seq ms':>12} {'eager ovl ms':>12} {'graph seq ms':>12} {'graph ovl ms':>12} "
@@ -67,6 +70,10 @@ def main() -> None:
                     row.append(time_ms(fn, warmup=10, repeat=100))
             print(f"{tokens:>6} {row[0]:>12.4f} {row[1]:>12.4f} {row[2]:>12.4f} {row[3]:>12.4f} "
                   f"{row[2] / row[3] - 1:>9.1%}")
+            results[tokens] = dict(zip(("eager_sequential_ms", "eager_overlap_ms", "graph_sequential_ms",
+                                        "graph_overlap_ms"), row))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":
