@@ -243,6 +243,11 @@ def _token_history_rows(chunks: list[ScheduledChunk], length: int) -> tuple[int,
     return row, token_index, history_index, final_index
 
 
+def kv_row(page_ids: list[int], pos: int, page_size: int) -> int:
+    """The KV cache row of position `pos` of a sequence whose pages are `page_ids`."""
+    return page_ids[pos // page_size] * page_size + pos % page_size
+
+
 def decode_token_history(rows: int, length: int, device: torch.device) -> TokenHistory:
     """The TokenHistory of `rows` one-token rows (it depends on nothing else: CUDA-graph decode batches)."""
     total_rows, token_index, history_index, final_index = _token_history_rows(
@@ -278,9 +283,9 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_size: int, device: to
         input_ids.extend(chunk.token_ids)
         for pos in range(chunk.prefix_len, end):
             positions.append(pos)
-            slot_mapping.append(chunk.page_ids[pos // page_size] * page_size + pos % page_size)
+            slot_mapping.append(kv_row(chunk.page_ids, pos, page_size))
             if window:
-                window_slots.append(chunk.window_page_ids[pos // page_size] * page_size + pos % page_size)
+                window_slots.append(kv_row(chunk.window_page_ids, pos, page_size))
             if (pos + 1) % page_size == 0:
                 page_end_tokens.append(start + pos - chunk.prefix_len)
                 page_end_pages.append(chunk.page_ids[pos // page_size])

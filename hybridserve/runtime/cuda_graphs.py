@@ -5,8 +5,9 @@ that points at the dummies (page 0 through the page tables' dummy row, state slo
 touch nothing a request owns. Every input the graph reads lives in static device buffers: the per-step values (token,
 position, key count, KV row, table row, initial-state flag, and the window group's KV row for sliding-window layers)
 are written into a pinned host twin and moved with one copy before the replay; the page tables (both KV groups) and
-the state slots are gathered from the persistent `PageTables` inside the graph. Shapes come from the size alone: the attention kernel plans its key splits for `max_model_len` keys (splits
-beyond a row's keys are empty), so one graph serves any context length.
+the state slots are gathered from the persistent `PageTables` inside the graph. Shapes come from the size alone: the
+attention kernel plans its key splits for `max_model_len` keys (splits beyond a row's keys are empty), so one graph
+serves any context length.
 
 All sizes share one memory pool, captured largest first so the smaller graphs reuse its blocks; the model runner
 reserves the largest decode forward's peak for it in the memory plan and logs what the capture really took.
@@ -19,7 +20,7 @@ import time
 
 import torch
 
-from hybridserve.core.batch import ForwardBatch, PageTables, ScheduledChunk, decode_token_history
+from hybridserve.core.batch import ForwardBatch, PageTables, ScheduledChunk, decode_token_history, kv_row
 from hybridserve.runtime.warmup import DUMMY_PAGE
 
 logger = logging.getLogger(__name__)
@@ -45,12 +46,11 @@ class DecodeGraphs:
         self._fields = _FIELDS if tables.window is not None else _FIELDS[:-1]
         rows = sizes[-1]
         longs = len(self._fields) * rows * 8
-        self._nbytes = longs + rows
         # Two pinned host twins, used in turn: a step's copy may still be queued while the next step is filled.
-        self._host = [torch.zeros(self._nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self._host = [torch.zeros(longs + rows, dtype=torch.uint8, pin_memory=device.type == "cuda")
                       for _ in range(2)]
         self._turn = 0
-        self._static = torch.zeros(self._nbytes, dtype=torch.uint8, device=device)
+        self._static = torch.zeros(longs + rows, dtype=torch.uint8, device=device)
         self._longs = self._static[:longs].view(torch.long).view(len(self._fields), rows)
         self._flags = self._static[longs:].view(torch.bool)
         self._query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=device)
@@ -120,18 +120,18 @@ class DecodeGraphs:
         longs = host[:fields * rows * 8].view(torch.long).view(fields, rows)
         flags = host[fields * rows * 8:].view(torch.bool)
         values = [[] for _ in range(fields)]
-        size_p = self.page_size
         for chunk in chunks:
             pos = chunk.prefix_len
             values[0].append(chunk.token_ids[0])
             values[1].append(pos)
             values[2].append(pos + 1)
-            values[3].append(chunk.page_ids[pos // size_p] * size_p + pos % size_p)
+            values[3].append(kv_row(chunk.page_ids, pos, self.page_size))
             values[4].append(chunk.table_row)
             if fields > 5:
-                values[5].append(chunk.window_page_ids[pos // size_p] * size_p + pos % size_p)
+                values[5].append(kv_row(chunk.window_page_ids, pos, self.page_size))
         pad = size - len(chunks)
-        fills = (0, 0, 1, DUMMY_PAGE * size_p, self.tables.dummy_row, DUMMY_PAGE * size_p)
+        dummy_kv = DUMMY_PAGE * self.page_size  # the dummy page's first KV row
+        fills = (0, 0, 1, dummy_kv, self.tables.dummy_row, dummy_kv)
         for column, fill in zip(values, fills):
             column.extend([fill] * pad)
         longs[:, :size] = torch.tensor(values, dtype=torch.long)

@@ -127,9 +127,11 @@ class ModelRunner:
         self.model.bind_caches(kv_layers, [state.layer(i) for i in layers], footer_layers)
 
     def _cache_budget(self) -> int:
-        """Bytes for the caches: the CPU budget, or on CUDA the allowed share of the device minus what is already
-        used, the activation peak of a profiling forward at the largest batch and, with CUDA graphs, the peak of
-        the largest decode graph's forward (its memory pool stays held beside the activations of eager steps)."""
+        """Bytes for the caches: the CPU budget, or on CUDA this engine's share of the device minus what it holds,
+        the activation peak of a profiling forward at the largest batch, the sampler's penalty counts and, with
+        CUDA graphs, the peak of the largest decode graph's forward (its memory pool stays held beside the
+        activations of eager steps)."""
+        self.graph_reserve = 0
         if self.device.type == "cpu":
             return self.config.kv_cache_memory_bytes or _CPU_CACHE_BYTES
         tokens = self.config.max_num_batched_tokens
