@@ -92,8 +92,9 @@ class ModelRunner:
                                        self.device, capture=True)
 
     def _with_window_pages(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
-        """Chunks that run outside the scheduler (warm-up, profiling) use the same page ids in the window group."""
-        if self.window_pool is not None:
+        """Chunks that run outside the scheduler (warm-up, profiling) use the same page ids in the window group.
+        Keyed on `sliding_window`, which is set before the pools (the profiling forward runs before they exist)."""
+        if self.sliding_window is not None:
             for chunk in chunks:
                 chunk.window_page_ids = list(chunk.page_ids)
         return chunks

@@ -3,7 +3,7 @@ the graph pool within what the memory plan reserved for it.
 
 fp32 checkpoints (ZAYA1-8B and Ling-2.6-flash widths, two layers), so that padding a step to its graph size and
 planning the attention's key splits for max_model_len move the logits only by fp32 rounding: greedy tokens must
-match exactly and logprobs within 1e-3.
+match exactly and logprobs within 2e-5.
 """
 from __future__ import annotations
 
@@ -52,11 +52,15 @@ def test_graph_decode_matches_eager(model: str, tmp_path: Path) -> None:
         graph.replay = (lambda replay, size: lambda: (replays.append(size), replay())[1])(graph.replay, size)
     got = llm.generate(prompts, params)
     assert len(replays) > 20 and len(set(replays)) >= 4  # the batch shrinks through several sizes
+    worst = 0.0
     for want, have in zip(expected, got):
         a, b = want.outputs[0], have.outputs[0]
         assert a.token_ids == b.token_ids
         for x, y in zip(a.logprobs, b.logprobs):
-            assert x.keys() == y.keys() and all(abs(x[t] - y[t]) <= 1e-3 for t in x), (x, y)
+            assert x.keys() == y.keys()
+            worst = max([worst] + [abs(x[t] - y[t]) for t in x])
+    print(f"\n{model}: largest logprob difference graphs vs eager {worst:.2e}")
+    assert worst <= 2e-5  # measured 5.7e-6 (ZAYA1) and 4.8e-6 (Ling) on the H200
     reserve = llm.engine.runner.graph_reserve
     print(f"\n{model}: graph pool {graphs.memory_bytes / 2**20:.0f} MiB, reserved {reserve / 2**20:.0f} MiB, "
           f"{len(replays)} replays over sizes {sorted(set(replays))}")
