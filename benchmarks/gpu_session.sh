@@ -3,9 +3,11 @@
 # poisons the whole process, so one faulting kernel must not hide the others' results), then the benchmarks.
 # Logs and JSON go to $OUT (default ./gpu-out); the per-file logs end up in one $OUT/logs.tgz, as the device tool
 # brings back at most 8 files. Usage, from the repository root on the GPU machine:
-#   bash benchmarks/gpu_session.sh [tests|bench|all|ling|agreement|profile]
+#   bash benchmarks/gpu_session.sh [tests|bench|all|ling|agreement|profile|tune]
 # (all = tests + bench; ling = 16 Ling-2.6-flash layers with dummy weights and the shared-expert overlap; agreement =
-# Ling decode agreement per lightning implementation; profile = the b64 step profile of the 40-layer ZAYA1 run)
+# Ling decode agreement per lightning implementation; profile = the b1, b64 and prefill step profiles of the 40-layer
+# ZAYA1 run; tune = the fused-MoE tile tables, as $OUT/moe_configs.tgz: their names hold '=' and ',', which the
+# device tool does not bring back as files)
 set -u
 OUT=${OUT:-gpu-out}
 what=${1:-all}
@@ -44,8 +46,18 @@ if [[ $what == agreement ]]; then
 fi
 
 if [[ $what == profile ]]; then
-  timeout 500 python benchmarks/profile_step.py --layers 40 --scenario b64 --out "$OUT/profile_b64.json" 2>&1 \
-    | grep -vE "generating|loading|Warn|warn_once" | tail -n 75
+  for scenario in b1 b64 prefill; do
+    timeout 250 python benchmarks/profile_step.py --layers 40 --scenario $scenario --out "$OUT/profile_$scenario.json" \
+      > "$OUT/logs/profile_$scenario.log" 2>&1
+    grep -E "median_late|profiled:" "$OUT/logs/profile_$scenario.log"
+  done
+fi
+
+if [[ $what == tune ]]; then
+  mkdir -p "$OUT/moe_configs"
+  timeout 560 python benchmarks/tune_moe.py --out-dir "$OUT/moe_configs" > "$OUT/logs/tune.log" 2>&1
+  grep -E "compiled|T=|total" "$OUT/logs/tune.log" | cut -c 1-90
+  tar czf "$OUT/moe_configs.tgz" -C "$OUT" moe_configs && rm -rf "$OUT/moe_configs"
 fi
 
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"
