@@ -43,7 +43,7 @@ def logprob_dicts(logprobs: torch.Tensor, chosen: list[int], k: int) -> list[dic
     return [dict(top) | {token: lp} for token, lp, top in zip(chosen, chosen_lp, tops)]
 
 
-# Rows sampled together: bounds the [rows, vocab] temporaries (sorted copies, a float64 CDF) of one call.
+# Rows sampled together: bounds the [rows, vocab] temporaries (sorted copies, float64 blocks) of one call.
 _MAX_ELEMENTS_PER_CALL = 1 << 25
 
 
@@ -207,12 +207,29 @@ def _min_p_filter(probs: torch.Tensor, top: torch.Tensor, min_p: torch.Tensor) -
     return probs.masked_fill(probs < min_p * top, 0.0)
 
 
+# Entries per block of the two-level CDF in `_pick`.
+_CDF_BLOCK = 1024
+
+
 def _pick(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Index where each row's CDF (float64) first exceeds u * total, never on a zeroed entry."""
-    cdf = probs.double().cumsum(dim=-1)
-    pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=probs.shape[-1] - 1)
-    # Rounding at the top of the CDF must not land past the last kept entry.
-    last_kept = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(dim=-1, keepdim=True)
+    """Index where each row's CDF (float64) first exceeds u * total, never on a zeroed entry.
+
+    Two levels, so that no float64 scan runs over the whole vocabulary (on the H200 a [64, 262144] float64 cumsum
+    took 0.5 ms of a 10.8 ms decode step): block sums and their CDF find the block that holds u * total, then only
+    that block's entries are scanned. Same inversion as one flat CDF up to float64 rounding."""
+    rows, vocab = probs.shape
+    blocks = -(-vocab // _CDF_BLOCK)
+    padded = torch.nn.functional.pad(probs, (0, blocks * _CDF_BLOCK - vocab)).double().view(rows, blocks, _CDF_BLOCK)
+    block_mass = padded.sum(dim=-1)
+    block_cdf = block_mass.cumsum(dim=-1)
+    target = u * block_cdf[:, -1:]
+    block = torch.searchsorted(block_cdf, target, right=True).clamp(max=blocks - 1)
+    entries = padded.gather(1, block[:, :, None].expand(rows, 1, _CDF_BLOCK)).squeeze(1)
+    cdf = entries.cumsum(dim=-1) + (block_cdf.gather(-1, block) - block_mass.gather(-1, block))
+    # Rounding must not step past the block's last kept entry, nor the row's.
+    last_in_block = _CDF_BLOCK - 1 - (entries > 0).flip(-1).int().argmax(dim=-1, keepdim=True)
+    pick = block * _CDF_BLOCK + torch.minimum(torch.searchsorted(cdf, target, right=True), last_in_block)
+    last_kept = vocab - 1 - (probs > 0).flip(-1).int().argmax(dim=-1, keepdim=True)
     return torch.minimum(pick, last_kept)
 
 
