@@ -53,6 +53,10 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-state-slots", type=int, default=None, help="pin the number of state slots")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="run every step op by op: no CUDA graphs for decode")
+    parser.add_argument("--disable-overlap-schedule", action="store_true",
+                        help="schedule each step only after the previous one is processed (by default the host "
+                             "schedules step N+1 and processes step N while the device runs N+1; outputs are the "
+                             "same either way)")
     parser.add_argument("--cuda-graph-max-bs", type=int, default=None,
                         help="largest decode batch replayed from a CUDA graph (default: 256 or "
                              "--max-running-requests, whichever is smaller); larger decode steps run eagerly")
@@ -85,7 +89,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 gpu_memory_utilization=args.gpu_memory_utilization, state_to_kv_ratio=args.state_to_kv_ratio,
                 max_state_slots=args.max_state_slots, seed=args.seed,
                 kernel_backend=args.kernel_backend, skip_warmup=args.skip_warmup, enforce_eager=args.enforce_eager,
-                cuda_graph_max_bs=args.cuda_graph_max_bs, load_format=args.load_format)
+                cuda_graph_max_bs=args.cuda_graph_max_bs, load_format=args.load_format,
+                disable_overlap_schedule=args.disable_overlap_schedule)
 
 
 def _model_dir(args: argparse.Namespace) -> str:

@@ -32,6 +32,7 @@ class EngineConfig:
     kernel_backend: str = "auto"  # auto (Triton kernels on CUDA) | triton | torch (the pure-torch references)
     enforce_eager: bool = False  # run decode op by op: no CUDA graphs
     cuda_graph_max_bs: int | None = None  # largest decode batch replayed from a graph (default min(256, running cap))
+    disable_overlap_schedule: bool = False  # process each step before scheduling the next (no host/device overlap)
     skip_warmup: bool = False  # skip compiling every kernel variant at start-up (they then compile in the first steps)
     use_tqdm: bool = True  # a progress bar while the weights load
     load_format: str = "auto"  # auto = safetensors (the checkpoint's weights) | dummy (random, from config.json alone)

@@ -28,6 +28,13 @@ class ScheduledChunk:
     # Window-group pages (models with sliding-window layers), column for column like page_ids: 0 (the dummy) for
     # pages before the window, which the sequence no longer holds. None without a window group.
     window_page_ids: list[int] | None = None
+    # Overlapped scheduling: the chunk's last input token was drawn by the step before, whose tokens are not on the
+    # host yet. token_ids holds FUTURE_TOKEN there, and the runner reads the token on the device from that step's
+    # draws at this index (plan order).
+    future_token: int | None = None
+
+
+FUTURE_TOKEN = -1  # a token id in ScheduledChunk.token_ids that the step before is still drawing
 
 
 @dataclass
@@ -256,13 +263,35 @@ def decode_token_history(rows: int, length: int, device: torch.device) -> TokenH
                                               for index in (token_index, history_index, final_index)))
 
 
+def future_inputs(chunks: list[ScheduledChunk], starts: list[int]) -> tuple[list[int], list[int]]:
+    """(input rows, indices into the previous step's draws) of the chunks' last tokens still being drawn; `starts`
+    are the chunks' first rows in the step's input ids."""
+    rows, sources = [], []
+    for chunk, start in zip(chunks, starts):
+        if chunk.future_token is not None:
+            rows.append(start + len(chunk.token_ids) - 1)
+            sources.append(chunk.future_token)
+    return rows, sources
+
+
+def resolve_future_inputs(input_ids: torch.Tensor, rows: torch.Tensor, sources: torch.Tensor,
+                          previous: torch.Tensor | None) -> None:
+    """Write the previous step's drawn tokens into the input rows that wait for them (device to device)."""
+    if rows.numel():
+        if previous is None:
+            raise RuntimeError("a chunk waits for a token of a step that drew nothing")
+        input_ids.index_copy_(0, rows, previous.index_select(0, sources))
+
+
 def build_forward_batch(chunks: list[ScheduledChunk], page_size: int, device: torch.device,
-                        history_len: int = 0, tables: PageTables | None = None) -> ForwardBatch:
+                        history_len: int = 0, tables: PageTables | None = None,
+                        previous_draws: torch.Tensor | None = None) -> ForwardBatch:
     """Pack scheduled chunks into one ForwardBatch: host work, then one non-blocking upload.
 
     With `tables` (the engine) the page tables and the slots come from the persistent device tables, updated by
     this step's changed entries; without (tests driving a model by hand) they are built from the chunks' lists.
-    Chunks with `window_page_ids` also give the window group's page table and KV rows.
+    Chunks with `window_page_ids` also give the window group's page table and KV rows. Chunks with a
+    `future_token` take that input from `previous_draws`, the step before's tokens on the device.
     """
     if not chunks or any(not c.token_ids for c in chunks):
         raise ValueError("a forward batch needs at least one row and every row needs at least one token")
@@ -313,12 +342,18 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_size: int, device: to
         if (tables.window is not None) != window:
             raise ValueError("the chunks' window pages and the page tables' window group disagree")
         tables.pack_updates(chunks, pack)
+    future_rows, future_sources = future_inputs(chunks, query_starts)
+    if future_rows:
+        pack.add("future_rows", future_rows)
+        pack.add("future_sources", future_sources)
     if history_len:
         total_rows, token_index, history_index, final_index = _token_history_rows(chunks, history_len)
         pack.add("token_index", token_index)
         pack.add("history_index", history_index)
         pack.add("final_index", final_index)
     t = pack.upload(device)
+    if future_rows:
+        resolve_future_inputs(t["input_ids"], t["future_rows"], t["future_sources"], previous_draws)
     if tables is not None:
         tables.apply(t)
         page_table = tables.full.pages[:, :width].index_select(0, t["table_rows"])

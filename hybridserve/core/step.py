@@ -17,6 +17,13 @@ class SamplingRow:
     prompt_token_ids: list[int]
     banned_token_ids: list[int]  # tokens that may not be sampled yet (stop tokens before min_tokens)
     key: int | None = None  # the sequence (Request.serial), for state the sampler keeps across draws (penalties)
+    # The index of the token drawn (the seeded uniform number's step). None: len(output_token_ids); with overlapped
+    # scheduling the previous token may still be on its way to the host, so the scheduler counts it in.
+    token_index: int | None = None
+
+    @property
+    def index(self) -> int:
+        return len(self.output_token_ids) if self.token_index is None else self.token_index
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""LLMEngine: the step loop (schedule -> run -> sample -> postprocess) and request lifecycle."""
+"""LLMEngine: the step loop (schedule -> run -> sample -> postprocess, overlapped) and request lifecycle."""
 from __future__ import annotations
 
 import json
@@ -12,12 +12,12 @@ from hybridserve.cache.kv_pool import PageAllocator
 from hybridserve.cache.prefix_cache import HybridPrefixCache
 from hybridserve.cache.state_pool import SlotAllocator
 from hybridserve.config import EngineConfig
-from hybridserve.core.step import SampledToken
+from hybridserve.core.step import ChunkResult, SampledToken
 from hybridserve.engine.request import Request
-from hybridserve.engine.scheduler import Scheduler
+from hybridserve.engine.scheduler import ScheduledStep, Scheduler
 from hybridserve.ops.backends import any_triton
 from hybridserve.outputs import CompletionOutput, RequestOutput, RequestOutputKind
-from hybridserve.runtime.model_runner import ModelRunner
+from hybridserve.runtime.model_runner import ModelRunner, StepHandle
 from hybridserve.sampling import SamplingParams
 from hybridserve.tokenizer import (
     IncrementalDetokenizer,
@@ -91,12 +91,14 @@ class LLMEngine:
                                       window_pages=window_pages, sliding_window=window)
         self.scheduler = Scheduler(pages, slots, config.page_size, plan.max_running_requests,
                                    config.max_num_batched_tokens, config.chunked_prefill_size, cache,
-                                   config.state_checkpoint_interval, window_pages, window)
+                                   config.state_checkpoint_interval, window_pages, window, self.max_model_len)
         self._seeds = random.Random(config.seed)
         self._groups: dict[str, _Group] = {}
         self._sequences: dict[str, tuple[_Group, _Sequence]] = {}  # by the scheduler's request id
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.overlap = not config.disable_overlap_schedule
+        self._in_flight: tuple[ScheduledStep, StepHandle] | None = None  # the launched step not yet processed
 
     # --- setup helpers ---------------------------------------------------------------------------------------
     def _eos_token_ids(self, model_dir: str) -> frozenset[int]:
@@ -171,9 +173,10 @@ class LLMEngine:
             self._sequences.pop(sequence.request.request_id, None)
             if not sequence.request.finished:
                 self.scheduler.finish(sequence.request, "abort")
+        self._settle_discarded()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     def stats(self) -> dict[str, int]:
         """Gauges (now) and counters (since start) for metrics."""
@@ -193,15 +196,45 @@ class LLMEngine:
     # --- the step loop ---------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one forward over the scheduled batch; return outputs of the requests that made progress, each as its
-        SamplingParams.output_kind asks (what is new, everything so far, or only the finished result)."""
+        SamplingParams.output_kind asks (what is new, everything so far, or only the finished result).
+
+        Overlapped (the default): schedule and launch step N+1, then collect and process step N while the device
+        runs N+1, so the host's scheduling, stop checks and detokenization hide behind the forward. N+1 counts
+        N's tokens before their values reach the host (the runner reads them on the device); work of a request
+        that N's token finished is discarded. A step whose prompt forks into n > 1 sequences is processed before
+        the next is scheduled (the forks copy the state the prompt left). Outputs are the same either way."""
+        if not self.overlap:
+            scheduled = self.scheduler.schedule()
+            return [] if scheduled is None else self._process(scheduled, self.runner.execute(scheduled.plan))
+        previous, self._in_flight = self._in_flight, None
+        outputs = []
+        if previous is not None and previous[0].forks:
+            outputs, previous = self._process(previous[0], self.runner.collect(previous[1])), None
         scheduled = self.scheduler.schedule()
-        if scheduled is None:
-            return []
-        results = self.runner.execute(scheduled.plan)
+        if scheduled is not None:
+            self._in_flight = (scheduled, self.runner.launch(scheduled.plan))
+        if previous is not None:
+            outputs += self._process(previous[0], self.runner.collect(previous[1]))
+        self._settle_discarded()
+        return outputs
+
+    def _settle_discarded(self) -> None:
+        """Process the step in flight now if every request in it has finished (its work is all discarded), so an
+        engine without requests holds nothing: no checkpoint slot of that step, no step to wait for."""
+        if self._in_flight is not None and all(r.finished for r in self._in_flight[0].requests):
+            scheduled, handle = self._in_flight
+            self._in_flight = None
+            self._process(scheduled, self.runner.collect(handle))
+
+    def _process(self, scheduled: ScheduledStep, results: list[ChunkResult]) -> list[RequestOutput]:
+        """Append a finished step's tokens (stop checks, forks, failures) and build the outputs it produced."""
         self.scheduler.after_step(scheduled)
         progressed: dict[str, _Group] = {}
         for request, result in zip(scheduled.requests, results):
-            group, sequence = self._sequences[request.request_id]
+            tracked = self._sequences.get(request.request_id)
+            if tracked is None or request.finished:
+                continue  # aborted, or finished by the step before while this one ran: its work is discarded
+            group, sequence = tracked
             if group.error is not None:
                 continue  # another sequence of the group failed earlier in this step
             try:
@@ -216,6 +249,7 @@ class LLMEngine:
                     for _ in range(request.num_forks - len(forks)):  # not drawn in this step: they draw later
                         self._fork(group, request, drawn=False)
                     request.num_forks = 0
+                    request.num_pending -= 1
                     self._append_token(sequence, first)
                     progressed[group.request_id] = group
             except Exception as err:  # this request's failure: abort it alone, everyone else keeps going

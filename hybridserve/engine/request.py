@@ -44,9 +44,23 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     serial: int = field(default_factory=lambda: next(_serials))  # unique in the process, unlike a reused request_id
+    # Overlapped scheduling: a token drawn by a launched step and not yet appended (0 or 1), and its index in that
+    # step's draws. The scheduler counts it (lengths, pages, positions) before its value reaches the host.
+    num_pending: int = 0
+    pending_draw: int = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens drawn so far, the one in flight included."""
+        return len(self.output_token_ids) + self.num_pending
 
     @property
     def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + self.num_output_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids are on the host."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
@@ -54,7 +68,9 @@ class Request:
         return len(self.prompt_token_ids)
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output."""
+        """Tokens [start, end) of prompt + output (all known on the host)."""
+        if end > self.num_known_tokens:
+            raise ValueError(f"tokens up to {end} asked for, {self.num_known_tokens} known")
         prompt_len = len(self.prompt_token_ids)
         if end <= prompt_len:
             return self.prompt_token_ids[start:end]
@@ -75,7 +91,7 @@ class Request:
 
     def banned_token_ids(self) -> list[int]:
         """Tokens that may not be sampled yet: everything that would stop the request before min_tokens."""
-        if len(self.output_token_ids) >= self.params.min_tokens:
+        if self.num_output_tokens >= self.params.min_tokens:
             return []
         eos = [] if self.params.ignore_eos else list(self.eos_token_ids)
         return sorted(set(eos) | set(self.params.stop_token_ids))

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from hybridserve.cache.kv_pool import PageAllocator, window_first_page
 from hybridserve.cache.prefix_cache import HybridPrefixCache, TreeNode
 from hybridserve.cache.state_pool import SlotAllocator
-from hybridserve.core.batch import ScheduledChunk
+from hybridserve.core.batch import FUTURE_TOKEN, ScheduledChunk
 from hybridserve.core.step import PromptLogprobTargets, SamplingRow, StepPlan
 from hybridserve.engine.request import Request, RequestStatus
 
@@ -41,13 +41,16 @@ class ScheduledStep:
     snapshots: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, position, slot) to cache
     state_locked: list[TreeNode] = field(default_factory=list)  # checkpoints restored in this step
     fork_draws: int = 0  # sequences forked off in this step (each takes a running place after it)
+    num_draws: int = 0  # sampling rows so far, in plan order
+    forks: bool = False  # a prompt forks into n > 1 sequences when this step's draws are processed
 
 
 class Scheduler:
     def __init__(self, pages: PageAllocator, slots: SlotAllocator, page_size: int, max_running_requests: int,
                  max_num_batched_tokens: int, chunked_prefill_size: int | None = None,
                  prefix_cache: HybridPrefixCache | None = None, checkpoint_interval: int | None = None,
-                 window_pages: PageAllocator | None = None, sliding_window: int | None = None):
+                 window_pages: PageAllocator | None = None, sliding_window: int | None = None,
+                 max_model_len: int | None = None):
         if (window_pages is None) != (sliding_window is None):
             raise ValueError("a window group needs both its page allocator and the sliding window")
         self.pages = pages
@@ -62,6 +65,7 @@ class Scheduler:
         self.cache = prefix_cache
         self.sparse = prefix_cache is not None and not prefix_cache.per_page_state
         self.checkpoint_interval = checkpoint_interval
+        self.max_model_len = max_model_len if max_model_len is not None else float("inf")
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -75,6 +79,7 @@ class Scheduler:
         self._pending_restores: list[tuple[int, int]] = []
         self._pending_row_resets: list[int] = []
         self._free_rows = list(range(max_running_requests - 1, -1, -1))  # running sequences <= max_running
+        self._unsettled_checkpoints: set[int] = set()  # snapshot slots of scheduled steps not yet processed
 
     # --- queue management ------------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -167,8 +172,8 @@ class Scheduler:
         for request in list(self.running):
             if budget == 0:
                 break
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if request.status is not RequestStatus.RUNNING or self._ends_with_pending(request):
+                continue  # preempted earlier in this loop, or its token in flight is its last
             count = self._chunk_length(request, budget, step)
             if count == 0 or not self._reserve_pages(request, count, preempt=True):
                 continue  # (0: a prompt to score, and this step's scoring budget is spent)
@@ -185,6 +190,13 @@ class Scheduler:
             self._pending_row_resets = step.plan.table_resets
             return None
         return step
+
+    def _ends_with_pending(self, request: Request) -> bool:
+        """The token in flight reaches max_tokens or the context length: the request ends when it lands, so it
+        gets no further work meanwhile (overlapped scheduling; other stops are known only from the token)."""
+        max_tokens = request.params.max_tokens
+        return request.num_pending > 0 and ((max_tokens is not None and request.num_output_tokens >= max_tokens)
+                                            or request.num_tokens >= self.max_model_len)
 
     def _next_snapshot(self, request: Request, done: int) -> int | None:
         """The first position after `done` where a sparse checkpoint must be taken, if any."""
@@ -230,8 +242,9 @@ class Scheduler:
                 return False
 
     def _admit(self, step: ScheduledStep, request: Request, budget: int) -> bool:
-        """Take a working slot and the prefix-cache hit, or leave everything untouched and return False."""
-        if self._chunk_length(request, budget, step) == 0:
+        """Take a working slot and the prefix-cache hit, or leave everything untouched and return False. A request
+        preempted with a token in flight waits until that token is on the host (its prefix is matched by value)."""
+        if request.num_pending or self._chunk_length(request, budget, step) == 0:
             return False
         slot = self._allocate_slot()
         if slot is None:
@@ -288,9 +301,11 @@ class Scheduler:
             places = self.max_running - len(self.running) - step.fork_draws
             forks = max(0, min(request.num_forks, budget - count, places))
             step.fork_draws += forks
+            step.forks = True
         draws = self._draws(request, forks) if end == request.num_tokens else []
+        known = min(end, request.num_known_tokens)  # a token still being drawn can only be the last one
         plan.chunks.append(ScheduledChunk(
-            token_ids=request.token_ids(start, end),
+            token_ids=request.token_ids(start, known) + [FUTURE_TOKEN] * (end - known),
             prefix_len=start,
             page_ids=list(request.page_ids),
             state_slot=request.state_slot,
@@ -298,7 +313,12 @@ class Scheduler:
             logits_offsets=scored + ([count - 1] if draws else []),
             table_row=request.table_row,
             window_page_ids=list(request.window_page_ids) if self.window_pages is not None else None,
+            future_token=request.pending_draw if end > known else None,
         ))
+        if draws:  # the request's own draw, counted from now on (appended when the step is processed)
+            request.num_pending += 1
+            request.pending_draw = step.num_draws
+            step.num_draws += len(draws)
         plan.samples.append(draws)
         plan.prompt_logprobs.append(targets)
         request.num_computed_tokens = end
@@ -307,6 +327,7 @@ class Scheduler:
             if checkpoint is not None:
                 plan.snapshots.append((request.state_slot, checkpoint))
                 step.snapshots.append((request, end, checkpoint))
+                self._unsettled_checkpoints.add(checkpoint)
         return count + forks
 
     @staticmethod
@@ -327,7 +348,8 @@ class Scheduler:
         return [SamplingRow(params=request.params, seed=request.seed + i,
                             output_token_ids=request.output_token_ids if i == 0 else [],
                             prompt_token_ids=request.prompt_token_ids, banned_token_ids=request.banned_token_ids(),
-                            key=request.serial if i == 0 else None)
+                            key=request.serial if i == 0 else None,
+                            token_index=request.num_output_tokens if i == 0 else 0)
                 for i in range(1 + forks)]
 
     def fork(self, parent: Request, child: Request, drawn: bool = True) -> None:
@@ -373,7 +395,11 @@ class Scheduler:
             self.cache.unlock_state(node)
         if self.cache is not None:
             for request, position, checkpoint in step.snapshots:
-                self._insert(request, position, checkpoint)
+                self._unsettled_checkpoints.discard(checkpoint)
+                if request.status is RequestStatus.RUNNING:
+                    self._insert(request, position, checkpoint)
+                else:  # finished or preempted while its step ran (overlapped scheduling): its pages are gone
+                    self.slots.release(checkpoint)
             if not self.sparse:
                 for request in step.requests:
                     if request.status is RequestStatus.RUNNING:
@@ -387,7 +413,7 @@ class Scheduler:
         """Per-page-state models: cache every completed page (each carries its state footer)."""
         if self.cache is None or self.sparse:
             return
-        full = request.num_computed_tokens // self.page_size * self.page_size
+        full = min(request.num_computed_tokens, request.num_known_tokens) // self.page_size * self.page_size
         if full > request.cached_len:
             self._insert(request, full, None)
 
@@ -430,7 +456,7 @@ class Scheduler:
             "pages_evictable": len(tree_pages - tree_locked - request_pages),
             "pages_protected": len(request_pages | tree_locked),
             "slots_evictable": checkpoints - locked_checkpoints,
-            "slots_protected": len(set(working)) + locked_checkpoints,
+            "slots_protected": len(set(working)) + locked_checkpoints + len(self._unsettled_checkpoints),
         }
         counts = self.resource_counts()
         for kind in ("pages", "slots"):

@@ -25,22 +25,68 @@ def uniform_for(seed: int, step: int) -> float:
     return (splitmix64(splitmix64(seed & _MASK64) ^ step) >> 11) / float(1 << 53)
 
 
-def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> tuple[list[int], list[float], list[list]]:
-    """Each row's chosen token, its logprob and its top-k (token, logprob) pairs, as host lists: one device-to-host
-    copy (ids travel as float64, exact for any vocabulary)."""
+def _pack(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> torch.Tensor:
+    """[rows, 2 + 2k] float64 on the device: each row's chosen token, its logprob and its top-k (ids, logprobs)
+    (ids travel as float64, exact for any vocabulary), so that one device-to-host copy carries them all."""
     columns = [chosen[:, None].double(), logprobs.gather(-1, chosen[:, None]).double()]
     if k:
         values, ids = logprobs.topk(k, dim=-1)
         columns += [ids.double(), values.double()]
-    host = torch.cat(columns, dim=1).tolist()
+    return torch.cat(columns, dim=1)
+
+
+def _unpack(host: list[list[float]], k: int) -> tuple[list[int], list[float], list[list]]:
     return ([int(r[0]) for r in host], [r[1] for r in host],
             [list(zip(map(int, r[2:2 + k]), r[2 + k:])) for r in host])
 
 
 def logprob_dicts(logprobs: torch.Tensor, chosen: list[int], k: int) -> list[dict[int, float]]:
     """Per row {token: logprob} for the chosen token and the row's top-k (the chosen one included)."""
-    _, chosen_lp, tops = top_logprobs(logprobs, torch.tensor(chosen, device=logprobs.device), k)
+    packed = _pack(logprobs, torch.tensor(chosen, device=logprobs.device), k)
+    _, chosen_lp, tops = _unpack(packed.tolist(), k)
     return [dict(top) | {token: lp} for token, lp, top in zip(chosen, chosen_lp, tops)]
+
+
+class Draws:
+    """One sampler call's tokens, still on the device (`tokens`, which the next step may read as its inputs), and
+    what comes back to the host: the tokens alone, or packed with the logprobs the rows asked for. `start_copy`
+    queues the one device-to-host copy (pinned, asynchronous on CUDA); `result` waits for it."""
+
+    def __init__(self, tokens: torch.Tensor, rows: list[SamplingRow], packed: torch.Tensor | None, top_k: int):
+        self.tokens, self._rows, self._top_k = tokens, rows, top_k
+        self._device_out = packed if packed is not None else tokens
+        self._host: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
+
+    @classmethod
+    def placeholder(cls, rows: int, device: torch.device) -> Draws:
+        """Token 0 for `rows` rows whose draw failed (the engine aborts their request and discards them)."""
+        return cls(torch.zeros(rows, dtype=torch.long, device=device), [], None, 0)
+
+    def start_copy(self) -> None:
+        out = self._device_out
+        if out.device.type != "cuda":
+            self._host = out
+            return
+        self._host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        self._host.copy_(out, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    def result(self) -> list[SampledToken]:
+        if self._host is None:
+            self.start_copy()
+        if self._copied is not None:
+            self._copied.synchronize()
+        if self._device_out is self.tokens:
+            return [SampledToken(t) for t in self._host.tolist()]
+        token_list, chosen_lp, tops = _unpack(self._host.tolist(), self._top_k)
+        out = [SampledToken(t) for t in token_list]
+        for i, row in enumerate(self._rows):
+            if row.params.logprobs is not None:
+                out[i].logprob = chosen_lp[i]
+                out[i].top_logprobs = tops[i][: row.params.logprobs]
+        return out
 
 
 # Rows sampled together: bounds the [rows, vocab] temporaries (sorted copies, float64 blocks) of one call.
@@ -53,10 +99,19 @@ def _upload(values: list, device: torch.device, dtype: torch.dtype = torch.float
     return host.to(device, non_blocking=True)
 
 
+def penalty_rows(max_running: int) -> int:
+    """Rows of penalty counts for `max_running` running sequences: two per place. A step takes rows for its new
+    sequences before the rows of the sequences that drew in the step before (and not in this one) are given back,
+    so two steps' sequences can hold rows at once; with that many every penalised sequence always has its row,
+    whose counts then include its previous token even while that token is still on its way to the host."""
+    return 2 * max_running
+
+
 class PenaltyCounts:
     """Each penalised sequence's output-token counts and prompt-token flags on the device, kept across its draws:
-    a draw adds only the tokens appended since the sequence's previous one (rebuilding them from the whole token
-    lists every step made long generations quadratic). Rows live in [capacity, vocab] tensors allocated on first
+    each drawn token is counted on the device as it is drawn (`record`), and a draw adds from the host lists only
+    tokens not counted yet (rebuilding them from the whole token lists every step made long generations
+    quadratic). Rows live in [capacity, vocab] tensors allocated on first
     use (5 bytes per vocabulary entry and row); a sequence without a draw in a step (finished, preempted) gives its
     row back at `end_step` and is rebuilt from its lists if it draws again."""
 
@@ -78,6 +133,8 @@ class PenaltyCounts:
         for row in rows:
             entry = self._rows.get(row.key) if row.key is not None else None
             if entry is None and row.key is not None and free:
+                if row.index != len(row.output_token_ids):
+                    raise RuntimeError("a sequence with a token in flight has no penalty counts to hold it")
                 entry = self._rows[row.key] = [free.pop(), 0]
                 cleared.append(entry[0])
                 flag_rows += [entry[0]] * len(row.prompt_token_ids)
@@ -85,10 +142,10 @@ class PenaltyCounts:
             if entry is None:
                 out.append(None)
                 continue
-            new = row.output_token_ids[entry[1]:]
+            new = row.output_token_ids[entry[1]:]  # empty while the last drawn token is still in flight
             add_rows += [entry[0]] * len(new)
             add_tokens += new
-            entry[1] = len(row.output_token_ids)
+            entry[1] = max(entry[1], len(row.output_token_ids))
             self._drawn.add(row.key)
             out.append(entry[0])
         if cleared:
@@ -103,6 +160,19 @@ class PenaltyCounts:
                                    torch.tensor(1.0, device=device), accumulate=True)
         return out
 
+    def record(self, counted: list[tuple[int, int]], tokens: torch.Tensor) -> None:
+        """Count the tokens just drawn (batch row -> state row) on the device, before the host sees them: the
+        next step may draw before they are appended to the sequence's list (overlapped scheduling)."""
+        batch_rows, state_rows = zip(*counted)
+        device = tokens.device
+        self.counts.index_put_((_upload(list(state_rows), device, torch.long),
+                                tokens.index_select(0, _upload(list(batch_rows), device, torch.long))),
+                               torch.tensor(1.0, device=device), accumulate=True)
+        counted_rows = set(state_rows)
+        for entry in self._rows.values():
+            if entry[0] in counted_rows:
+                entry[1] += 1
+
     def end_step(self) -> None:
         """Free the rows of sequences that drew nothing since the previous call."""
         for key in [k for k in self._rows if k not in self._drawn]:
@@ -111,21 +181,26 @@ class PenaltyCounts:
 
 
 class Sampler:
-    def __init__(self, penalty_capacity: int = 256):
-        self.penalties = PenaltyCounts(penalty_capacity)
+    def __init__(self, max_running: int = 128):
+        self.penalties = PenaltyCounts(penalty_rows(max_running))
 
     def end_step(self) -> None:
         self.penalties.end_step()
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
-        step = max(1, _MAX_ELEMENTS_PER_CALL // logits.shape[-1])
-        return [token for start in range(0, len(rows), step)
-                for token in self._sample_rows(logits[start:start + step], rows[start:start + step])]
+        """Draw and wait for the tokens on the host."""
+        return [token for draws in self.draw(logits, rows) for token in draws.result()]
 
-    def _sample_rows(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
+    def draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[Draws]:
+        """Queue one token per row on the device (rows in groups that bound the [rows, vocab] temporaries)."""
+        step = max(1, _MAX_ELEMENTS_PER_CALL // logits.shape[-1])
+        return [self._draw_rows(logits[start:start + step], rows[start:start + step])
+                for start in range(0, len(rows), step)]
+
+    def _draw_rows(self, logits: torch.Tensor, rows: list[SamplingRow]) -> Draws:
         device = logits.device
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(r.params.logprobs is not None for r in rows) else None
-        logits = self._apply_penalties(logits, rows)
+        logits, counted = self._apply_penalties(logits, rows)
         banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids]
         if banned:
             logits = logits.index_put(tuple(_upload(list(zip(*banned)), device, torch.long)),
@@ -138,20 +213,19 @@ class Sampler:
             if drawn:
                 index = _upload(drawn, device, torch.long)
                 tokens = tokens.index_copy(0, index, self._sample(logits[index], [rows[i] for i in drawn]))
+        if counted:
+            self.penalties.record(counted, tokens)
         if raw_logprobs is None:
-            return [SampledToken(t) for t in tokens.tolist()]
-        token_list, chosen_lp, tops = top_logprobs(raw_logprobs, tokens, max(r.params.logprobs or 0 for r in rows))
-        out = [SampledToken(t) for t in token_list]
-        for i, row in enumerate(rows):
-            if row.params.logprobs is not None:
-                out[i].logprob = chosen_lp[i]
-                out[i].top_logprobs = tops[i][: row.params.logprobs]
-        return out
+            return Draws(tokens, rows, None, 0)
+        top_k = max(r.params.logprobs or 0 for r in rows)
+        return Draws(tokens, rows, _pack(raw_logprobs, tokens, top_k), top_k)
 
-    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]
+                         ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """The penalised logits, and (batch row, state row) of the rows whose counts must take the drawn token."""
         idx = [i for i, r in enumerate(rows) if r.params.uses_penalties]
         if not idx:
-            return logits
+            return logits, []
         logits = logits.clone()
         device = logits.device
         sub = logits[idx]
@@ -166,6 +240,8 @@ class Sampler:
             seen[index] = self.penalties.seen[state_index]
         for j, i in enumerate(idx):  # rows without kept state (forks' first draws, tests): from their lists
             if state[j] is None:
+                if rows[i].index != len(rows[i].output_token_ids):
+                    raise RuntimeError("a penalised draw with a token still in flight needs its kept counts")
                 out_ids = torch.tensor(rows[i].output_token_ids, dtype=torch.long, device=device)
                 counts[j].index_add_(0, out_ids, torch.ones_like(out_ids, dtype=counts.dtype))
                 seen[j, torch.tensor(rows[i].prompt_token_ids, dtype=torch.long, device=device)] = True
@@ -178,7 +254,7 @@ class Sampler:
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
         sub = sub - column("frequency_penalty") * counts - column("presence_penalty") * (counts > 0)
         logits[idx] = sub
-        return logits
+        return logits, [(idx[j], state[j]) for j in kept]
 
     @staticmethod
     def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -188,7 +264,7 @@ class Sampler:
         depends on the rest of the batch."""
         vocab = logits.shape[-1]
         params = _upload([[r.params.temperature, r.params.top_k if 0 < r.params.top_k < vocab else vocab,
-                           r.params.top_p, r.params.min_p, uniform_for(r.seed, len(r.output_token_ids))]
+                           r.params.top_p, r.params.min_p, uniform_for(r.seed, r.index)]
                           for r in rows], logits.device)
         probs = torch.softmax(logits / params[:, :1].float(), dim=-1)
         needs_sort = [0 < r.params.top_k < vocab or r.params.top_p < 1.0 for r in rows]

@@ -20,7 +20,15 @@ import time
 
 import torch
 
-from hybridserve.core.batch import ForwardBatch, PageTables, ScheduledChunk, decode_token_history, kv_row
+from hybridserve.core.batch import (
+    ForwardBatch,
+    PageTables,
+    ScheduledChunk,
+    decode_token_history,
+    future_inputs,
+    kv_row,
+    resolve_future_inputs,
+)
 from hybridserve.runtime.warmup import DUMMY_PAGE
 
 logger = logging.getLogger(__name__)
@@ -138,12 +146,18 @@ class DecodeGraphs:
         flags[:size] = torch.tensor([c.has_initial_state for c in chunks] + [False] * pad)
         self._static.copy_(host, non_blocking=True)
 
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Logits [len(chunks), vocab] of a decode step (every chunk one token; the tables already updated)."""
+    def run(self, chunks: list[ScheduledChunk], previous_draws: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [len(chunks), vocab] of a decode step (every chunk one token; the tables already updated). Rows
+        with a `future_token` read their input from `previous_draws` (the step before's tokens, on the device)."""
         size = self.size_for(len(chunks))
         if size is None:
             raise ValueError(f"{len(chunks)} decode rows exceed the largest graph size {self.sizes[-1]}")
         self._fill(chunks, size)
+        rows, sources = future_inputs(chunks, list(range(len(chunks))))
+        if rows:
+            index = torch.tensor([rows, sources], pin_memory=self.device.type == "cuda").to(self.device,
+                                                                                          non_blocking=True)
+            resolve_future_inputs(self._longs[0], index[0], index[1], previous_draws)
         if not self._graphs:
             return self._forward(size)[:len(chunks)]
         self._graphs[size].replay()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import torch
 
@@ -11,7 +12,7 @@ from hybridserve.cache.state_pool import StatePool
 from hybridserve.config import EngineConfig
 from hybridserve.core.batch import PageTables, ScheduledChunk, build_forward_batch
 from hybridserve.core.step import ChunkResult, StepPlan
-from hybridserve.layers.sampler import Sampler, logprob_dicts
+from hybridserve.layers.sampler import Draws, Sampler, logprob_dicts, penalty_rows
 from hybridserve.loader import read_config
 from hybridserve.ops.backends import all_triton, select_kernels
 from hybridserve.runtime.cuda_graphs import DecodeGraphs, capture_sizes
@@ -19,6 +20,16 @@ from hybridserve.runtime.model_loader import build_model, resolve_dtype
 from hybridserve.runtime.warmup import DUMMY_PAGE, DUMMY_SLOT, warmup_batches
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepHandle:
+    """A launched step: its chunks' results (filled by `collect`), the draws still on their way to the host, and
+    how many of them (in plan order) each result takes."""
+
+    results: list[ChunkResult]
+    draws: list[Draws] = field(default_factory=list)
+    draw_counts: list[tuple[ChunkResult, int]] = field(default_factory=list)
 
 _CPU_CACHE_BYTES = 1 * GiB
 _GRAPH_POOL_HEADROOM = 64 << 20
@@ -63,6 +74,7 @@ class ModelRunner:
         self.sampler = Sampler(config.max_running_requests)
         self.tables: PageTables | None = None
         self.graphs: DecodeGraphs | None = None
+        self._drawn_tokens: torch.Tensor | None = None  # the last launched step's draws, in plan order
 
     def _graphs_possible(self) -> bool:
         """CUDA graphs for decode: on CUDA, with every op on its kernel (the references may sync), unless eager."""
@@ -147,9 +159,9 @@ class ModelRunner:
             logger.info("memory plan: %.0f MiB reserved for the CUDA graphs' pool (the forward of %d decode rows)",
                         self.graph_reserve / 2**20, rows)
             peak += self.graph_reserve
-        # The sampler's penalty counts (fp32 count + bool flag per vocabulary entry and running request), allocated
+        # The sampler's penalty counts (fp32 count + bool flag per vocabulary entry and penalty row), allocated
         # when a request first uses a penalty.
-        peak += self.config.max_running_requests * self.model_config.vocab_size * 5
+        peak += penalty_rows(self.config.max_running_requests) * self.model_config.vocab_size * 5
         # Per instance: gpu_memory_utilization caps what this engine holds (its tensors, the headroom for what is
         # not torch's), whatever other processes on the device use; the caches never take more than is free.
         free, total = torch.cuda.mem_get_info(self.device)
@@ -188,30 +200,38 @@ class ModelRunner:
             self.state_pool.copy_from(source, torch.tensor(src, device=self.device),
                                       torch.tensor(dst, device=self.device))
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[ChunkResult]:
-        """Run one step: copies and restores -> forward -> snapshots, then prompt logprobs and sampling."""
+        """Run one step and wait for its results."""
+        return self.collect(self.launch(plan))
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> StepHandle:
+        """Queue one step on the device: copies and restores -> forward -> snapshots, then prompt logprobs and
+        sampling. Returns before the device has finished (on CUDA): the sampled tokens stay on the device, where
+        the next step's chunks with `future_token` read them, and `collect` brings them to the host."""
         if self.tables is None:
             raise RuntimeError("create_tables must be called before the first step")
         self.tables.reset(plan.table_resets)
         chunks = plan.chunks
         replay = self.graphs is not None and all(len(c.token_ids) == 1 for c in chunks) and \
             self.graphs.size_for(len(chunks)) is not None
+        previous = self._drawn_tokens
         if replay:
             self.tables.upload_updates(chunks)
         else:
             batch = build_forward_batch(chunks, self.config.page_size, self.device, self.model.history_len,
-                                        self.tables)
+                                        self.tables, previous)
         for pool, copies in ((self.kv_pool, plan.page_copies), (self.window_pool, plan.window_page_copies)):
             if copies:
                 src, dst = zip(*copies)
                 pool.copy_pages(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
         self._copy_slots(plan.restores, self.state_pool)
         self._copy_slots(plan.page_restores, self.footer_pool)
-        results = [ChunkResult() for _ in chunks]
+        handle = StepHandle([ChunkResult() for _ in chunks])
+        self._drawn_tokens = None
         # Logits rows come chunk by chunk: the scored prompt positions, then the last token when it samples.
         if replay:
-            logits = self.graphs.run(chunks)  # every row's; keep those of chunks that want logits
+            logits = self.graphs.run(chunks, previous)  # every row's; keep those of chunks that want logits
             wanted = [i for i, c in enumerate(chunks) if c.logits_offsets]
             logits = logits if len(wanted) == len(chunks) else logits[torch.tensor(wanted, device=self.device)]
             self._copy_slots(plan.snapshots, self.state_pool)
@@ -219,12 +239,12 @@ class ModelRunner:
             hidden = self.model(batch)
             self._copy_slots(plan.snapshots, self.state_pool)
             if batch.logits_indices.numel() == 0:
-                return results
+                return handle
             logits = self.model.compute_logits(hidden[batch.logits_indices])
         if logits.shape[0] == 0:
-            return results
+            return handle
         row, sampling = 0, []
-        for result, targets, rows in zip(results, plan.prompt_logprobs, plan.samples):
+        for result, targets, rows in zip(handle.results, plan.prompt_logprobs, plan.samples):
             if targets is not None:
                 try:
                     scored = torch.log_softmax(logits[row:row + len(targets.token_ids)], dim=-1)
@@ -236,28 +256,42 @@ class ModelRunner:
                 sampling.append((result, rows, row))
                 row += 1
         if sampling:
-            self._sample(logits, sampling)
+            handle.draws = self._sample(logits, sampling)
+            handle.draw_counts = [(result, len(rows)) for result, rows, _ in sampling]
+            tokens = [draws.tokens for draws in handle.draws]
+            self._drawn_tokens = tokens[0] if len(tokens) == 1 else torch.cat(tokens)
+            for draws in handle.draws:
+                draws.start_copy()
         self.sampler.end_step()
-        return results
+        return handle
 
-    def _sample(self, logits: torch.Tensor, sampling: list[tuple[ChunkResult, list, int]]) -> None:
-        """All draws of the step in one sampler call. If that fails, chunk by chunk: a failure then stays with
-        the request that caused it (its result's `error`) and every other request still gets its tokens (draws
-        depend only on their own row, so they are the same either way)."""
-        def draw(entries: list[tuple[ChunkResult, list, int]]) -> None:
+    def collect(self, handle: StepHandle) -> list[ChunkResult]:
+        """Wait for a launched step's sampled tokens and hand them to each chunk's result."""
+        tokens = iter([token for draws in handle.draws for token in draws.result()])
+        for result, count in handle.draw_counts:
+            result.sampled = [next(tokens) for _ in range(count)]
+        return handle.results
+
+    def _sample(self, logits: torch.Tensor, sampling: list[tuple[ChunkResult, list, int]]) -> list[Draws]:
+        """All draws of the step in one sampler call, in plan order (the order `future_token` indexes). If that
+        fails, chunk by chunk: a failure then stays with the request that caused it (its result's `error`; its
+        draws are placeholder tokens 0, which the engine discards) and every other request still gets its tokens
+        (draws depend only on their own row, so they are the same either way)."""
+        def draw(entries: list[tuple[ChunkResult, list, int]]) -> list[Draws]:
             draw_rows = [row for _, rows, row in entries for _ in rows]
             contiguous = draw_rows == list(range(draw_rows[0], draw_rows[0] + len(draw_rows)))
             picked = logits[draw_rows[0]:draw_rows[0] + len(draw_rows)] if contiguous else \
                 logits[torch.tensor(draw_rows, device=logits.device)]
-            tokens = iter(self.sampler(picked, [r for _, rows, _ in entries for r in rows]))
-            for result, rows, _ in entries:
-                result.sampled = [next(tokens) for _ in rows]
+            return self.sampler.draw(picked, [r for _, rows, _ in entries for r in rows])
 
         try:
-            draw(sampling)
+            return draw(sampling)
         except Exception:
+            out = []
             for entry in sampling:
                 try:
-                    draw([entry])
+                    out += draw([entry])
                 except Exception as err:
                     entry[0].error = err
+                    out.append(Draws.placeholder(len(entry[1]), logits.device))
+            return out

@@ -39,8 +39,8 @@ def test_static_padded_decode_matches_eager_steps(model: str, zaya_dir, ling_dir
                                  capture_sizes(4), runner.device, capture=False)
     sizes = []
     run = runner.graphs.run
-    runner.graphs.run = lambda chunks: (sizes.append((len(chunks), runner.graphs.size_for(len(chunks)))),
-                                        run(chunks))[1]
+    runner.graphs.run = lambda chunks, *rest: (sizes.append((len(chunks), runner.graphs.size_for(len(chunks)))),
+                                               run(chunks, *rest))[1]
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 100, (n,), generator=gen).tolist() for n in (3, 9, 4, 17, 6, 12)]
     # Different lengths: the batch shrinks from 6 rows (above the largest size, eager) through 5 .. 1 (graphs,

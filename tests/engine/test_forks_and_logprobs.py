@@ -34,13 +34,13 @@ def _finish(engine: LLMEngine, request_id: str, prompt, params):
 
 def _count_computed_tokens(engine: LLMEngine) -> list[int]:
     counter = [0]
-    execute = engine.runner.execute
+    launch = engine.runner.launch
 
     def counting(plan):
         counter[0] += sum(len(c.token_ids) for c in plan.chunks)
-        return execute(plan)
+        return launch(plan)
 
-    engine.runner.execute = counting
+    engine.runner.launch = counting
     return counter
 
 

@@ -50,14 +50,14 @@ def _assert_idle(engine: LLMEngine) -> None:
 
 @pytest.mark.parametrize("fail_at", [0, 3], ids=["first draw", "fourth draw"])
 def test_a_sampling_failure_aborts_only_its_request(model_dir, monkeypatch, fail_at):
-    sample_rows = Sampler._sample_rows
+    draw_rows = Sampler._draw_rows
 
     def failing(self, logits, rows):
-        if any(row.seed == BAD_SEED and len(row.output_token_ids) == fail_at for row in rows):
+        if any(row.seed == BAD_SEED and row.index == fail_at for row in rows):
             raise RuntimeError("injected sampling failure")
-        return sample_rows(self, logits, rows)
+        return draw_rows(self, logits, rows)
 
-    monkeypatch.setattr(Sampler, "_sample_rows", failing)
+    monkeypatch.setattr(Sampler, "_draw_rows", failing)
     params = {seed: SamplingParams(temperature=0.8, seed=seed, max_tokens=8, ignore_eos=True)
               for seed in (1, 2, BAD_SEED)}
     requests = {"good-1": (PROMPT, params[1]), "bad": (PROMPT[:7], SamplingParams(
@@ -78,13 +78,13 @@ def test_a_sampling_failure_aborts_only_its_request(model_dir, monkeypatch, fail
 
 
 def _record(engine: LLMEngine, record) -> None:
-    execute = engine.runner.execute
+    launch = engine.runner.launch
 
     def recording(plan):
         record(engine, plan)
-        return execute(plan)
+        return launch(plan)
 
-    engine.runner.execute = recording
+    engine.runner.launch = recording
 
 
 def test_forks_draw_under_the_running_cap_and_the_token_budget(model_dir):

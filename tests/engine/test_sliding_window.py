@@ -19,6 +19,7 @@ from tests.models.zaya_fixtures import random_hf_zaya, save_hf, tiny_config
 PAGE = 4
 WINDOW = 9
 LOGPROB_TOL = 1e-4  # fp32 CPU vs HF fp32: the parity tests see logits within 2e-5
+SERIAL = {"disable_overlap_schedule": True}
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,9 @@ def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, ea
 
 def _window_bound(engine: LLMEngine) -> None:
     """Between steps a running request holds window pages only from its window's first page on: at most
-    ceil((W - 1) / page) + 1 of them, while its full pages cover everything it computed."""
+    ceil((W - 1) / page) + 1 of them, while its full pages cover everything it computed. Checked on engines that
+    process each step before scheduling the next (`SERIAL`): with overlapped scheduling a step in flight holds its
+    pages until it is processed (tests/engine/test_overlap_schedule.py runs this model overlapped)."""
     for request in engine.scheduler.running:
         held = [p for p in request.window_page_ids if p]
         computed = request.num_computed_tokens
@@ -111,7 +114,7 @@ def test_long_generations_free_window_pages_and_match_hf(sliding, max_num_batche
     """Four requests of 3..30 prompt tokens, 40 generated tokens each (>> W): greedy tokens and their logprobs
     equal HF's, window pages stay bounded after every step, and the window group is smaller than the full one."""
     hf, directory = sliding
-    engine = _engine(directory, max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False)
+    engine = _engine(directory, max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False, **SERIAL)
     plan = engine.runner.memory_plan
     assert engine.runner.window_pool is not None and 0 < plan.num_window_pages < plan.num_pages
     prompts = _prompts([3, 30, 11, 17], seed=4)
@@ -137,7 +140,7 @@ def test_prefix_hits_need_the_window_pages_and_stay_exact(sliding):
     first, second = shared + [5, 6], shared + [7, 8, 9]
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=1, ignore_eos=True)
     cold = _run(_engine(directory, enable_prefix_caching=False), [second], params)[0]
-    engine = _engine(directory)
+    engine = _engine(directory, **SERIAL)
     _run(engine, [first], params)
     hit = _run(engine, [second], params, each_step=_window_bound)[0]
     assert hit.num_cached_tokens == 28
@@ -163,7 +166,7 @@ def test_a_tiny_window_group_evicts_cached_window_pages_first(sliding):
     prompts = [prompts[0], prompts[0][:20] + prompts[1][:6], prompts[0][:24] + prompts[2][:2]]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     cold = [o.outputs[0].token_ids for o in _run(_engine(directory, enable_prefix_caching=False), prompts, params)]
-    engine = _engine(directory, max_running_requests=1, max_num_batched_tokens=8)
+    engine = _engine(directory, max_running_requests=1, max_num_batched_tokens=8, **SERIAL)
     plan = engine.runner.memory_plan
     assert plan.num_window_pages == plan.min_window_pages == 1 * (math.ceil((WINDOW - 1) / PAGE) + 1) + 2 + 1
     evicted = []
@@ -185,7 +188,8 @@ def test_abort_finish_preemption_and_forks_free_both_groups(sliding):
     alone = [_run(solo, [p], params)[0].outputs[0].token_ids for p in prompts]
     roomy = _engine(directory).runner.memory_plan
     engine = _engine(directory, max_model_len=48, max_state_slots=6,
-                     kv_cache_memory_bytes=6 * roomy.slot_bytes + 24 * (roomy.page_bytes + roomy.window_page_bytes))
+                     kv_cache_memory_bytes=6 * roomy.slot_bytes + 24 * (roomy.page_bytes + roomy.window_page_bytes),
+                     **SERIAL)
     assert engine.runner.memory_plan.num_pages == 24
     for i, prompt in enumerate(prompts):
         engine.add_request(f"p{i}", prompt, params)

@@ -82,14 +82,14 @@ def test_a_request_that_fails_in_the_engine_ends_alone(zaya_dir, monkeypatch):
     the other call finishes, and the engine thread keeps serving."""
     from hybridserve.layers.sampler import Sampler
 
-    sample_rows = Sampler._sample_rows
+    draw_rows = Sampler._draw_rows
 
     def failing(self, logits, rows):
         if any(row.seed == 666 for row in rows):
             raise RuntimeError("injected sampling failure")
-        return sample_rows(self, logits, rows)
+        return draw_rows(self, logits, rows)
 
-    monkeypatch.setattr(Sampler, "_sample_rows", failing)
+    monkeypatch.setattr(Sampler, "_draw_rows", failing)
 
     async def finish(mailbox: OutputMailbox) -> RequestOutput:
         while True:

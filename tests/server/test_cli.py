@@ -17,7 +17,7 @@ def test_serve_help_documents_every_contract_option(capsys):
                    "--max-running-requests", "--chunked-prefill-size", "--enable-prefix-caching",
                    "--disable-prefix-caching", "--state-dtype", "--state-to-kv-ratio", "--max-state-slots",
                    "--gpu-memory-utilization", "--served-model-name", "--dtype", "--device", "--enforce-eager",
-                   "--cuda-graph-max-bs", "--load-format"):
+                   "--cuda-graph-max-bs", "--load-format", "--disable-overlap-schedule"):
         assert option in help_text, option
     assert "no CUDA graphs" in " ".join(help_text.split())  # --enforce-eager says what it does
 
@@ -38,8 +38,11 @@ def test_serve_exits_with_the_reason_when_the_model_cannot_load(tmp_path):
 
 def test_serve_options_reach_the_engine_config():
     args = build_parser().parse_args(["serve", "/m", "--disable-prefix-caching", "--chunked-prefill-size", "64",
-                                      "--state-to-kv-ratio", "0.5", "--tensor-parallel-size", "1", "--enforce-eager"])
+                                      "--state-to-kv-ratio", "0.5", "--tensor-parallel-size", "1", "--enforce-eager",
+                                      "--disable-overlap-schedule"])
     kwargs = _engine_kwargs(args)
     assert (kwargs["enable_prefix_caching"], kwargs["chunked_prefill_size"], kwargs["state_to_kv_ratio"]) == \
         (False, 64, 0.5)
+    assert kwargs["enforce_eager"] and kwargs["disable_overlap_schedule"]
+    assert not _engine_kwargs(build_parser().parse_args(["serve"]))["disable_overlap_schedule"]
     assert build_parser().parse_args(["serve"]).enable_prefix_caching is True

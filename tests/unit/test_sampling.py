@@ -117,9 +117,9 @@ def test_rows_are_sampled_in_bounded_groups(monkeypatch):
     rows = [_row(seed=20 + i, temperature=0.9, top_p=0.9, logprobs=2) for i in range(10)]
     whole = Sampler()(logits, rows)
     sizes = []
-    sample_rows = Sampler._sample_rows
+    draw_rows = Sampler._draw_rows
     monkeypatch.setattr(sampler_module, "_MAX_ELEMENTS_PER_CALL", 3 * 40)
-    monkeypatch.setattr(Sampler, "_sample_rows", lambda self, lg, rs: sizes.append(len(rs)) or sample_rows(self, lg, rs))
+    monkeypatch.setattr(Sampler, "_draw_rows", lambda self, lg, rs: sizes.append(len(rs)) or draw_rows(self, lg, rs))
     grouped = Sampler()(logits, rows)
     assert sizes == [3, 3, 3, 1]
     assert [(t.token_id, t.top_logprobs) for t in grouped] == [(t.token_id, t.top_logprobs) for t in whole]
@@ -202,14 +202,15 @@ def _penalised(key: int, outputs: list[int], prompt: list[int], keep: bool) -> S
 
 def test_penalty_counts_kept_across_draws_equal_counts_from_the_lists(monkeypatch):
     """Sequences 1 and 2 draw from step 0 (2 skips steps 4-5, as if preempted), 3 joins at step 6, with room kept
-    for two: kept counts, updated with each step's new tokens only, give exactly the penalised logits that
-    counting the whole lists gives; a continuing sequence uploads its one new token; one that skipped a step gave
-    its row back and is rebuilt; the one without room is computed from its lists."""
+    for two: kept counts (each drawn token counted on the device as it is drawn, the host lists read only for what
+    was not counted) give exactly the penalised logits that counting the whole lists gives; a continuing sequence
+    uploads no token at all; one that skipped a step gave its row back and is rebuilt from its lists; the one
+    without room is computed from its lists."""
     gen = torch.Generator().manual_seed(5)
     vocab = 40
     prompts = {1: [3, 4, 4, 9], 2: [7], 3: [0, 1, 2, 39]}
     outputs = {1: [5, 5], 2: [], 3: [8]}
-    kept, fresh = Sampler(penalty_capacity=2), Sampler()
+    kept, fresh = Sampler(max_running=1), Sampler()  # room for two sequences' counts
     uploads = []
     upload = sampler_module._upload
     monkeypatch.setattr(sampler_module, "_upload", lambda values, *a: (uploads.append(values), upload(values, *a))[1])
@@ -217,13 +218,16 @@ def test_penalty_counts_kept_across_draws_equal_counts_from_the_lists(monkeypatc
         keys = [k for k in outputs if not (k == 2 and step in (4, 5)) and not (k == 3 and step < 6)]
         logits = torch.randn(len(keys), vocab, generator=gen)
         uploads.clear()
-        with_state = kept._apply_penalties(logits, [_penalised(k, outputs[k], prompts[k], True) for k in keys])
+        with_state, counted = kept._apply_penalties(logits, [_penalised(k, outputs[k], prompts[k], True)
+                                                             for k in keys])
         token_uploads = sum(len(v[1]) for v in uploads if len(v) == 2 and isinstance(v[0], list))
-        without = fresh._apply_penalties(logits, [_penalised(k, outputs[k], prompts[k], False) for k in keys])
+        without, _ = fresh._apply_penalties(logits, [_penalised(k, outputs[k], prompts[k], False) for k in keys])
         assert torch.equal(with_state, without), step
-        if step in (1, 2, 3, 7, 8, 9):  # sequences 1 and 2 continue in their rows: one new token each
-            assert token_uploads == 2, step
+        if step in (1, 2, 3, 7, 8, 9):  # sequences 1 and 2 continue in their rows: nothing to upload
+            assert token_uploads == 0, step
+        drawn = torch.randint(vocab, (len(keys),), generator=gen)
+        kept.penalties.record(counted, drawn)
         kept.end_step()
         assert sorted(kept.penalties._rows) == ([1, 2] if step not in (4, 5) else [1])
-        for k in keys:
-            outputs[k].append(int(torch.randint(vocab, (1,), generator=gen)))
+        for k, token in zip(keys, drawn.tolist()):
+            outputs[k].append(token)
