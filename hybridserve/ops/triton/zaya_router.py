@@ -37,7 +37,8 @@ from hybridserve.ops.triton.norm import residual_rms_norm
 # The largest decode batch captured in a CUDA graph; beyond it the prefill form (cuBLAS matmuls) runs.
 FUSED_MAX_TOKENS = 256
 PROGRAMS = 128  # programs per fused launch to aim for: about one per SM of an H200 (132 SMs)
-TILE_ELEMENTS = 4096  # a program's [tokens, columns, K chunk] product tile: 32 fp32 registers a thread at 4 warps
+TILE_ELEMENTS = 8192  # a program's [tokens, columns, K chunk] product tile: 64 fp32 registers a thread at 4 warps
+PIPELINE_STAGES = 6  # K chunks in flight (cp.async) per program when its loop has several: latency, not FLOPs
 SELECT_TOKENS = 16  # tokens per program of the prefill form's selection
 
 
@@ -48,12 +49,14 @@ def _gelu(x):
 
 @triton.jit
 def _rows_times_cols(x_ptr, w_ptr, vec_ptr, rows, row_ok, cols, col_ok, K: tl.constexpr, BT: tl.constexpr,
-                     BN: tl.constexpr, BK: tl.constexpr, X_VEC: tl.constexpr, X_GELU: tl.constexpr,
-                     CACHE: tl.constexpr):
+                     BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, X_VEC: tl.constexpr,
+                     X_GELU: tl.constexpr, CACHE: tl.constexpr):
     """[BT, BN] fp32: sum over k of x'[rows, k] * w[cols, k] (both row-major with K columns), where x' is x
-    (times vec[k], with X_VEC) (GELU'd, with X_GELU). Products are accumulated per K lane, summed once at the end."""
+    (times vec[k], with X_VEC) (GELU'd, with X_GELU). Products are accumulated per K lane, summed once at the end
+    (no shuffles inside the loop); STAGES > 1 pipelines the chunks' loads (cp.async), so that more than one chunk
+    is in flight."""
     acc = tl.zeros((BT, BN, BK), dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
         k = k0 + tl.arange(0, BK)
         k_ok = k < K
         x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
@@ -75,7 +78,7 @@ def _select(u_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_p
     first of equal maxima, as torch's argmax), and the routing outputs."""
     c = tl.arange(0, BC)
     c_valid = c < CLASSES
-    logits = _rows_times_cols(u_ptr, wo_ptr, u_ptr, rows, row_ok, c, c_valid, K, BT, BC, BK, False, U_GELU, CACHE)
+    logits = _rows_times_cols(u_ptr, wo_ptr, u_ptr, rows, row_ok, c, c_valid, K, BT, BC, BK, 1, False, U_GELU, CACHE)
     c_ok = c_valid[None, :]
     logits = tl.where(c_ok, logits, float("-inf"))
     e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
@@ -95,8 +98,8 @@ def _select(u_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_p
 def _dense_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr, norm_ptr, eps,
                   counter_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr,
                   K: tl.constexpr, N: tl.constexpr, CLASSES: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr, BC: tl.constexpr, BKC: tl.constexpr, CARRY: tl.constexpr, NORM: tl.constexpr,
-                  GELU: tl.constexpr, SELECT: tl.constexpr):
+                  BK: tl.constexpr, STAGES: tl.constexpr, BC: tl.constexpr, BKC: tl.constexpr, CARRY: tl.constexpr,
+                  NORM: tl.constexpr, GELU: tl.constexpr, SELECT: tl.constexpr):
     """out[rows, cols] = act(x'[rows] @ w[cols]^T + b[cols]) (+ carry[rows, cols] * scale[cols], with CARRY) for
     this program's BT tokens and BN columns; x' = norm_weight * x * rstd(x) with NORM, act = GELU with GELU.
     With SELECT, the token block's last program to finish then selects its classes from the whole out rows."""
@@ -104,7 +107,7 @@ def _dense_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr
     row_ok = rows < num_tokens
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
     col_ok = cols < N
-    acc = _rows_times_cols(x_ptr, w_ptr, norm_ptr, rows, row_ok, cols, col_ok, K, BT, BN, BK, NORM, False, "")
+    acc = _rows_times_cols(x_ptr, w_ptr, norm_ptr, rows, row_ok, cols, col_ok, K, BT, BN, BK, STAGES, NORM, False, "")
     if NORM:  # rstd after the product: (x * w_norm) @ W^T * rstd = (w_norm * x * rstd) @ W^T
         squares = tl.zeros((BT, BK), dtype=tl.float32)
         for k0 in range(0, K, BK):
@@ -145,6 +148,12 @@ def _arrival_counters(device: torch.device) -> torch.Tensor:
     if device not in _counters:
         _counters[device] = torch.zeros(FUSED_MAX_TOKENS, device=device, dtype=torch.int32)
     return _counters[device]
+
+
+def _loop(rows: int, cols: int, k: int) -> dict:
+    """BK and STAGES of a fused launch's K loop: pipelined when it has more than one chunk."""
+    chunk = _chunk(rows, cols, k)
+    return dict(BK=chunk, STAGES=PIPELINE_STAGES if chunk < k else 1)
 
 
 def _chunk(rows: int, cols: int, k: int) -> int:
@@ -202,13 +211,13 @@ def fused_route(x32, down_weight, down_bias, carry, states_scale, norm_weight, e
         common = dict(N=width, CLASSES=classes, BT=bt, BN=bn, BC=bc, BKC=_chunk(bt, bc, width), num_warps=4)
         _dense_kernel[grid](x32, down_weight, down_bias, z, tokens, carry if carry is not None else dummy,
                             states_scale if carry is not None else dummy, dummy, eps, *(dummy,) * 8,
-                            K=hidden, BK=_chunk(bt, bn, hidden), CARRY=carry is not None, NORM=False, GELU=False,
+                            K=hidden, **_loop(bt, bn, hidden), CARRY=carry is not None, NORM=False, GELU=False,
                             SELECT=False, **common)
         _dense_kernel[grid](z, fc1_weight, fc1_bias, u1, tokens, dummy, dummy, norm_weight, eps, *(dummy,) * 8,
-                            K=width, BK=_chunk(bt, bn, width), CARRY=False, NORM=True, GELU=True, SELECT=False,
+                            K=width, **_loop(bt, bn, width), CARRY=False, NORM=True, GELU=True, SELECT=False,
                             **common)
         _dense_kernel[grid](u1, fc2_weight, fc2_bias, u2, tokens, dummy, dummy, dummy, eps, *select,
-                            K=width, BK=_chunk(bt, bn, width), CARRY=False, NORM=False, GELU=True, SELECT=True,
+                            K=width, **_loop(bt, bn, width), CARRY=False, NORM=False, GELU=True, SELECT=True,
                             **common)
     return Routing(choice, weight, ids, expert_w, skip_w, z)
 
