@@ -51,23 +51,25 @@ def _gelu(x):
 def _rows_times_cols(x_ptr, w_ptr, vec_ptr, rows, row_ok, cols, col_ok, K: tl.constexpr, BT: tl.constexpr,
                      BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, X_VEC: tl.constexpr,
                      X_GELU: tl.constexpr, CACHE: tl.constexpr):
-    """[BT, BN] fp32: sum over k of x'[rows, k] * w[cols, k] (both row-major with K columns), where x' is x
-    (times vec[k], with X_VEC) (GELU'd, with X_GELU). Products are accumulated per K lane, summed once at the end
-    (no shuffles inside the loop); STAGES > 1 pipelines the chunks' loads (cp.async), so that more than one chunk
-    is in flight."""
+    """([BT, BN] fp32: sum over k of x'[rows, k] * w[cols, k] (both row-major with K columns), [BT]: sum over k of
+    x[rows, k]^2), where x' is x (times vec[k], with X_VEC) (GELU'd, with X_GELU). Products are accumulated per K
+    lane, summed once at the end (no shuffles inside the loop); STAGES > 1 pipelines the chunks' loads (cp.async),
+    so that more than one chunk is in flight. The squares cost nothing where unused (dead code)."""
     acc = tl.zeros((BT, BN, BK), dtype=tl.float32)
+    squares = tl.zeros((BT, BK), dtype=tl.float32)
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
         k = k0 + tl.arange(0, BK)
         k_ok = k < K
         x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
                     cache_modifier=CACHE)
+        squares += x * x
         if X_VEC:
             x *= tl.load(vec_ptr + k, mask=k_ok, other=0.0)[None, :]
         if X_GELU:
             x = _gelu(x)  # GELU(0) = 0: masked lanes stay out of the sum
         w = tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         acc += x[:, None, :] * w[None, :, :]
-    return tl.sum(acc, axis=2)
+    return tl.sum(acc, axis=2), tl.sum(squares, axis=1)
 
 
 @triton.jit
@@ -78,7 +80,8 @@ def _select(u_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_p
     first of equal maxima, as torch's argmax), and the routing outputs."""
     c = tl.arange(0, BC)
     c_valid = c < CLASSES
-    logits = _rows_times_cols(u_ptr, wo_ptr, u_ptr, rows, row_ok, c, c_valid, K, BT, BC, BK, 1, False, U_GELU, CACHE)
+    logits, _ = _rows_times_cols(u_ptr, wo_ptr, u_ptr, rows, row_ok, c, c_valid, K, BT, BC, BK, 1, False, U_GELU,
+                                 CACHE)
     c_ok = c_valid[None, :]
     logits = tl.where(c_ok, logits, float("-inf"))
     e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
@@ -107,14 +110,10 @@ def _dense_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr
     row_ok = rows < num_tokens
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
     col_ok = cols < N
-    acc = _rows_times_cols(x_ptr, w_ptr, norm_ptr, rows, row_ok, cols, col_ok, K, BT, BN, BK, STAGES, NORM, False, "")
+    acc, squares = _rows_times_cols(x_ptr, w_ptr, norm_ptr, rows, row_ok, cols, col_ok, K, BT, BN, BK, STAGES, NORM,
+                                    False, "")
     if NORM:  # rstd after the product: (x * w_norm) @ W^T * rstd = (w_norm * x * rstd) @ W^T
-        squares = tl.zeros((BT, BK), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            k = k0 + tl.arange(0, BK)
-            x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
-            squares += x * x
-        acc *= tl.rsqrt(tl.sum(squares, axis=1) / K + eps)[:, None]
+        acc *= tl.rsqrt(squares / K + eps)[:, None]
     acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0)[None, :]
     tile = rows[:, None] * N + cols[None, :]
     ok = row_ok[:, None] & col_ok[None, :]
