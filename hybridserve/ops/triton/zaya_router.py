@@ -9,15 +9,19 @@ Decode (at most `FUSED_MAX_TOKENS` tokens, the CUDA-graph batch sizes): three la
 At a few tokens a step what costs is reading the weights (the down-projection's is 2 MB of fp32) and the launches,
 not arithmetic. So each launch is split over output columns and tokens into about `PROGRAMS` programs (one per SM
 of an H200), each reading only its slice of the weight, and no program pads its rows to tl.dot's 16: products are
-broadcast multiply-adds into a [tokens, columns, K chunk] fp32 register tile, reduced over K once at the end. The
+broadcast multiply-adds into a [tokens, columns, K chunk] fp32 register tile, reduced over K once at the end (a
+reduction per chunk would cost more shuffles than multiply-adds). One token (the commonest decode) reads its whole
+K in a single chunk, every load in flight at once; larger buckets loop over K with the chunks' loads pipelined
+(cp.async, PIPELINE_STAGES deep), since a loop of plain loads waits one memory round trip per chunk. The
 class selection rides on launch 3 instead of a launch of its own: each program stores its u2 columns, then bumps
 its token block's arrival counter (acq_rel: the stores before it are visible to whoever acquires it later); the
 program that arrives last reads the whole u2 rows back through L2 and resets the counter to 0, so the next call (and
 every CUDA-graph replay) starts from zero. The counters are one persistent int32 buffer per device: calls on one
 device must not overlap in time (one forward stream, as the engine runs).
 
-Prefill (more tokens): the three matmuls are FLOP-bound there (8192 tokens: 8.6 GFLOP in the down-projection) and
-cuBLAS's fp32 GEMM (TF32 stays off) does them better than FMA tiles sized to spread weight reads; around them
+Prefill (more tokens): the three matmuls become FLOP-bound (8192 tokens: 8.6 GFLOP in the down-projection; at 512 tokens
+0.54 GFLOP, 8 us at the H200's fp32 FMA peak) and cuBLAS's fp32 GEMM (TF32 stays off) does them better
+than FMA tiles sized to spread weight reads, while a few more launches no longer matter; around them
 one ops.norm kernel adds the carry and normalises, and `_select_kernel` applies fc2's GELU on load and selects.
 Six launches where the torch reference takes about fifteen. The switch depends only on the host-known token count.
 
@@ -34,7 +38,8 @@ import triton.language as tl
 from hybridserve.ops.reference.zaya_router import Routing
 from hybridserve.ops.triton.norm import residual_rms_norm
 
-# The largest decode batch captured in a CUDA graph; beyond it the prefill form (cuBLAS matmuls) runs.
+# The largest decode batch captured in a CUDA graph (and the last tile bucket the launch constants below were sized
+# for); beyond it the prefill form (cuBLAS matmuls) runs. benchmarks/ops/zaya_router.py times both forms on each side.
 FUSED_MAX_TOKENS = 256
 PROGRAMS = 128  # programs per fused launch to aim for: about one per SM of an H200 (132 SMs)
 TILE_ELEMENTS = 8192  # a program's [tokens, columns, K chunk] product tile: 64 fp32 registers a thread at 4 warps
