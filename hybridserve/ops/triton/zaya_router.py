@@ -19,10 +19,10 @@ program that arrives last reads the whole u2 rows back through L2 and resets the
 every CUDA-graph replay) starts from zero. The counters are one persistent int32 buffer per device: calls on one
 device must not overlap in time (one forward stream, as the engine runs).
 
-Prefill (more tokens): the three matmuls become FLOP-bound (8192 tokens: 8.6 GFLOP in the down-projection; at 512 tokens
-0.54 GFLOP, 8 us at the H200's fp32 FMA peak) and cuBLAS's fp32 GEMM (TF32 stays off) does them better
-than FMA tiles sized to spread weight reads, while a few more launches no longer matter; around them
-one ops.norm kernel adds the carry and normalises, and `_select_kernel` applies fc2's GELU on load and selects.
+Prefill (more tokens): the three matmuls become FLOP-bound (8192 tokens: 8.6 GFLOP in the down-projection; at
+512 tokens 0.54 GFLOP, 8 us at the H200's fp32 FMA peak) and cuBLAS's fp32 GEMM (TF32 stays off) does them
+better than FMA tiles sized to spread weight reads, while a few more launches no longer matter; around them one
+ops.norm kernel adds the carry and normalises, and `_select_kernel` applies fc2's GELU on load and selects.
 Six launches where the torch reference takes about fifteen. The switch depends only on the host-known token count.
 
 Numerics are fp32 end to end (a top-1 choice flips on a near-tie, and a flip changes a token by a whole expert);
@@ -123,7 +123,8 @@ def _dense_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr
     tile = rows[:, None] * N + cols[None, :]
     ok = row_ok[:, None] & col_ok[None, :]
     if CARRY:
-        acc += tl.load(carry_ptr + tile, mask=ok, other=0.0) * tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
+        scale = tl.load(scale_ptr + cols, mask=col_ok, other=0.0)
+        acc += tl.load(carry_ptr + tile, mask=ok, other=0.0) * scale[None, :]
     if GELU:
         acc = _gelu(acc)
     tl.store(out_ptr + tile, acc, mask=ok)
