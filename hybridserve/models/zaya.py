@@ -186,11 +186,11 @@ class EDARouter(nn.Module):
         self.balancing_biases = new_parameter(config.num_experts + 1, dtype=torch.float32)
 
     def forward(self, x32: torch.Tensor, carry: torch.Tensor | None) -> Routing:
-        """x32: the normed MoE input in fp32."""
+        """x32: the normed MoE input in fp32 (the down-projection is part of the op, so its kernels fuse it)."""
         mlp = self.router_mlp
-        return eda_route(self.down_proj(x32), carry, self.router_states_scale, mlp.norm.weight, mlp.norm.eps,
-                         mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias, mlp.out_proj.weight,
-                         self.balancing_biases)
+        return eda_route(x32, self.down_proj.weight, self.down_proj.bias, carry, self.router_states_scale,
+                         mlp.norm.weight, mlp.norm.eps, mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias,
+                         mlp.out_proj.weight, self.balancing_biases)
 
 
 class ZayaMoE(nn.Module):

@@ -56,12 +56,35 @@ def test_residual_norm_at_zaya1_8b_widths(tokens):
     assert torch.equal(h32, h.float())
 
 
-@pytest.mark.parametrize("tokens", [1, 64, 256, 8192])
+@pytest.mark.parametrize("tokens", [1, 3, 17, 64, 256, 257, 8192])  # fused decode form up to 256, cuBLAS form above
 def test_router_at_zaya1_8b_widths(tokens):
-    args = router_inputs(tokens, ROUTER, EXPERTS, skip_bias=0.05, device="cpu")
-    want = router_reference.eda_route(**{**args, "z": args["z"].clone()})
+    args = router_inputs(tokens, HIDDEN, ROUTER, EXPERTS, skip_bias=0.05, device="cpu")
+    want = router_reference.eda_route(**args)
     got = zaya_router.eda_route(**{k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in args.items()})
     check_routing(got, want, biased_probs(args, want.carry))
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 256])
+def test_router_replays_from_a_cuda_graph(tokens):
+    """The fused form captured once and replayed on new inputs equals eager calls bit for bit: the arrival counters
+    are back at zero after every replay, and the last program of each token block sees every column of fc2."""
+    static = {k: v.cuda() if isinstance(v, torch.Tensor) else v
+              for k, v in router_inputs(tokens, HIDDEN, ROUTER, EXPERTS, skip_bias=0.05, device="cpu").items()}
+    zaya_router.eda_route(**static)  # compiles (and allocates the counters) outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = zaya_router.eda_route(**static)
+    for seed in range(1, 4):
+        fresh = router_inputs(tokens, HIDDEN, ROUTER, EXPERTS, skip_bias=0.05, seed=seed, device="cpu")
+        for name in ("x32", "carry"):
+            static[name].copy_(fresh[name])
+        graph.replay()
+        eager = zaya_router.eda_route(**static)
+        for got, want in zip(captured, eager):
+            assert torch.equal(got, want)
+        host = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in static.items()}
+        want = router_reference.eda_route(**host)
+        check_routing(captured, want, biased_probs(host, want.carry))
 
 
 def test_kernels_issue_no_device_to_host_sync():
@@ -82,7 +105,7 @@ def test_kernels_issue_no_device_to_host_sync():
     residual = torch.randn(rows, HIDDEN, device=device)
     norm_weight = torch.ones(HIDDEN, **bf16)
     route = {k: v.cuda() if isinstance(v, torch.Tensor) else v
-             for k, v in router_inputs(rows, ROUTER, EXPERTS, skip_bias=0.05, device="cpu").items()}
+             for k, v in router_inputs(rows, HIDDEN, ROUTER, EXPERTS, skip_bias=0.05, device="cpu").items()}
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -10,6 +10,8 @@ import torch
 from hybridserve import LLM, SamplingParams
 from hybridserve.config import EngineConfig
 from hybridserve.demo import demo_ling_config, demo_zaya_config
+from hybridserve.models.zaya import EDARouter
+from hybridserve.ops.reference.zaya_router import Routing
 from tests.helpers import add_tokenizer
 
 LAYERS = 8
@@ -36,14 +38,16 @@ def _llm(directory, **options) -> LLM:
 
 
 def _linear_output_rms(llm: LLM) -> dict[str, float]:
-    """The RMS of every projection's output over one prompt."""
+    """The RMS of every projection's output over one prompt (ZAYA1's router down-projection, which runs inside the
+    router op, through the router's carry: down_proj(x) plus the previous router's carry times its scale)."""
     found = {}
 
-    def record(name: str, out: torch.Tensor) -> None:
+    def record(name: str, out) -> None:
+        out = out.carry if isinstance(out, Routing) else out
         found.setdefault(name, out.float().pow(2).mean().sqrt().item())
 
     for name, module in llm.engine.runner.model.named_modules():
-        if type(module).__name__.endswith("Linear"):
+        if type(module).__name__.endswith("Linear") or isinstance(module, EDARouter):
             module.register_forward_hook(lambda mod, args, out, name=name: record(name, out))
     llm.generate(PROMPT, SamplingParams(max_tokens=1))
     return found

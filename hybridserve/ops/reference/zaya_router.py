@@ -1,6 +1,6 @@
-"""ZAYA1's EDA router after its down-projection: the pure-torch reference, all fp32 (spec §4.2).
+"""ZAYA1's EDA router: the pure-torch reference, all fp32 (spec §4.2).
 
-    z = down_proj(h2) (+ carry * router_states_scale)       -> the EDA carry handed to the next layer's router
+    z = down_proj(x32) (+ carry * router_states_scale)      -> the EDA carry handed to the next layer's router
     logits = out_proj(GELU(fc2(GELU(fc1(RMSNorm(z))))))      exact (erf) GELU; E experts + the MOD skip class E
     p = softmax(logits); choice = argmax(p + balancing_biases); weight = p[choice]
 """
@@ -40,10 +40,11 @@ def router_probs(z: torch.Tensor, norm_weight: torch.Tensor, eps: float, fc1_wei
     return torch.softmax(F.linear(F.gelu(F.linear(u, fc2_weight, fc2_bias)), out_weight), dim=-1)
 
 
-def eda_route(z: torch.Tensor, carry: torch.Tensor | None, states_scale: torch.Tensor | None,
-              norm_weight: torch.Tensor, eps: float, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor,
-              fc2_weight: torch.Tensor, fc2_bias: torch.Tensor, out_weight: torch.Tensor,
+def eda_route(x32: torch.Tensor, down_weight: torch.Tensor, down_bias: torch.Tensor, carry: torch.Tensor | None,
+              states_scale: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, fc1_weight: torch.Tensor,
+              fc1_bias: torch.Tensor, fc2_weight: torch.Tensor, fc2_bias: torch.Tensor, out_weight: torch.Tensor,
               balancing_biases: torch.Tensor) -> Routing:
+    z = F.linear(x32, down_weight, down_bias)
     if states_scale is not None and carry is not None:
         z = z + carry * states_scale
     probs = router_probs(z, norm_weight, eps, fc1_weight, fc1_bias, fc2_weight, fc2_bias, out_weight)
