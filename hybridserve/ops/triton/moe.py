@@ -245,26 +245,27 @@ def _down_kernel(act, w2, out, partial, weights, sorted_pairs, block_expert, num
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _split_reduce_kernel(partial, out, weights, num_pairs, width, stride_ot, stride_on, SPLIT_K: tl.constexpr,
-                         BLOCK: tl.constexpr, SWIGLU: tl.constexpr):
-    """One pair's `width` output columns (BLOCK of them per program): the sum of its SPLIT_K partial rows in split
-    order, then the GEMM's epilogue: SiLU(gate) * up (SWIGLU: a partial row holds `width` gate then `width` up
-    columns) or the pair's routing weight."""
-    pair = tl.program_id(0)
+                         ROWS: tl.constexpr, BLOCK: tl.constexpr, SWIGLU: tl.constexpr):
+    """ROWS pairs x BLOCK output columns per program: the sum of each pair's SPLIT_K partial rows in split order,
+    then the GEMM's epilogue: SiLU(gate) * up (SWIGLU: a partial row holds `width` gate then `width` up columns)
+    or the pair's routing weight."""
+    pair = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = col < width
+    mask = (pair < num_pairs)[:, None] & (col < width)[None, :]
     row_width = 2 * width if SWIGLU else width
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    up = tl.zeros([BLOCK], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+    up = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
     for split in tl.static_range(SPLIT_K):
-        row = partial + (split * num_pairs + pair).to(tl.int64) * row_width
-        acc += tl.load(row + col, mask=ok, other=0.0)
+        row = partial + ((split * num_pairs + pair).to(tl.int64) * row_width)[:, None] + col[None, :]
+        acc += tl.load(row, mask=mask, other=0.0)
         if SWIGLU:
-            up += tl.load(row + width + col, mask=ok, other=0.0)
+            up += tl.load(row + width, mask=mask, other=0.0)
     if SWIGLU:
         acc = _swiglu(acc, up)
     else:
-        acc = _weighted(acc, tl.load(weights + pair))
-    tl.store(out + pair.to(tl.int64) * stride_ot + col * stride_on, acc.to(out.dtype.element_ty), mask=ok)
+        acc = _weighted(acc, tl.load(weights + pair, mask=pair < num_pairs, other=0.0)[:, None])
+    tl.store(out + pair[:, None].to(tl.int64) * stride_ot + col[None, :] * stride_on, acc.to(out.dtype.element_ty),
+             mask=mask)
 
 
 def max_blocks(num_pairs: int, experts: int, block_m: int) -> int:
@@ -303,10 +304,10 @@ def _reduce_splits(partial: torch.Tensor, out: torch.Tensor, weights: torch.Tens
                    swiglu: bool) -> None:
     """out [num_pairs, width] = the epilogue of the sum over the `split` partial rows of each pair."""
     num_pairs, width = out.shape
-    block = min(1024, triton.next_power_of_2(width))
-    _split_reduce_kernel[(num_pairs, triton.cdiv(width, block))](
-        partial, out, weights, num_pairs, width, out.stride(0), out.stride(1), SPLIT_K=split, BLOCK=block,
-        SWIGLU=swiglu, num_warps=4)
+    rows, block = 8, min(512, triton.next_power_of_2(width))  # 4096-element tiles
+    _split_reduce_kernel[(triton.cdiv(num_pairs, rows), triton.cdiv(width, block))](
+        partial, out, weights, num_pairs, width, out.stride(0), out.stride(1), SPLIT_K=split, ROWS=rows,
+        BLOCK=block, SWIGLU=swiglu, num_warps=4)
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
