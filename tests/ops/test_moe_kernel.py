@@ -244,3 +244,30 @@ def test_unreduced_rows_sum_to_the_output(split_k: int) -> None:
         alone = torch.where(torch.arange(top_k, device=DEVICE) == k, weights, 0.0)
         torch.testing.assert_close(rows[:, k], kernel.fused_experts(x, w13, w2, ids, alone, config=config),
                                    rtol=0, atol=0)
+
+
+def test_tuner_pools_split_small_grids_only() -> None:
+    """Split-K candidates exist where the decode grid is small (one ZAYA1 expert, Ling's eight) and not where
+    the unsplit grid already has thousands of programs; every candidate passes check_config."""
+    from benchmarks import tune_moe
+    for (experts, top_k, hidden, inter), tokens, splits in (((16, 1, 2048, 2048), 1, True),
+                                                            ((256, 8, 4096, 1024), 1, True),
+                                                            ((256, 8, 4096, 1024), 64, False),
+                                                            ((16, 1, 2048, 2048), 8192, False)):
+        pool = tune_moe.candidates(tokens, experts, top_k, inter, hidden, 2)
+        assert all(moe_config.check_config(c, "pool") == c for c in pool)
+        assert any(c["SPLIT_K"] > 1 for c in pool) == splits, (experts, tokens)
+
+
+def test_tuner_keeps_the_untuned_token_counts(tmp_path) -> None:
+    """A run over some token counts replaces those entries and keeps the previous table's others (an entry
+    without SPLIT_K stays as it was), in token order."""
+    from benchmarks import tune_moe
+    name = "E=8,N=16,H=32,dtype=float16,device=Some_GPU.json"
+    old = {"_comment": "old", "_time_us": {"1": 9.0, "64": 20.0}, "1": _config(16), "64": _config(32)}
+    (tmp_path / name).write_text(json.dumps(old))
+    tune_moe.write_table(tmp_path, name, "new", {"1": _config(16, split_k=4), "8": _config(16)}, {"1": 5.0, "8": 7.0})
+    new = json.loads((tmp_path / name).read_text())
+    assert list(new) == ["_comment", "_time_us", "1", "8", "64"] and new["_comment"] == "new"
+    assert new["_time_us"] == {"1": 5.0, "8": 7.0, "64": 20.0}
+    assert new["1"]["SPLIT_K"] == 4 and new["64"] == _config(32)
