@@ -42,7 +42,9 @@ def candidates(tokens: int, experts: int, top_k: int, inter: int, hidden: int, i
     rows = tokens * top_k / experts
     if rows <= 16:
         pool = [_config(16, n, k, 1, 4, s) for n in (32, 64, 128) for k in (128, 256) for s in (3, 4)]
-        pool += [_config(16, 128, 128, 1, 8, 4), _config(16, 64, 256, 1, 8, 3)]  # more loads in flight per program
+        # more loads in flight per program: 8 warps, or short K tiles in deep pipelines
+        pool += [_config(16, 128, 128, 1, 8, 4), _config(16, 64, 256, 1, 8, 3), _config(16, 64, 64, 1, 4, 6),
+                 _config(16, 128, 64, 1, 4, 5)]
         used = min(experts, tokens * top_k)  # the most blocks with a real row
         for n in (32, 64):
             grid = used * min(-(-inter // (n // 2)), -(-hidden // n))  # the smaller of the gate/up and down grids
