@@ -201,6 +201,7 @@ def test_heuristic_configs_are_valid_and_fill_the_gpu_at_decode() -> None:
     zaya = moe_config.heuristic_config(1, 16, 2048, 2048, 1)  # one expert: 128 narrowest tiles, split to 256
     assert zaya["BLOCK_N"] == 32 and zaya["SPLIT_K"] == 2
     assert all(moe_config.heuristic_config(t, 16, 2048, 2048, 1)["SPLIT_K"] == 1 for t in (2, 64, 8192))
+    assert moe_config.heuristic_config(1, 4, 32, 64, 1)["SPLIT_K"] == 1  # tiny test models: K too short to split
 
 
 def test_tables_ship_for_both_models_and_lookup_takes_the_nearest(monkeypatch, tmp_path) -> None:

@@ -26,6 +26,7 @@ OPTIONAL = {"SPLIT_K": 1}  # keys a table entry may leave out, and what that mea
 MAX_SPLIT_K = 16
 CONFIG_DIR = Path(__file__).with_name("moe_configs")
 _TARGET_PROGRAMS = 256  # about two per SM on an H100/H200: enough tiles in flight to stream the weights
+_MIN_SPLIT_TILES = 4  # K tiles per split at least: a shorter pipeline does not pay for its fp32 partial sums
 
 
 def config_file_name(experts: int, intermediate: int, hidden: int, dtype: torch.dtype, device_name: str) -> str:
@@ -54,9 +55,9 @@ def heuristic_config(tokens: int, experts: int, intermediate: int, hidden: int, 
 
     Up to 16 rows per expert the op streams weights (memory bound): one 16-row block per used expert, long K
     tiles, and N tiles narrow enough that the used experts give ~256 programs; where even the narrowest tiles
-    give at most half that (one or two used experts), split-K doubles the programs until they do. From 16 to 64
-    rows: mid-size tiles. Beyond: compute bound, 128-row tiles grouped so that blocks sharing an expert reuse its
-    tiles in L2.
+    give at most half that (one or two used experts), split-K doubles the programs until they do, while every
+    split keeps _MIN_SPLIT_TILES K tiles (so tiny test models never split). From 16 to 64 rows: mid-size tiles.
+    Beyond: compute bound, 128-row tiles grouped so that blocks sharing an expert reuse its tiles in L2.
     """
     rows = tokens * top_k / experts
     if rows <= 16:
@@ -64,10 +65,12 @@ def heuristic_config(tokens: int, experts: int, intermediate: int, hidden: int, 
         block_n = 128
         while block_n > 32 and used * -(-intermediate // (block_n // 2)) < _TARGET_PROGRAMS:
             block_n //= 2
-        programs, split = used * -(-intermediate // (block_n // 2)), 1
-        while split < 8 and 2 * programs * split <= _TARGET_PROGRAMS:
+        programs, split, block_k = used * -(-intermediate // (block_n // 2)), 1, 128
+        while split < 8 and 2 * programs * split <= _TARGET_PROGRAMS and \
+                min(hidden, intermediate) >= 2 * split * _MIN_SPLIT_TILES * block_k:
             split *= 2
-        return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, SPLIT_K=split)
+        return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=1, num_warps=4, num_stages=4,
+                    SPLIT_K=split)
     if rows <= 64:
         return dict(BLOCK_M=32 if rows <= 32 else 64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4,
                     SPLIT_K=1)
