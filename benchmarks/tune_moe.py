@@ -29,13 +29,20 @@ from hybridserve.ops.triton import moe_config  # noqa: E402
 
 SHAPES = {"zaya1-8b": (16, 1, 2048, 2048), "ling-2.6-flash": (256, 8, 4096, 1024)}  # E, K, H, I
 SMEM_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (H100/H200 have 227 KiB per SM)
-SPLIT_PROGRAMS = 2048  # split-K candidates only while the smaller GEMM grid times the split stays under this
+SPLIT_TARGETS = (256, 512, 1024, 2048)  # split-K candidates: each GEMM split (by a power of 2, at most 8) to reach
 
 
 def _config(block_m: int, block_n: int, block_k: int, group_m: int, warps: int, stages: int,
-            split_k: int = 1) -> dict[str, int]:
+            splits: tuple[int, int] = (1, 1)) -> dict[str, int]:
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, num_warps=warps,
-                num_stages=stages, SPLIT_K=split_k)
+                num_stages=stages, SPLIT_K_UP=splits[0], SPLIT_K_DOWN=splits[1])
+
+
+def _split_to(programs: int, target: int) -> int:
+    split = 1
+    while split < 8 and programs * split < target:
+        split *= 2
+    return split
 
 
 def candidates(tokens: int, experts: int, top_k: int, inter: int, hidden: int, itemsize: int) -> list[dict]:
@@ -47,9 +54,9 @@ def candidates(tokens: int, experts: int, top_k: int, inter: int, hidden: int, i
                  _config(16, 128, 64, 1, 4, 5)]
         used = min(experts, tokens * top_k)  # the most blocks with a real row
         for n in (32, 64):
-            grid = used * min(-(-inter // (n // 2)), -(-hidden // n))  # the smaller of the gate/up and down grids
-            pool += [_config(16, n, k, 1, 4, 3, split) for k in (64, 128, 256) for split in (2, 4, 8)
-                     if grid * split <= SPLIT_PROGRAMS]
+            grids = (used * -(-inter // (n // 2)), used * -(-hidden // n))  # gate/up, down
+            splits = {tuple(_split_to(grid, target) for grid in grids) for target in SPLIT_TARGETS} - {(1, 1)}
+            pool += [_config(16, n, k, 1, 4, 3, s) for k in (64, 128, 256) for s in sorted(splits)]
     elif rows <= 64:
         pool = [_config(m, n, k, 8, 4, 3) for m in (32, 64) for n in (64, 128) for k in (64, 128)]
     else:
@@ -63,7 +70,8 @@ def candidates(tokens: int, experts: int, top_k: int, inter: int, hidden: int, i
 
 
 def _short(config: dict[str, int]) -> str:
-    return "M{BLOCK_M} N{BLOCK_N} K{BLOCK_K} G{GROUP_M} w{num_warps} s{num_stages} split{SPLIT_K}".format(**config)
+    return ("M{BLOCK_M} N{BLOCK_N} K{BLOCK_K} G{GROUP_M} w{num_warps} s{num_stages} split{SPLIT_K_UP}/{SPLIT_K_DOWN}"
+            .format(**config))
 
 
 def _inputs(tokens: int, experts: int, top_k: int, hidden: int, dtype: torch.dtype, seed: int = 0):
@@ -136,7 +144,8 @@ def tune(shape: tuple[int, int, int, int], tokens_list: list[int], dtype: torch.
         best_us, best = min(results, key=lambda r: r[0])
         heuristic = moe_config.heuristic_config(tokens, experts, inter, hidden, top_k)
         heuristic_us = next((us for us, c in results if c == heuristic), float("nan"))
-        unsplit_us = min((us for us, c in results if c["SPLIT_K"] == 1), default=float("nan"))
+        unsplit_us = min((us for us, c in results if c["SPLIT_K_UP"] == c["SPLIT_K_DOWN"] == 1),
+                         default=float("nan"))
         print(f"E={experts} K={top_k} H={hidden} I={inter} T={tokens:>5}: {best_us:8.1f} us "
               f"(unsplit {unsplit_us:.1f}, heuristic {heuristic_us:.1f}, {len(results)} tried) {_short(best)}",
               flush=True)

@@ -85,14 +85,15 @@ def test_fused_moe_split_k_bf16_deterministic_and_graphed(experts, tokens: int) 
     from hybridserve.ops.triton import moe as kernel
     name, top_k, w13, w2 = experts
     hidden = w13.shape[2]
-    for split in (2, 4):
-        config = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3, SPLIT_K=split)
+    for up, down in ((2, 4), (4, 1)):
+        config = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3, SPLIT_K_UP=up,
+                      SPLIT_K_DOWN=down)
         x = torch.randn(tokens, hidden, device=CUDA).bfloat16()
-        ids, weights = _routing(tokens, w13.shape[0], top_k, seed=tokens + split)
+        ids, weights = _routing(tokens, w13.shape[0], top_k, seed=tokens + up)
         got = kernel.fused_experts(x, w13, w2, ids, weights, config=config)
         want = moe_reference.experts_sorted(x.float(), w13.float(), w2.float(), ids, weights)
         err = _rel(got, want)
-        print(f"{name} T={tokens} SPLIT_K={split}: kernel {err:.2e}")
+        print(f"{name} T={tokens} SPLIT_K {up}/{down}: kernel {err:.2e}")
         assert err <= 1e-2
         assert torch.equal(got, kernel.fused_experts(x, w13, w2, ids, weights, config=config))
         if top_k == 1 and tokens > 4:

@@ -11,10 +11,10 @@
 3. Down GEMM: times w2[e]^T, scaled by the pair's routing weight in fp32 (a zero weight, ZAYA1's MOD skip,
    writes an exact zero), stored by pair index into [T*K, H]. For K = 1 that is the output; for K > 1 one sum
    over each token's K rows follows. No atomics: the result is deterministic.
-Split-K (config SPLIT_K > 1, for decode batches whose output tiles are too few to keep the GPU's memory system
-busy): each GEMM's program also takes one of SPLIT_K contiguous ranges of whole BLOCK_K tiles of the reduction
-dimension and stores its fp32 partial tile by pair into a [SPLIT_K, T*K, width] workspace; one reduce launch per
-GEMM then sums each pair's partial rows in split order (fixed: deterministic) and applies that GEMM's epilogue
+Split-K (config SPLIT_K_UP / SPLIT_K_DOWN > 1, for decode batches whose output tiles are too few to keep the GPU's
+memory system busy): a split GEMM's program also takes one of SPLIT_K contiguous ranges of whole BLOCK_K tiles of
+the reduction dimension and stores its fp32 partial tile by pair into a [SPLIT_K, T*K, width] workspace; one reduce
+launch for that GEMM then sums each pair's partial rows in split order (fixed: deterministic) and applies its epilogue
 (SiLU(gate) * up; the routing weight). The partial rows are small next to the weights they replace in flight.
 Launch configurations: `moe_config` (tuned JSON tables, else a heuristic).
 """
@@ -333,31 +333,32 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
         return out if reduce else out.view(0, top_k, hidden)
     config = check_config(config, "config") if config is not None else \
         moe_config(tokens, experts, inter, hidden, top_k, x.dtype, x.device)
-    block_m, block_n, block_k, split = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"], config["SPLIT_K"]
+    block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    split_up, split_down = config["SPLIT_K_UP"], config["SPLIT_K_DOWN"]
     sorted_pairs, block_expert = align_pairs(topk_ids.contiguous(), experts, block_m)
     blocks, num_pairs = block_expert.numel(), tokens * top_k
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     # The weighted output rows and the activations in one allocation (both in x's dtype).
     buffer = torch.empty(num_pairs * (hidden + inter), dtype=x.dtype, device=x.device)
     out, act = buffer[:num_pairs * hidden].view(num_pairs, hidden), buffer[num_pairs * hidden:].view(num_pairs, inter)
-    # fp32 partial rows of both GEMMs (one after the other) when split; unread otherwise
-    partial = torch.empty(split * num_pairs * max(2 * inter, hidden), dtype=torch.float32, device=x.device) \
-        if split > 1 else buffer
+    # fp32 partial rows of the split GEMMs (one after the other); unread when neither is split
+    widths = [split_up * 2 * inter] * (split_up > 1) + [split_down * hidden] * (split_down > 1)
+    partial = torch.empty(num_pairs * max(widths), dtype=torch.float32, device=x.device) if widths else buffer
     launch = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=config["GROUP_M"],
-                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32", SPLIT_K=split,
+                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                   num_warps=config["num_warps"], num_stages=config["num_stages"])
-    _gate_up_kernel[(blocks * triton.cdiv(inter, block_n // 2) * split,)](
+    _gate_up_kernel[(blocks * triton.cdiv(inter, block_n // 2) * split_up,)](
         x, w13, act, partial, sorted_pairs, block_expert, num_pairs, blocks, top_k, inter, hidden,
         x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0), act.stride(1),
-        EVEN_K=hidden % block_k == 0, **launch)
-    if split > 1:
-        _reduce_splits(partial, act, weights, split, swiglu=True)
-    _down_kernel[(blocks * triton.cdiv(hidden, block_n) * split,)](
+        EVEN_K=hidden % block_k == 0, SPLIT_K=split_up, **launch)
+    if split_up > 1:
+        _reduce_splits(partial, act, weights, split_up, swiglu=True)
+    _down_kernel[(blocks * triton.cdiv(hidden, block_n) * split_down,)](
         act, w2, out, partial, weights, sorted_pairs, block_expert, num_pairs, blocks, hidden, inter,
         act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), out.stride(1),
-        EVEN_K=inter % block_k == 0, **launch)
-    if split > 1:
-        _reduce_splits(partial, out, weights, split, swiglu=False)
+        EVEN_K=inter % block_k == 0, SPLIT_K=split_down, **launch)
+    if split_down > 1:
+        _reduce_splits(partial, out, weights, split_down, swiglu=False)
     if not reduce:
         return out.view(tokens, top_k, hidden)
     if top_k == 1:
