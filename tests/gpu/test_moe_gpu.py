@@ -99,6 +99,8 @@ def test_fused_moe_split_k_bf16_deterministic_and_graphed(experts, tokens: int) 
         if top_k == 1 and tokens > 4:
             assert not got[4::5].any()
         static_x, static_ids, static_w = torch.zeros_like(x), torch.zeros_like(ids), torch.zeros_like(weights)
+        kernel.fused_experts(static_x, w13, w2, static_ids, static_w, config=config)  # compiled before capture
+        torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = kernel.fused_experts(static_x, w13, w2, static_ids, static_w, config=config)
