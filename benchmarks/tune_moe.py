@@ -29,7 +29,7 @@ from hybridserve.ops.triton import moe_config  # noqa: E402
 
 SHAPES = {"zaya1-8b": (16, 1, 2048, 2048), "ling-2.6-flash": (256, 8, 4096, 1024)}  # E, K, H, I
 SMEM_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (H100/H200 have 227 KiB per SM)
-SPLIT_TARGETS = (256, 512, 1024, 2048)  # split-K candidates: each GEMM split (by a power of 2, at most 8) to reach
+SPLIT_TARGETS = (256, 512, 1024, 2048)  # split-K candidates: each GEMM split (power of 2, <= 8) to reach one
 
 
 def _config(block_m: int, block_n: int, block_k: int, group_m: int, warps: int, stages: int,
