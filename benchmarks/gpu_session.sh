@@ -7,7 +7,7 @@
 # (all = tests + bench; ling = 16 Ling-2.6-flash layers with dummy weights and the shared-expert overlap; agreement =
 # Ling decode agreement per lightning implementation; profile = the b1, b64 and prefill step profiles of the 40-layer
 # ZAYA1 run; tune = the fused-MoE tile tables, as $OUT/moe_configs.tgz: their names hold '=' and ',', which the
-# device tool does not bring back as files)
+# device tool does not bring back as files; TUNE_ARGS passes more arguments, e.g. TUNE_ARGS="--tokens 1 2 4")
 set -u
 OUT=${OUT:-gpu-out}
 what=${1:-all}
@@ -55,8 +55,8 @@ fi
 
 if [[ $what == tune ]]; then
   mkdir -p "$OUT/moe_configs"
-  timeout 560 python benchmarks/tune_moe.py --out-dir "$OUT/moe_configs" > "$OUT/logs/tune.log" 2>&1
-  grep -E "compiled|T=|total" "$OUT/logs/tune.log" | cut -c 1-90
+  timeout 560 python benchmarks/tune_moe.py --out-dir "$OUT/moe_configs" ${TUNE_ARGS:-} > "$OUT/logs/tune.log" 2>&1
+  grep -E "compiled|T=|kept|total" "$OUT/logs/tune.log" | cut -c 1-150
   tar czf "$OUT/moe_configs.tgz" -C "$OUT" moe_configs && rm -rf "$OUT/moe_configs"
 fi
 

@@ -1,10 +1,12 @@
 """Tune the fused-MoE launch configurations on this GPU and write the tables `ops/triton/moe_config.py` reads.
 
 For each shape and token count (1, 2, 4, ..., 16384 by default) it times a pruned set of candidates (by the mean
-rows per expert: 16-row blocks with several N/K tiles when the op streams weights, mid tiles, then 64/128-row
-tiles when it is compute bound; shared-memory hogs dropped) on uniform random routing, each candidate as a CUDA
-graph of back-to-back calls (launch overhead excluded, as in decode), and keeps the fastest. All candidates are
-first compiled in parallel worker processes, which fill Triton's on-disk cache for the timing process.
+rows per expert: 16-row blocks with several N/K tiles, and split-K where the grid is small, when the op streams
+weights; mid tiles; then 64/128-row tiles when it is compute bound; shared-memory hogs dropped) on uniform random
+routing, each candidate as a CUDA graph of back-to-back calls (launch overhead excluded, as in decode), and keeps
+the fastest. All candidates are first compiled in parallel worker processes, which fill Triton's on-disk cache for
+the timing process. A table already in --out-dir (else the committed one) keeps its entries for the token counts
+not tuned in this run, so a run over a few token counts updates those alone.
 
     python benchmarks/tune_moe.py                       # ZAYA1-8B and Ling-2.6-flash, bf16, TP=1
     python benchmarks/tune_moe.py --shape 256,8,4096,512 --tokens 1 64 4096   # E,K,H,I (e.g. Ling at TP=2)
@@ -27,17 +29,34 @@ from hybridserve.ops.triton import moe_config  # noqa: E402
 
 SHAPES = {"zaya1-8b": (16, 1, 2048, 2048), "ling-2.6-flash": (256, 8, 4096, 1024)}  # E, K, H, I
 SMEM_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (H100/H200 have 227 KiB per SM)
+SPLIT_TARGETS = (256, 512, 1024, 2048)  # split-K candidates: each GEMM split (power of 2, <= 8) to reach one
 
 
-def _config(block_m: int, block_n: int, block_k: int, group_m: int, warps: int, stages: int) -> dict[str, int]:
+def _config(block_m: int, block_n: int, block_k: int, group_m: int, warps: int, stages: int,
+            splits: tuple[int, int] = (1, 1)) -> dict[str, int]:
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, num_warps=warps,
-                num_stages=stages)
+                num_stages=stages, SPLIT_K_UP=splits[0], SPLIT_K_DOWN=splits[1])
+
+
+def _split_to(programs: int, target: int) -> int:
+    split = 1
+    while split < 8 and programs * split < target:
+        split *= 2
+    return split
 
 
 def candidates(tokens: int, experts: int, top_k: int, inter: int, hidden: int, itemsize: int) -> list[dict]:
     rows = tokens * top_k / experts
     if rows <= 16:
         pool = [_config(16, n, k, 1, 4, s) for n in (32, 64, 128) for k in (128, 256) for s in (3, 4)]
+        # more loads in flight per program: 8 warps, or short K tiles in deep pipelines
+        pool += [_config(16, 128, 128, 1, 8, 4), _config(16, 64, 256, 1, 8, 3), _config(16, 64, 64, 1, 4, 6),
+                 _config(16, 128, 64, 1, 4, 5)]
+        used = min(experts, tokens * top_k)  # the most blocks with a real row
+        for n in (32, 64):
+            grids = (used * -(-inter // (n // 2)), used * -(-hidden // n))  # gate/up, down
+            splits = {tuple(_split_to(grid, target) for grid in grids) for target in SPLIT_TARGETS} - {(1, 1)}
+            pool += [_config(16, n, k, 1, 4, 3, s) for k in (64, 128, 256) for s in sorted(splits)]
     elif rows <= 64:
         pool = [_config(m, n, k, 8, 4, 3) for m in (32, 64) for n in (64, 128) for k in (64, 128)]
     else:
@@ -48,6 +67,11 @@ def candidates(tokens: int, experts: int, top_k: int, inter: int, hidden: int, i
     unique = {tuple(c.values()): c for c in pool
               if c["num_stages"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * itemsize <= SMEM_BUDGET}
     return list(unique.values())
+
+
+def _short(config: dict[str, int]) -> str:
+    return ("M{BLOCK_M} N{BLOCK_N} K{BLOCK_K} G{GROUP_M} w{num_warps} s{num_stages} split{SPLIT_K_UP}/{SPLIT_K_DOWN}"
+            .format(**config))
 
 
 def _inputs(tokens: int, experts: int, top_k: int, hidden: int, dtype: torch.dtype, seed: int = 0):
@@ -120,16 +144,40 @@ def tune(shape: tuple[int, int, int, int], tokens_list: list[int], dtype: torch.
         best_us, best = min(results, key=lambda r: r[0])
         heuristic = moe_config.heuristic_config(tokens, experts, inter, hidden, top_k)
         heuristic_us = next((us for us, c in results if c == heuristic), float("nan"))
-        print(f"E={experts} K={top_k} H={hidden} I={inter} T={tokens:>5}: {best_us:9.1f} us "
-              f"(heuristic {heuristic_us:9.1f} us, {len(results)} tried) {best}", flush=True)
+        unsplit_us = min((us for us, c in results if c["SPLIT_K_UP"] == c["SPLIT_K_DOWN"] == 1),
+                         default=float("nan"))
+        print(f"E={experts} K={top_k} H={hidden} I={inter} T={tokens:>5}: {best_us:8.1f} us "
+              f"(unsplit {unsplit_us:.1f}, heuristic {heuristic_us:.1f}, {len(results)} tried) {_short(best)}",
+              flush=True)
         table[str(tokens)], times[str(tokens)] = best, round(best_us, 2)
     name = torch.cuda.get_device_name()
-    table = {"_comment": f"Tuned by benchmarks/tune_moe.py on {name} (torch {torch.__version__}, "
-                         f"triton {__import__('triton').__version__}): fastest candidate per token count, uniform "
-                         f"random top-{top_k} routing, CUDA-graph timing.", "_time_us": times, **table}
-    path = out_dir / moe_config.config_file_name(experts, inter, hidden, dtype, name)
-    path.write_text(json.dumps(table, indent=1) + "\n")
+    comment = (f"Tuned by benchmarks/tune_moe.py on {name} (torch {torch.__version__}, triton "
+               f"{__import__('triton').__version__}): fastest candidate per token count, uniform random top-{top_k} "
+               f"routing, CUDA-graph timing.")
+    return write_table(out_dir, moe_config.config_file_name(experts, inter, hidden, dtype, name), comment, table,
+                       times)
+
+
+def write_table(out_dir: Path, file_name: str, comment: str, table: dict[str, dict], times: dict[str, float]) -> Path:
+    """Writes out_dir/file_name: the tuned entries, and the previous table's (out_dir's, else the committed one)
+    for token counts not tuned now, in token order."""
+    previous = {}
+    for path in (out_dir / file_name, moe_config.CONFIG_DIR / file_name):
+        if path.is_file():
+            previous = json.loads(path.read_text())
+            break
+    kept = {t: c for t, c in previous.items() if not t.startswith("_") and t not in table}
+    if kept:
+        print(f"  kept from the previous table: T = {', '.join(sorted(kept, key=int))}")
+    times = {**{t: us for t, us in previous.get("_time_us", {}).items() if t in kept}, **times}
+    path = out_dir / file_name
+    path.write_text(json.dumps({"_comment": comment, "_time_us": _by_tokens(times), **_by_tokens({**kept, **table})},
+                               indent=1) + "\n")
     return path
+
+
+def _by_tokens(entries: dict) -> dict:
+    return dict(sorted(entries.items(), key=lambda item: int(item[0])))
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ import torch
 from benchmarks.op_microbench import OpCase
 from hybridserve.ops.reference import moe as reference
 
-TOKENS = (1, 64, 256, 8192)
+TOKENS = (1, 16, 64, 256, 8192)
 SHAPES = {"zaya1-8b": (16, 1, 2048, 2048), "ling-2.6-flash": (256, 8, 4096, 1024)}  # E, K, H, I
 
 

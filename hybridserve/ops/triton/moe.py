@@ -11,6 +11,11 @@
 3. Down GEMM: times w2[e]^T, scaled by the pair's routing weight in fp32 (a zero weight, ZAYA1's MOD skip,
    writes an exact zero), stored by pair index into [T*K, H]. For K = 1 that is the output; for K > 1 one sum
    over each token's K rows follows. No atomics: the result is deterministic.
+Split-K (config SPLIT_K_UP / SPLIT_K_DOWN > 1, for decode batches whose output tiles are too few to keep the GPU's
+memory system busy): a split GEMM's program also takes one of SPLIT_K contiguous ranges of whole BLOCK_K tiles of
+the reduction dimension and stores its fp32 partial tile by pair into a [SPLIT_K, T*K, width] workspace; one reduce
+launch for that GEMM then sums each pair's partial rows in split order (fixed: deterministic) and applies its epilogue
+(SiLU(gate) * up; the routing weight). The partial rows are small next to the weights they replace in flight.
 Launch configurations: `moe_config` (tuned JSON tables, else a heuristic).
 """
 from __future__ import annotations
@@ -110,10 +115,9 @@ def _place_kernel(ids, ranks, counts, sorted_pairs, block_expert, num_pairs, chu
 
 
 @triton.jit
-def _tile(block_expert, max_blocks, n_tiles, GROUP_M: tl.constexpr):
-    """(block, column tile, expert or -1) of this program, GROUP_M blocks at a time so that neighbours share
+def _tile(pid, block_expert, max_blocks, n_tiles, GROUP_M: tl.constexpr):
+    """(block, column tile, expert or -1) of output tile `pid`, GROUP_M blocks at a time so that neighbours share
     weight tiles in L2."""
-    pid = tl.program_id(0)
     per_group = GROUP_M * n_tiles
     first = (pid // per_group) * GROUP_M
     size = tl.minimum(max_blocks - first, GROUP_M)
@@ -128,25 +132,55 @@ def _block_rows(sorted_pairs, block, num_pairs, BLOCK_M: tl.constexpr):
     return pair, pair < num_pairs
 
 
+@triton.jit
+def _k_range(split, depth, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """[start, end) of split `split`'s share of a reduction dimension of `depth`: whole BLOCK_K tiles, the last
+    split ending at `depth` (a split past the end is empty and contributes zeros)."""
+    per_split = tl.cdiv(tl.cdiv(depth, BLOCK_K), SPLIT_K) * BLOCK_K
+    start = split * per_split
+    return start, tl.minimum(start + per_split, depth)
+
+
+@triton.jit
+def _swiglu(gate, up):
+    return gate / (1.0 + tl.exp(-gate)) * up  # SiLU(gate) * up in fp32
+
+
+@triton.jit
+def _weighted(acc, weight):
+    return tl.where(weight == 0.0, 0.0, acc * weight)  # exact zero even if acc overflowed
+
+
+@triton.jit
+def _store_partial(partial, split, num_pairs, width, pair, col, value, mask):
+    """An fp32 partial tile into the [SPLIT_K, num_pairs, width] workspace, by pair."""
+    row = (split * num_pairs + pair).to(tl.int64) * width
+    tl.store(partial + row[:, None] + col[None, :], value, mask=mask)
+
+
 @triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
-def _gate_up_kernel(x, w13, out, sorted_pairs, block_expert, num_pairs, max_blocks, top_k, inter, hidden,
+def _gate_up_kernel(x, w13, out, partial, sorted_pairs, block_expert, num_pairs, max_blocks, top_k, inter, hidden,
                     stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_ot, stride_on,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                    EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+                    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SPLIT_K: tl.constexpr):
+    """SiLU(gate) * up of a block's rows for BLOCK_N / 2 intermediate columns into `out`; with SPLIT_K > 1 the
+    gate and up partial sums of one K range into `partial` (row: gate columns, then up columns)."""
     HALF: tl.constexpr = BLOCK_N // 2
-    block, tile, expert = _tile(block_expert, max_blocks, tl.cdiv(inter, HALF), GROUP_M)
+    pid = tl.program_id(0)
+    block, tile, expert = _tile(pid // SPLIT_K, block_expert, max_blocks, tl.cdiv(inter, HALF), GROUP_M)
     if expert < 0:
         return
     pair, row_ok = _block_rows(sorted_pairs, block, num_pairs, BLOCK_M)
     col = tile * HALF + tl.arange(0, HALF)
     col_ok = col < inter
+    k_start, k_end = _k_range(pid % SPLIT_K, hidden, BLOCK_K, SPLIT_K)
     k = tl.arange(0, BLOCK_K)
-    a_ptr = x + (pair // top_k)[:, None].to(tl.int64) * stride_xt + k[None, :] * stride_xh
-    g_ptr = w13 + expert * stride_we + col[None, :].to(tl.int64) * stride_wn + k[:, None] * stride_wh
+    a_ptr = x + (pair // top_k)[:, None].to(tl.int64) * stride_xt + (k_start + k[None, :]) * stride_xh
+    g_ptr = w13 + expert * stride_we + col[None, :].to(tl.int64) * stride_wn + (k_start + k[:, None]) * stride_wh
     u_ptr = g_ptr + inter * stride_wn
     gate = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
             g = tl.load(g_ptr, mask=col_ok[None, :], other=0.0)
@@ -161,27 +195,35 @@ def _gate_up_kernel(x, w13, out, sorted_pairs, block_expert, num_pairs, max_bloc
         a_ptr += BLOCK_K * stride_xh
         g_ptr += BLOCK_K * stride_wh
         u_ptr += BLOCK_K * stride_wh
-    act = gate / (1.0 + tl.exp(-gate)) * up  # SiLU(gate) * up in fp32
-    tl.store(out + pair[:, None].to(tl.int64) * stride_ot + col[None, :] * stride_on,
-             act.to(out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(out + pair[:, None].to(tl.int64) * stride_ot + col[None, :] * stride_on,
+                 _swiglu(gate, up).to(out.dtype.element_ty), mask=mask)
+    else:
+        _store_partial(partial, pid % SPLIT_K, num_pairs, 2 * inter, pair, col, gate, mask)
+        _store_partial(partial, pid % SPLIT_K, num_pairs, 2 * inter, pair, inter + col, up, mask)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
-def _down_kernel(act, w2, out, weights, sorted_pairs, block_expert, num_pairs, max_blocks, hidden, inter,
+def _down_kernel(act, w2, out, partial, weights, sorted_pairs, block_expert, num_pairs, max_blocks, hidden, inter,
                  stride_at, stride_ai, stride_we, stride_wh, stride_wi, stride_ot, stride_oh,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                 EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
-    block, tile, expert = _tile(block_expert, max_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+                 EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SPLIT_K: tl.constexpr):
+    """A block's rows times w2[e]^T for BLOCK_N hidden columns, weighted, into `out`; with SPLIT_K > 1 the
+    unweighted partial sums of one K range into `partial`."""
+    pid = tl.program_id(0)
+    block, tile, expert = _tile(pid // SPLIT_K, block_expert, max_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if expert < 0:
         return
     pair, row_ok = _block_rows(sorted_pairs, block, num_pairs, BLOCK_M)
     col = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = col < hidden
+    k_start, k_end = _k_range(pid % SPLIT_K, inter, BLOCK_K, SPLIT_K)
     k = tl.arange(0, BLOCK_K)
-    a_ptr = act + pair[:, None].to(tl.int64) * stride_at + k[None, :] * stride_ai
-    b_ptr = w2 + expert * stride_we + col[None, :].to(tl.int64) * stride_wh + k[:, None] * stride_wi
+    a_ptr = act + pair[:, None].to(tl.int64) * stride_at + (k_start + k[None, :]) * stride_ai
+    b_ptr = w2 + expert * stride_we + col[None, :].to(tl.int64) * stride_wh + (k_start + k[:, None]) * stride_wi
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
             b = tl.load(b_ptr, mask=col_ok[None, :], other=0.0)
@@ -192,10 +234,38 @@ def _down_kernel(act, w2, out, weights, sorted_pairs, block_expert, num_pairs, m
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptr += BLOCK_K * stride_ai
         b_ptr += BLOCK_K * stride_wi
-    weight = tl.load(weights + pair, mask=row_ok, other=0.0)
-    acc = tl.where(weight[:, None] == 0.0, 0.0, acc * weight[:, None])  # exact zero even if acc overflowed
-    tl.store(out + pair[:, None].to(tl.int64) * stride_ot + col[None, :] * stride_oh,
-             acc.to(out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K == 1:
+        weight = tl.load(weights + pair, mask=row_ok, other=0.0)
+        tl.store(out + pair[:, None].to(tl.int64) * stride_ot + col[None, :] * stride_oh,
+                 _weighted(acc, weight[:, None]).to(out.dtype.element_ty), mask=mask)
+    else:
+        _store_partial(partial, pid % SPLIT_K, num_pairs, hidden, pair, col, acc, mask)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _split_reduce_kernel(partial, out, weights, num_pairs, width, stride_ot, stride_on, SPLIT_K: tl.constexpr,
+                         ROWS: tl.constexpr, BLOCK: tl.constexpr, SWIGLU: tl.constexpr):
+    """ROWS pairs x BLOCK output columns per program: the sum of each pair's SPLIT_K partial rows in split order,
+    then the GEMM's epilogue: SiLU(gate) * up (SWIGLU: a partial row holds `width` gate then `width` up columns)
+    or the pair's routing weight."""
+    pair = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = (pair < num_pairs)[:, None] & (col < width)[None, :]
+    row_width = 2 * width if SWIGLU else width
+    acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+    up = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+    for split in tl.static_range(SPLIT_K):
+        row = partial + ((split * num_pairs + pair).to(tl.int64) * row_width)[:, None] + col[None, :]
+        acc += tl.load(row, mask=mask, other=0.0)
+        if SWIGLU:
+            up += tl.load(row + width, mask=mask, other=0.0)
+    if SWIGLU:
+        acc = _swiglu(acc, up)
+    else:
+        acc = _weighted(acc, tl.load(weights + pair, mask=pair < num_pairs, other=0.0)[:, None])
+    tl.store(out + pair[:, None].to(tl.int64) * stride_ot + col[None, :] * stride_on, acc.to(out.dtype.element_ty),
+             mask=mask)
 
 
 def max_blocks(num_pairs: int, experts: int, block_m: int) -> int:
@@ -230,6 +300,16 @@ def align_pairs(topk_ids: torch.Tensor, experts: int, block_m: int) -> tuple[tor
     return sorted_pairs, block_expert
 
 
+def _reduce_splits(partial: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, split: int,
+                   swiglu: bool) -> None:
+    """out [num_pairs, width] = the epilogue of the sum over the `split` partial rows of each pair."""
+    num_pairs, width = out.shape
+    rows, block = 8, min(512, triton.next_power_of_2(width))  # 4096-element tiles
+    _split_reduce_kernel[(triton.cdiv(num_pairs, rows), triton.cdiv(width, block))](
+        partial, out, weights, num_pairs, width, out.stride(0), out.stride(1), SPLIT_K=split, ROWS=rows,
+        BLOCK=block, SWIGLU=swiglu, num_warps=4)
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                   topk_weights: torch.Tensor, config: dict[str, int] | None = None,
                   reduce: bool = True) -> torch.Tensor:
@@ -254,23 +334,31 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     config = check_config(config, "config") if config is not None else \
         moe_config(tokens, experts, inter, hidden, top_k, x.dtype, x.device)
     block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    split_up, split_down = config["SPLIT_K_UP"], config["SPLIT_K_DOWN"]
     sorted_pairs, block_expert = align_pairs(topk_ids.contiguous(), experts, block_m)
     blocks, num_pairs = block_expert.numel(), tokens * top_k
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     # The weighted output rows and the activations in one allocation (both in x's dtype).
     buffer = torch.empty(num_pairs * (hidden + inter), dtype=x.dtype, device=x.device)
     out, act = buffer[:num_pairs * hidden].view(num_pairs, hidden), buffer[num_pairs * hidden:].view(num_pairs, inter)
+    # fp32 partial rows of the split GEMMs (one after the other); unread when neither is split
+    widths = [split_up * 2 * inter] * (split_up > 1) + [split_down * hidden] * (split_down > 1)
+    partial = torch.empty(num_pairs * max(widths), dtype=torch.float32, device=x.device) if widths else buffer
     launch = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=config["GROUP_M"],
                   PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                   num_warps=config["num_warps"], num_stages=config["num_stages"])
-    _gate_up_kernel[(blocks * triton.cdiv(inter, block_n // 2),)](
-        x, w13, act, sorted_pairs, block_expert, num_pairs, blocks, top_k, inter, hidden,
+    _gate_up_kernel[(blocks * triton.cdiv(inter, block_n // 2) * split_up,)](
+        x, w13, act, partial, sorted_pairs, block_expert, num_pairs, blocks, top_k, inter, hidden,
         x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0), act.stride(1),
-        EVEN_K=hidden % block_k == 0, **launch)
-    _down_kernel[(blocks * triton.cdiv(hidden, block_n),)](
-        act, w2, out, weights, sorted_pairs, block_expert, num_pairs, blocks, hidden, inter,
+        EVEN_K=hidden % block_k == 0, SPLIT_K=split_up, **launch)
+    if split_up > 1:
+        _reduce_splits(partial, act, weights, split_up, swiglu=True)
+    _down_kernel[(blocks * triton.cdiv(hidden, block_n) * split_down,)](
+        act, w2, out, partial, weights, sorted_pairs, block_expert, num_pairs, blocks, hidden, inter,
         act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), out.stride(1),
-        EVEN_K=inter % block_k == 0, **launch)
+        EVEN_K=inter % block_k == 0, SPLIT_K=split_down, **launch)
+    if split_down > 1:
+        _reduce_splits(partial, out, weights, split_down, swiglu=False)
     if not reduce:
         return out.view(tokens, top_k, hidden)
     if top_k == 1:

@@ -1,13 +1,18 @@
 """Launch configurations of the fused-MoE kernels (`ops.triton.moe`): tuned tables or a heuristic.
 
 A table is a JSON file in `moe_configs/` per (experts E, local intermediate N, hidden H, dtype, device name),
-written by `benchmarks/tune_moe.py`: token count -> {BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages}.
+written by `benchmarks/tune_moe.py`: token count -> {BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages,
+SPLIT_K_UP, SPLIT_K_DOWN}. The SPLIT_K keys are optional (an entry without them means 1: the unsplit kernels).
 A call takes the entry of the nearest tuned token count; shapes without a table (another model, another TP degree,
 another GPU) use `heuristic_config`. The choice is a pure function of host-known sizes, so a captured CUDA graph
 always replays the configuration it was captured with.
 
 BLOCK_N is the width of an output tile in both GEMMs: the gate/up GEMM computes BLOCK_N / 2 gate columns and the
 matching BLOCK_N / 2 up columns (BLOCK_N / 2 intermediate columns); the down GEMM BLOCK_N hidden columns.
+SPLIT_K_UP / SPLIT_K_DOWN > 1 split the reduction dimension of the gate/up (H) / down (I) GEMM into that many
+programs per output tile (fp32 partial sums, then one reduce launch for that GEMM that sums them in a fixed order and
+applies its epilogue): more programs, and more weight bytes in flight, when decode batches give too few output tiles
+to fill the GPU.
 """
 from __future__ import annotations
 
@@ -17,9 +22,12 @@ from pathlib import Path
 
 import torch
 
-KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SPLIT_K_UP", "SPLIT_K_DOWN")
+OPTIONAL = {"SPLIT_K_UP": 1, "SPLIT_K_DOWN": 1}  # keys a table entry may leave out, and what that means
+MAX_SPLIT_K = 16
 CONFIG_DIR = Path(__file__).with_name("moe_configs")
 _TARGET_PROGRAMS = 256  # about two per SM on an H100/H200: enough tiles in flight to stream the weights
+_MIN_SPLIT_TILES = 4  # K tiles per split at least: a shorter pipeline does not pay for its fp32 partial sums
 
 
 def config_file_name(experts: int, intermediate: int, hidden: int, dtype: torch.dtype, device_name: str) -> str:
@@ -28,21 +36,29 @@ def config_file_name(experts: int, intermediate: int, hidden: int, dtype: torch.
 
 
 def check_config(config: dict, where: str) -> dict[str, int]:
-    """The six keys, powers of two where the kernels need them; a clear error naming `where` otherwise."""
-    if set(config) != set(KEYS) or not all(isinstance(config[k], int) and config[k] > 0 for k in KEYS):
-        raise ValueError(f"{where}: a MoE config needs positive integers {', '.join(KEYS)}; got {config}")
+    """The keys (optional ones filled in), powers of two where the kernels need them; a clear error naming `where`
+    otherwise."""
+    full = {**OPTIONAL, **config}
+    if set(full) != set(KEYS) or not all(type(full[k]) is int and full[k] > 0 for k in KEYS):
+        raise ValueError(f"{where}: a MoE config needs positive integers {', '.join(KEYS)} (the SPLIT_K keys "
+                         f"optional); got {config}")
+    for key in OPTIONAL:
+        if full[key] > MAX_SPLIT_K:
+            raise ValueError(f"{where}: {key} must be at most {MAX_SPLIT_K}; got {full[key]}")
     for key, low in (("BLOCK_M", 16), ("BLOCK_N", 32), ("BLOCK_K", 16)):
         value = config[key]
         if value < low or value & (value - 1):
             raise ValueError(f"{where}: {key} must be a power of two >= {low}; got {value}")
-    return dict(config)
+    return full
 
 
 def heuristic_config(tokens: int, experts: int, intermediate: int, hidden: int, top_k: int) -> dict[str, int]:
     """A reasoned default for H100/H200-class GPUs from the mean number of rows each expert gets.
 
     Up to 16 rows per expert the op streams weights (memory bound): one 16-row block per used expert, long K
-    tiles, and N tiles narrow enough that the used experts give ~256 programs. From 16 to 64 rows: mid-size
+    tiles, and N tiles narrow enough that the used experts give ~256 programs; where even the narrowest tiles
+    give at most half that (one or two used experts), split-K doubles a GEMM's programs until they do, while
+    every split keeps _MIN_SPLIT_TILES K tiles (so tiny test models never split). From 16 to 64 rows: mid-size
     tiles. Beyond: compute bound, 128-row tiles grouped so that blocks sharing an expert reuse its tiles in L2.
     """
     rows = tokens * top_k / experts
@@ -51,10 +67,23 @@ def heuristic_config(tokens: int, experts: int, intermediate: int, hidden: int, 
         block_n = 128
         while block_n > 32 and used * -(-intermediate // (block_n // 2)) < _TARGET_PROGRAMS:
             block_n //= 2
-        return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+        return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4,
+                    SPLIT_K_UP=_split(used * -(-intermediate // (block_n // 2)), hidden, 128),
+                    SPLIT_K_DOWN=_split(used * -(-hidden // block_n), intermediate, 128))
     if rows <= 64:
-        return dict(BLOCK_M=32 if rows <= 32 else 64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+        return dict(BLOCK_M=32 if rows <= 32 else 64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4,
+                    SPLIT_K_UP=1, SPLIT_K_DOWN=1)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, SPLIT_K_UP=1,
+                SPLIT_K_DOWN=1)
+
+
+def _split(programs: int, depth: int, block_k: int) -> int:
+    """A GEMM's split: doubled (up to 8) while twice its programs stay within _TARGET_PROGRAMS and every split
+    keeps _MIN_SPLIT_TILES tiles of the reduction dimension `depth`."""
+    split = 1
+    while split < 8 and 2 * programs * split <= _TARGET_PROGRAMS and depth >= 2 * split * _MIN_SPLIT_TILES * block_k:
+        split *= 2
+    return split
 
 
 @functools.cache
