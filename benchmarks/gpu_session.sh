@@ -3,9 +3,11 @@
 # poisons the whole process, so one faulting kernel must not hide the others' results), then the benchmarks.
 # Logs and JSON go to $OUT (default ./gpu-out); the per-file logs end up in one $OUT/logs.tgz, as the device tool
 # brings back at most 8 files. Usage, from the repository root on the GPU machine:
-#   bash benchmarks/gpu_session.sh [tests|bench|all|ling|agreement|profile]
+#   bash benchmarks/gpu_session.sh [tests|bench|all|ling|agreement|profile|serving|serving-ling]
 # (all = tests + bench; ling = 16 Ling-2.6-flash layers with dummy weights and the shared-expert overlap; agreement =
-# Ling decode agreement per lightning implementation; profile = the b64 step profile of the 40-layer ZAYA1 run)
+# Ling decode agreement per lightning implementation; profile = the b64 step profile of the 40-layer ZAYA1 run;
+# serving / serving-ling = serving_benchmark.py on the 40-layer ZAYA1 / 16 Ling-flash layers, which needs guidellm
+# and the server's packages installed first from .whl and .whl-serving: see benchmarks/fetch_serving_wheels.sh)
 set -u
 OUT=${OUT:-gpu-out}
 what=${1:-all}
@@ -46,6 +48,18 @@ fi
 if [[ $what == profile ]]; then
   timeout 500 python benchmarks/profile_step.py --layers 40 --scenario b64 --out "$OUT/profile_b64.json" 2>&1 \
     | grep -vE "generating|loading|Warn|warn_once" | tail -n 75
+fi
+
+if [[ $what == serving || $what == serving-ling ]]; then
+  model=(--layers 40) && name=zaya1-8b-40layers
+  [[ $what == serving-ling ]] && model=(--model-type ling --layers 16) && name=ling-flash-16layers
+  timeout 560 python benchmarks/serving_benchmark.py "${model[@]}" --out "$OUT/serving_$name.json" \
+    --raw "$OUT/logs/serving_raw" > "$OUT/logs/serving.log" 2>&1
+  rc=$?
+  echo "serving_benchmark rc=$rc"
+  grep -m 1 "^server ready" "$OUT/logs/serving.log" | cut -c1-200
+  sed -n '/^## serving benchmark/,$p' "$OUT/logs/serving.log"
+  [[ $rc == 0 ]] || tail -n 40 "$OUT/logs/serving.log"
 fi
 
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"

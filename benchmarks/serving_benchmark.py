@@ -26,6 +26,7 @@ wheels of benchmarks/fetch_serving_wheels.sh).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib.util
 import json
 import shlex
@@ -56,14 +57,40 @@ def default_requests(concurrency: int) -> int:
     return max(4 * concurrency, 16)
 
 
+def fill_tokenizer_vocab(model_dir: Path, vocab_size: int) -> int:
+    """Give every model token id below `vocab_size` a text in the model directory's tokenizer.json; return how many
+    ids were added. A random model samples all of its vocabulary (ZAYA1-8B's 262272 ids, Ling's 157184), but the
+    bundled tokenizer has 151669: ids past it decode to "", the server streams nothing for them, and the load
+    generator would see a late first token (TTFT) and fewer chunks. The fillers (" t<id>") are byte-level BPE
+    entries that no merge produces, so prompts encode exactly as before. The added (special) tokens go into the BPE
+    vocabulary too, at their ids: the tokenizers library numbers added tokens that the model vocabulary lacks from
+    its size up, so a larger vocabulary would otherwise move them."""
+    path = model_dir / "tokenizer.json"
+    tokenizer = json.loads(path.read_text())
+    vocab = tokenizer["model"]["vocab"]
+    vocab.update({token["content"]: token["id"] for token in tokenizer["added_tokens"]})
+    used = set(vocab.values())
+    missing = [i for i in range(vocab_size) if i not in used]
+    vocab.update({f"\u0120t{i}": i for i in missing})  # \u0120 (Ġ) is the byte-level alphabet's space
+    path.write_text(json.dumps(tokenizer, ensure_ascii=False))
+    return len(missing)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
+def _stop_with_parent() -> None:
+    """In the server's child process: have Linux send it SIGTERM when this script dies, even by SIGKILL (a test's
+    timeout), so that no server outlives its benchmark holding the GPU."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+
+
 class Server:
-    """`hybridserve serve` in a subprocess (its own process group) with its log in a file; stopped on exit."""
+    """`hybridserve serve` in a subprocess with its log in a file; stopped on exit."""
 
     def __init__(self, args: list[str], log_path: Path):
         self.port = free_port()
@@ -76,7 +103,7 @@ class Server:
     def __enter__(self) -> Server:
         with open(self.log_path, "wb") as log:  # a file, not a pipe: a full pipe would block the server
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+                                            preexec_fn=_stop_with_parent)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -208,6 +235,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--raw", default=None, metavar="DIR", help="keep guidellm's report and the server log here")
     parser.add_argument("--out", default=None, help="write the results here as JSON")
     args = parser.parse_args(argv)
+    if args.model is not None and args.layers is not None:
+        parser.error("--layers applies to the random model only, not to --model")
     if args.smoke:
         parser.set_defaults(**SMOKE)
         args = parser.parse_args(argv)
@@ -216,8 +245,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.num_prompts is not None and (len(args.num_prompts) not in (1, len(args.concurrency))
                                          or min(args.num_prompts) < 1):
         parser.error("--num-prompts takes one count >= 1 for every level or one per --concurrency level")
-    if args.model is not None and args.layers is not None:
-        parser.error("--layers applies to the random model only, not to --model")
     args.load_format = args.load_format or ("auto" if args.model else "dummy")
     return args
 
@@ -233,37 +260,38 @@ def run(args: argparse.Namespace) -> int:
     if guidellm[1:3] == ["-m", "guidellm"] and importlib.util.find_spec("guidellm") is None:
         raise SystemExit("guidellm is not installed: pip install guidellm==0.8.1, or install the wheels of "
                          "benchmarks/fetch_serving_wheels.sh")
-    requests = level_requests(args)
     work = Path(tempfile.mkdtemp(prefix="serving-bench-"))
     model_dir = args.model or make_random_model(args.model_type, args.width, args.layers, args.load_format)
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    scenario = (f"{args.model or f'random {args.model_type} ({args.width} widths)'}, "
-                f"{config['num_hidden_layers']} layers, prompt {args.input_len}, output {args.output_len}")
-    server_args = [model_dir, "--served-model-name", SERVED_NAME, "--load-format", args.load_format,
-                   "--device", args.device, "--dtype", args.dtype,
-                   "--max-running-requests", str(args.max_running_requests), *shlex.split(args.server_args)]
     try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        if args.model is None:
+            fill_tokenizer_vocab(Path(model_dir), config["vocab_size"])
+        model = args.model or f"random {args.model_type} ({args.width} widths)"
+        scenario = (f"{model}, {config['num_hidden_layers']} layers, prompt {args.input_len}, "
+                    f"output {args.output_len}")
+        server_args = [model_dir, "--served-model-name", SERVED_NAME, "--load-format", args.load_format,
+                       "--device", args.device, "--dtype", args.dtype,
+                       "--max-running-requests", str(args.max_running_requests), *shlex.split(args.server_args)]
+        report = work / "guidellm.json"
         with Server(server_args, work / "server.log") as server:
             start = time.perf_counter()
             server.wait_ready(args.startup_timeout)
             print(f"server ready in {time.perf_counter() - start:.1f} s: {shlex.join(server.command)}", flush=True)
             server.complete([1000 + i % 1000 for i in range(args.input_len)], min(args.output_len, 8))  # warm-up
-            report = work / "guidellm.json"
-            (work / "scenario.json").write_text(json.dumps(
-                guidellm_scenario(server.url, model_dir, args.concurrency, requests, args, report), indent=2))
+            (work / "scenario.json").write_text(json.dumps(guidellm_scenario(
+                server.url, model_dir, args.concurrency, level_requests(args), args, report), indent=2))
             subprocess.run([*guidellm, "run", "--scenario", str(work / "scenario.json"),
                             "--disable-console-interactive"], check=True)
         guidellm_report = json.loads(report.read_text())
         entries, problems = summarize(guidellm_report, scenario, args.input_len, args.output_len)
-        result = {"scenario": scenario, "model": args.model or f"random {args.model_type} ({args.width} widths)",
-                  "layers": config["num_hidden_layers"], "load_format": args.load_format,
-                  "server_command": server.command[3:],
-                  "load_generator": f"guidellm {guidellm_report['metadata']['guidellm_version']}",
-                  "input_len": args.input_len, "output_len": args.output_len, "results": entries,
-                  "problems": problems}
-        print(f"\n{scenario}\n{markdown_table(entries)}")
+        print(f"\n## serving benchmark: {scenario}\n{markdown_table(entries)}")
         if args.out:
-            Path(args.out).write_text(json.dumps(result, indent=2))
+            Path(args.out).write_text(json.dumps({
+                "scenario": scenario, "model": model, "layers": config["num_hidden_layers"],
+                "load_format": args.load_format, "server_args": server_args[1:],
+                "load_generator": f"guidellm {guidellm_report['metadata']['guidellm_version']}",
+                "input_len": args.input_len, "output_len": args.output_len, "results": entries,
+                "problems": problems}, indent=2))
         for problem in problems:
             print(f"PROBLEM: {problem}", file=sys.stderr)
         return 1 if problems else 0
