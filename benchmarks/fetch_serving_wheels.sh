@@ -9,9 +9,10 @@
 # The list is the dependency closure of guidellm 0.8.1 + fastapi + uvicorn + pydantic for CPython 3.12 manylinux
 # x86_64, minus every package the device image already holds (KINDS.md, "Python packages already there"; torch,
 # transformers, datasets' pyarrow/pandas/xxhash/fsspec, huggingface-hub, httpx, uvloop, ... stay out). Added
-# on purpose: h2/hpack/hyperframe (guidellm asks for httpx[http2]) and typing_extensions 4.16 (pydantic 2.14 needs
-# >= 4.16; the image's version is not recorded). About 9 MiB in all. Versions are pinned so that every session
-# carries the same set; PYVER=3.11 fetches the same versions for a local 3.11 test environment.
+# on purpose, as the image's versions are not recorded: h2/hpack/hyperframe (guidellm asks for httpx[http2]),
+# typing_extensions 4.16 (pydantic 2.14 needs >= 4.16) and click 8.4 (guidellm pins ~= 8.4.0). About 9 MiB in all.
+# Versions are pinned so that every session carries the same set; PYVER=3.11 fetches the same versions for a local
+# 3.11 test environment.
 set -euo pipefail
 dir=${1:-.whl-serving}
 pyver=${PYVER:-3.12}
@@ -22,7 +23,7 @@ wheels=(
   pydantic-settings==2.16.3 python-dotenv==1.2.4 sanic==25.12.1 sanic-routing==23.12.0 html5tagger==2.0.0
   tracerite==2.6.5 httptools==0.9.0 ujson==6.1.0 websockets==17.4 h2==4.4.1 hpack==4.2.0 hyperframe==6.1.0
   fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 opentelemetry-api==1.45.2 pydantic==2.14.4
-  pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
+  pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 click==8.4.2
 )
 mkdir -p "$dir"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$pyver" --implementation cp \

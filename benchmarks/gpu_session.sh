@@ -53,6 +53,7 @@ fi
 if [[ $what == serving || $what == serving-ling ]]; then
   model=(--layers 40) && name=zaya1-8b-40layers
   [[ $what == serving-ling ]] && model=(--model-type ling --layers 16) && name=ling-flash-16layers
+  python -m pip check 2>&1 | grep -iE "^(guidellm|datasets|pydantic|fastapi|starlette|uvicorn) "  # carried: in need?
   timeout 560 python benchmarks/serving_benchmark.py "${model[@]}" --out "$OUT/serving_$name.json" \
     --raw "$OUT/logs/serving_raw" > "$OUT/logs/serving.log" 2>&1
   rc=$?

@@ -29,6 +29,7 @@ import argparse
 import ctypes
 import importlib.util
 import json
+import os
 import shlex
 import shutil
 import signal
@@ -41,7 +42,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks, hybridserve
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the repository root: benchmarks, hybridserve
 
 from benchmarks.offline_throughput import make_random_model  # noqa: E402
 
@@ -102,8 +104,9 @@ class Server:
 
     def __enter__(self) -> Server:
         with open(self.log_path, "wb") as log:  # a file, not a pipe: a full pipe would block the server
+            path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # this hybridserve
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
-                                            preexec_fn=_stop_with_parent)
+                                            env={**os.environ, "PYTHONPATH": path}, preexec_fn=_stop_with_parent)
         return self
 
     def __exit__(self, *exc) -> None:
