@@ -223,13 +223,19 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="HF-layout directory (default: a random model, see above)")
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """--model, or the random model's --model-type, --width and --layers (see make_random_model)."""
+    parser.add_argument("--model", default=None, help="HF-layout directory with its tokenizer (default: a random "
+                                                      "model, see above)")
     parser.add_argument("--model-type", default="zaya", choices=["zaya", "ling"], help="the random model's family")
     parser.add_argument("--width", default="full", choices=["full", "demo"],
                         help="the random model's widths: ZAYA1-8B / Ling-2.6-flash, or the tiny demo ones")
     parser.add_argument("--layers", type=int, default=None, help="layers of the random model (default: real depth)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_options(parser)
     parser.add_argument("--load-format", default=None, choices=["auto", "dummy"],
                         help="dummy: random weights drawn by the engine from config.json alone (default for ling); "
                              "auto: a random safetensors checkpoint is written first (default for zaya)")

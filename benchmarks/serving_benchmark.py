@@ -45,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repository root: benchmarks, hybridserve
 
-from benchmarks.offline_throughput import make_random_model  # noqa: E402
+from benchmarks.offline_throughput import add_model_options, make_random_model  # noqa: E402
 
 SERVED_NAME = "bench"
 PERCENTILES = ("p50", "p90", "p99")
@@ -206,12 +206,7 @@ def markdown_table(entries: list[dict]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="HF-layout directory with a tokenizer (default: a random "
-                                                      "model, see --model-type)")
-    parser.add_argument("--model-type", default="zaya", choices=["zaya", "ling"], help="the random model's family")
-    parser.add_argument("--width", default="full", choices=["full", "demo"],
-                        help="the random model's widths: ZAYA1-8B / Ling-2.6-flash, or the tiny demo ones")
-    parser.add_argument("--layers", type=int, default=None, help="layers of the random model (default: real depth)")
+    add_model_options(parser)
     parser.add_argument("--load-format", default=None, choices=["auto", "dummy"],
                         help="dummy: the server draws random weights from config.json (default for the random "
                              "model); auto: the checkpoint's weights (default for --model; for the random model a "
