@@ -12,7 +12,8 @@
 # on purpose, as the image's versions are not recorded: h2/hpack/hyperframe (guidellm asks for httpx[http2]),
 # typing_extensions 4.16 (pydantic 2.14 needs >= 4.16) and click 8.4 (guidellm pins ~= 8.4.0). About 9 MiB in all.
 # Versions are pinned so that every session carries the same set; PYVER=3.11 fetches the same versions for a local
-# 3.11 test environment.
+# 3.11 test environment. (NVIDIA's aiperf 0.13 was the other candidate: its missing closure with the server's
+# packages came to ~51 MiB (plotly, dash, scipy, zstandard, sqlalchemy, ...), too close to the 64 MiB carry limit.)
 set -euo pipefail
 dir=${1:-.whl-serving}
 pyver=${PYVER:-3.12}
