@@ -3,11 +3,13 @@
 # poisons the whole process, so one faulting kernel must not hide the others' results), then the benchmarks.
 # Logs and JSON go to $OUT (default ./gpu-out); the per-file logs end up in one $OUT/logs.tgz, as the device tool
 # brings back at most 8 files. Usage, from the repository root on the GPU machine:
-#   bash benchmarks/gpu_session.sh [tests|bench|all|ling|agreement|profile|tune]
+#   bash benchmarks/gpu_session.sh [tests|bench|all|ling|agreement|profile|tune|serving|serving-ling]
 # (all = tests + bench; ling = 16 Ling-2.6-flash layers with dummy weights and the shared-expert overlap; agreement =
 # Ling decode agreement per lightning implementation; profile = the b1, b64 and prefill step profiles of the 40-layer
 # ZAYA1 run; tune = the fused-MoE tile tables, as $OUT/moe_configs.tgz: their names hold '=' and ',', which the
-# device tool does not bring back as files; TUNE_ARGS passes more arguments, e.g. TUNE_ARGS="--tokens 1 2 4")
+# device tool does not bring back as files; TUNE_ARGS passes more arguments, e.g. TUNE_ARGS="--tokens 1 2 4";
+# serving / serving-ling = serving_benchmark.py on the 40-layer ZAYA1 / 16 Ling-flash layers, which needs guidellm
+# and the server's packages installed first from .whl and .whl-serving: see benchmarks/fetch_serving_wheels.sh)
 set -u
 OUT=${OUT:-gpu-out}
 what=${1:-all}
@@ -58,6 +60,19 @@ if [[ $what == tune ]]; then
   timeout 560 python benchmarks/tune_moe.py --out-dir "$OUT/moe_configs" ${TUNE_ARGS:-} > "$OUT/logs/tune.log" 2>&1
   grep -E "compiled|T=|kept|total" "$OUT/logs/tune.log" | cut -c 1-150
   tar czf "$OUT/moe_configs.tgz" -C "$OUT" moe_configs && rm -rf "$OUT/moe_configs"
+fi
+
+if [[ $what == serving || $what == serving-ling ]]; then
+  model=(--layers 40) && name=zaya1-8b-40layers
+  [[ $what == serving-ling ]] && model=(--model-type ling --layers 16) && name=ling-flash-16layers
+  python -m pip check 2>&1 | grep -iE "^(guidellm|datasets|pydantic|fastapi|starlette|uvicorn) "  # carried: in need?
+  timeout 560 python benchmarks/serving_benchmark.py "${model[@]}" --out "$OUT/serving_$name.json" \
+    --raw "$OUT/logs/serving_raw" > "$OUT/logs/serving.log" 2>&1
+  rc=$?
+  echo "serving_benchmark rc=$rc"
+  grep -m 1 "^server ready" "$OUT/logs/serving.log" | cut -c1-200
+  sed -n '/^## serving benchmark/,$p' "$OUT/logs/serving.log"
+  [[ $rc == 0 ]] || tail -n 40 "$OUT/logs/serving.log"
 fi
 
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"

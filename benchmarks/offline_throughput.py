@@ -97,6 +97,19 @@ def model_config(model_type: str, width: str, layers: int | None) -> dict:
     return demo_ling_config(DEMO_VOCAB, DEMO_EOS) | {"num_hidden_layers": layers, "num_nextn_predict_layers": 0}
 
 
+def make_random_model(model_type: str, width: str, layers: int | None, load_format: str) -> str:
+    """A temporary directory (the caller deletes it) with the random model of `model_config` and the bundled
+    tokenizer: config.json alone for load_format dummy (the engine draws the weights), else a random checkpoint."""
+    model_dir = tempfile.mkdtemp(prefix=f"{model_type}-bench-")
+    config = model_config(model_type, width, layers)
+    if load_format == "dummy":
+        (Path(model_dir) / "config.json").write_text(json.dumps(config, indent=2))
+    else:
+        write_random_checkpoint(Path(model_dir), config)
+    copy_bundled_tokenizer(Path(model_dir))
+    return model_dir
+
+
 def workload(scenario: Scenario, seed: int) -> tuple[list[list[int]], list[int]]:
     rng = random.Random(seed)
     prompts = [[rng.randrange(10, 20000) for _ in range(rng.randint(scenario.min_input, scenario.max_input))]
@@ -210,13 +223,19 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="HF-layout directory (default: a random model, see above)")
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """--model, or the random model's --model-type, --width and --layers (see make_random_model)."""
+    parser.add_argument("--model", default=None, help="HF-layout directory with its tokenizer (default: a random "
+                                                      "model, see above)")
     parser.add_argument("--model-type", default="zaya", choices=["zaya", "ling"], help="the random model's family")
     parser.add_argument("--width", default="full", choices=["full", "demo"],
                         help="the random model's widths: ZAYA1-8B / Ling-2.6-flash, or the tiny demo ones")
     parser.add_argument("--layers", type=int, default=None, help="layers of the random model (default: real depth)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_options(parser)
     parser.add_argument("--load-format", default=None, choices=["auto", "dummy"],
                         help="dummy: random weights drawn by the engine from config.json alone (default for ling); "
                              "auto: a random safetensors checkpoint is written first (default for zaya)")
@@ -233,15 +252,9 @@ def main() -> None:
     args = parser.parse_args()
     args.load_format = args.load_format or ("dummy" if args.model_type == "ling" else "auto")
 
-    model_dir, temporary = args.model, args.model is None
-    if temporary:
-        model_dir = tempfile.mkdtemp(prefix=f"{args.model_type}-bench-")
-        config = model_config(args.model_type, args.width, args.layers)
-        if args.load_format == "dummy":
-            (Path(model_dir) / "config.json").write_text(json.dumps(config, indent=2))
-        else:
-            write_random_checkpoint(Path(model_dir), config)
-        copy_bundled_tokenizer(Path(model_dir))
+    temporary = args.model is None
+    model_dir = make_random_model(args.model_type, args.width, args.layers, args.load_format) if temporary \
+        else args.model
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
         zaya = config["model_type"] == "zaya"
