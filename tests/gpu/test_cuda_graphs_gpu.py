@@ -3,7 +3,9 @@ the graph pool within what the memory plan reserved for it.
 
 fp32 checkpoints (ZAYA1-8B and Ling-2.6-flash widths, two layers), so that padding a step to its graph size and
 planning the attention's key splits for max_model_len move the logits only by fp32 rounding: greedy tokens must
-match exactly and logprobs within 2e-5.
+match exactly and logprobs within 2e-5. The eager run processes each step before scheduling the next, the graph run
+overlaps them (the default), so the same check covers overlapped scheduling on CUDA (decode inputs read from the
+previous step's draws on the device, inside the graph's static buffers).
 """
 from __future__ import annotations
 
@@ -38,7 +40,8 @@ def test_graph_decode_matches_eager(model: str, tmp_path: Path) -> None:
               for i in range(len(prompts))]
     params[3] = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=20, logprobs=1, ignore_eos=True)
 
-    eager = LLM(str(tmp_path), enforce_eager=True, **options)
+    # Eager decode, each step processed before the next is scheduled; the graph run below is overlapped.
+    eager = LLM(str(tmp_path), enforce_eager=True, disable_overlap_schedule=True, **options)
     assert eager.engine.runner.graphs is None
     expected = eager.generate(prompts, params)
     del eager
