@@ -32,6 +32,7 @@ class EngineConfig:
     kernel_backend: str = "auto"  # auto (Triton kernels on CUDA) | triton | torch (the pure-torch references)
     enforce_eager: bool = False  # run decode op by op: no CUDA graphs
     cuda_graph_max_bs: int | None = None  # largest decode batch replayed from a graph (default min(256, running cap))
+    tensor_parallel_size: int = 1  # ranks (processes, one GPU each on CUDA) that shard every layer
     disable_overlap_schedule: bool = False  # process each step before scheduling the next (no host/device overlap)
     skip_warmup: bool = False  # skip compiling every kernel variant at start-up (they then compile in the first steps)
     use_tqdm: bool = True  # a progress bar while the weights load
@@ -65,6 +66,8 @@ class EngineConfig:
             fail("num_speculative_tokens", "must be >= 0")
         if self.max_model_len is not None and self.max_model_len < 2:
             fail("max_model_len", "must be >= 2")
+        if self.tensor_parallel_size < 1:
+            fail("tensor_parallel_size", "must be >= 1")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             fail("cuda_graph_max_bs", "must be >= 1")
         if self.kernel_backend not in ("auto", "triton", "torch"):

@@ -18,6 +18,7 @@ from hybridserve.engine.scheduler import ScheduledStep, Scheduler
 from hybridserve.ops.backends import any_triton
 from hybridserve.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from hybridserve.runtime.model_runner import ModelRunner, StepHandle
+from hybridserve.runtime.tensor_parallel import rank_config, start_workers, stop_workers
 from hybridserve.sampling import SamplingParams
 from hybridserve.tokenizer import (
     IncrementalDetokenizer,
@@ -68,7 +69,8 @@ class LLMEngine:
         self.config = config
         model_dir = config.model
         self.model_dir = model_dir
-        self.runner = ModelRunner(config, model_dir)
+        self.workers, channel = start_workers(config) if config.tensor_parallel_size > 1 else ([], None)
+        self.runner = ModelRunner(rank_config(config, 0), model_dir, channel)
         self.tokenizer = load_tokenizer(config.tokenizer or model_dir)
         self.model_config = self.runner.model_config
         self.vocab_size = self.model_config.vocab_size
@@ -99,6 +101,12 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self.overlap = not config.disable_overlap_schedule
         self._in_flight: tuple[ScheduledStep, StepHandle] | None = None  # the launched step not yet processed
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (they are daemons and die with this process anyway)."""
+        if self.workers:
+            stop_workers(self.workers, self.runner.channel)
+            self.workers = []
 
     # --- setup helpers ---------------------------------------------------------------------------------------
     def _eos_token_ids(self, model_dir: str) -> frozenset[int]:

@@ -11,12 +11,14 @@ from hybridserve.cache.memory import GiB, MemoryPlan, plan_memory
 from hybridserve.cache.state_pool import StatePool
 from hybridserve.config import EngineConfig
 from hybridserve.core.batch import PageTables, ScheduledChunk, build_forward_batch
+from hybridserve.core.parallel import tp_rank
 from hybridserve.core.step import ChunkResult, StepPlan
 from hybridserve.layers.sampler import Draws, Sampler, logprob_dicts, penalty_rows
 from hybridserve.loader import read_config
 from hybridserve.ops.backends import all_triton, select_kernels
 from hybridserve.runtime.cuda_graphs import DecodeGraphs, capture_sizes
 from hybridserve.runtime.model_loader import build_model, resolve_dtype
+from hybridserve.runtime.tensor_parallel import ControlChannel
 from hybridserve.runtime.warmup import DUMMY_PAGE, DUMMY_SLOT, warmup_batches
 
 logger = logging.getLogger(__name__)
@@ -37,8 +39,11 @@ _NON_TORCH_HEADROOM = 1 * GiB  # the CUDA context, cuBLAS workspaces and the lik
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_dir: str):
+    def __init__(self, config: EngineConfig, model_dir: str, channel: ControlChannel | None = None):
+        """`channel`: with tensor parallelism, the control channel to the other ranks (rank 0 sends them every call
+        below that runs the model; the workers make the same calls on their shards)."""
         self.config = config
+        self.channel = channel
         self.device = config.torch_device()
         select_kernels(self.device, config.kernel_backend)
         self.use_graphs = self._graphs_possible()
@@ -56,7 +61,7 @@ class ModelRunner:
         if self.page_footers:
             page_bytes += state_spec.bytes_per_slot()
         self.memory = plan_memory(
-            self._cache_budget(), page_bytes, state_spec.bytes_per_slot(),
+            self._agreed(self._cache_budget()), page_bytes, state_spec.bytes_per_slot(),
             max_running_requests=config.max_running_requests, state_to_kv_ratio=config.state_to_kv_ratio,
             slots_per_request=1 + config.checkpoint_slots_per_request if self.sparse_checkpoints else 1,
             num_speculative_tokens=config.num_speculative_tokens, max_state_slots=config.max_state_slots,
@@ -91,13 +96,25 @@ class ModelRunner:
         rows = self.config.cuda_graph_max_bs or 256
         return min(rows, self.config.max_running_requests, self.config.max_num_batched_tokens)
 
+    def _agreed(self, budget: int) -> int:
+        """The cache budget every rank can afford (ranks must plan the same pools: rank 0's scheduler hands out the
+        page and slot ids for all of them)."""
+        return self.channel.min_int(budget) if self.channel is not None else budget
+
+    def _tell_workers(self, call: str, *args) -> None:
+        """Rank 0 of a tensor-parallel group: have the other ranks make the same call."""
+        if self.channel is not None and tp_rank() == 0:
+            self.channel.send((call, args))
+
     def create_tables(self, max_rows: int, max_model_len: int) -> None:
         """The persistent device page/slot tables: one row per running sequence, wide enough for max_model_len."""
+        self._tell_workers("create_tables", max_rows, max_model_len)
         self.tables = PageTables(max_rows, -(-max_model_len // self.config.page_size) + 1, self.device,
                                  window=self.window_pool is not None)
 
     def capture_graphs(self, max_rows: int, max_model_len: int) -> None:
         """Capture the decode graphs (after `create_tables`; the caches are bound for good by then)."""
+        self._tell_workers("capture_graphs", max_rows, max_model_len)
         if self.use_graphs:
             sizes = capture_sizes(min(self.graph_rows(), max_rows))
             self.graphs = DecodeGraphs(self.model, self.tables, self.config.page_size, max_model_len, sizes,
@@ -114,6 +131,7 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_up(self, max_rows: int, max_model_len: int) -> int:
         """Run the warm-up steps (runtime/warmup.py) on the dummy page and slot, then zero both. Returns the steps."""
+        self._tell_workers("warm_up", max_rows, max_model_len)
         steps = warmup_batches(self.config.max_num_batched_tokens, max_rows, max_model_len, self.config.page_size)
         for chunks in steps:
             batch = build_forward_batch(self._with_window_pages(chunks), self.config.page_size, self.device,
@@ -211,6 +229,7 @@ class ModelRunner:
         the next step's chunks with `future_token` read them, and `collect` brings them to the host."""
         if self.tables is None:
             raise RuntimeError("create_tables must be called before the first step")
+        self._tell_workers("launch", plan)
         self.tables.reset(plan.table_resets)
         chunks = plan.chunks
         replay = self.graphs is not None and all(len(c.token_ids) == 1 for c in chunks) and \
