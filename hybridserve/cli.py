@@ -25,7 +25,8 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
                         help="weight and activation dtype (auto: the checkpoint's torch_dtype)")
     parser.add_argument("--device", default="auto", help="auto (cuda when available) | cpu | cuda | cuda:N")
     parser.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
-                        help="tensor-parallel GPUs; only 1 is supported for now")
+                        help="tensor-parallel ranks: one process (and GPU, on CUDA) per rank, each holding a shard of "
+                             "every layer")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="context length (default: the model's, lowered to what the KV cache holds)")
     parser.add_argument("--max-running-requests", type=int, default=256, help="requests decoded together")
@@ -75,8 +76,6 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
     """EngineConfig fields from the engine options (raises ValueError for options the engine cannot honour)."""
-    if args.tp != 1:
-        raise ValueError(f"--tp {args.tp}: tensor parallelism is not supported yet; run with --tp 1")
     if args.device.startswith("cuda"):
         import torch
 
@@ -90,7 +89,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 max_state_slots=args.max_state_slots, seed=args.seed,
                 kernel_backend=args.kernel_backend, skip_warmup=args.skip_warmup, enforce_eager=args.enforce_eager,
                 cuda_graph_max_bs=args.cuda_graph_max_bs, load_format=args.load_format,
-                disable_overlap_schedule=args.disable_overlap_schedule)
+                disable_overlap_schedule=args.disable_overlap_schedule, tensor_parallel_size=args.tp)
 
 
 def _model_dir(args: argparse.Namespace) -> str:

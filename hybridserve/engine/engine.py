@@ -15,6 +15,8 @@ from hybridserve.config import EngineConfig
 from hybridserve.core.step import ChunkResult, SampledToken
 from hybridserve.engine.request import Request
 from hybridserve.engine.scheduler import ScheduledStep, Scheduler
+from hybridserve.loader import read_config
+from hybridserve.models.registry import check_tensor_parallel
 from hybridserve.ops.backends import any_triton
 from hybridserve.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from hybridserve.runtime.model_runner import ModelRunner, StepHandle
@@ -69,6 +71,7 @@ class LLMEngine:
         self.config = config
         model_dir = config.model
         self.model_dir = model_dir
+        check_tensor_parallel(read_config(model_dir, config.hf_overrides), config.tensor_parallel_size)
         self.workers, channel = start_workers(config) if config.tensor_parallel_size > 1 else ([], None)
         self.runner = ModelRunner(rank_config(config, 0), model_dir, channel)
         self.tokenizer = load_tokenizer(config.tokenizer or model_dir)

@@ -96,6 +96,7 @@ def stop_workers(workers: list[mp.Process], channel: ControlChannel) -> None:
             if worker.is_alive():
                 worker.kill()
         dist.destroy_process_group()
+        set_tensor_parallel_group(0, 1, None)  # this process may build a single-rank engine next
 
 
 def _worker_main(rank: int, size: int, address: str, config: EngineConfig) -> None:

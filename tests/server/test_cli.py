@@ -22,10 +22,12 @@ def test_serve_help_documents_every_contract_option(capsys):
     assert "no CUDA graphs" in " ".join(help_text.split())  # --enforce-eager says what it does
 
 
-def test_serve_refuses_tensor_parallelism_with_a_clear_error():
-    result = subprocess.run([sys.executable, "-m", "hybridserve.cli", "serve", "--tp", "2", "--port", "1"],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "tensor parallelism is not supported" in result.stderr
+def test_serve_passes_the_tensor_parallel_size_and_refuses_unshardable_ones(zaya_dir):
+    args = build_parser().parse_args(["serve", "/m", "--tp", "2"])
+    assert _engine_kwargs(args)["tensor_parallel_size"] == 2
+    result = subprocess.run([sys.executable, "-m", "hybridserve.cli", "serve", str(zaya_dir), "--tp", "4",
+                             "--device", "cpu", "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "num_key_value_heads = 2 is not divisible" in result.stderr
 
 
 def test_serve_exits_with_the_reason_when_the_model_cannot_load(tmp_path):
