@@ -26,6 +26,10 @@ class LLM:
                                              **options))
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel workers (before building another multi-rank LLM in this process)."""
+        self.engine.shutdown()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -185,6 +185,8 @@ class AsyncEngine:
                 self._stats = engine.stats()
         except Exception as err:  # an engine bug: its state can no longer be trusted
             self._fail(err, "the engine failed")
+        finally:
+            engine.shutdown()  # tensor-parallel workers
 
     def _wait_for_work(self, engine: LLMEngine) -> list[_Add | _Abort] | None:
         with self._wakeup:
