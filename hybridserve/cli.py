@@ -27,6 +27,15 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
                         help="tensor-parallel ranks: one process (and GPU, on CUDA) per rank, each holding a shard of "
                              "every layer")
+    parser.add_argument("--nnodes", type=int, default=1,
+                        help="machines the --tp ranks span (--tp / --nnodes ranks on each)")
+    parser.add_argument("--node-rank", type=int, default=0,
+                        help="this machine's index: 0 serves, the others only run their tensor-parallel ranks")
+    parser.add_argument("--dist-init-addr", default=None,
+                        help="host:port where node 0 meets the other nodes' ranks (needed with --nnodes > 1)")
+    parser.add_argument("--dp", "--data-parallel-size", dest="dp", type=int, default=1,
+                        help="independent engine replicas behind this server (each with --tp ranks of its own); a "
+                             "request goes to the replica that cached its prefix, else the least loaded one")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="context length (default: the model's, lowered to what the KV cache holds)")
     parser.add_argument("--max-running-requests", type=int, default=256, help="requests decoded together")
@@ -89,7 +98,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 max_state_slots=args.max_state_slots, seed=args.seed,
                 kernel_backend=args.kernel_backend, skip_warmup=args.skip_warmup, enforce_eager=args.enforce_eager,
                 cuda_graph_max_bs=args.cuda_graph_max_bs, load_format=args.load_format,
-                disable_overlap_schedule=args.disable_overlap_schedule, tensor_parallel_size=args.tp)
+                disable_overlap_schedule=args.disable_overlap_schedule, tensor_parallel_size=args.tp,
+                nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr)
 
 
 def _model_dir(args: argparse.Namespace) -> str:
@@ -130,7 +140,8 @@ def _server_options(args: argparse.Namespace):
                          allowed_hosts=tuple(hosts) if hosts else None,
                          max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
                          default_max_tokens=args.default_max_tokens,
-                         trust_request_chat_template=args.trust_request_chat_template, chat_template=chat_template)
+                         trust_request_chat_template=args.trust_request_chat_template, chat_template=chat_template,
+                         data_parallel_size=args.dp)
 
 
 def _serve(args: argparse.Namespace) -> NoReturn:
@@ -138,6 +149,11 @@ def _serve(args: argparse.Namespace) -> NoReturn:
     from hybridserve.server.app import bind_socket, run_server
 
     kwargs, options = _engine_kwargs(args), _server_options(args)
+    if args.node_rank > 0:  # this node only runs tensor-parallel ranks; node 0 serves
+        from hybridserve.runtime.tensor_parallel import run_worker_node
+
+        run_worker_node(EngineConfig(model=_model_dir(args), use_tqdm=False, **kwargs))
+        sys.exit(0)
     sock = bind_socket(args.host, args.port)  # before anything loads: a port in use fails at once
     # The weight-loading bar only on a terminal: in a log file it would interleave with the log lines.
     config = EngineConfig(model=_model_dir(args), use_tqdm=sys.stderr.isatty(), **kwargs)

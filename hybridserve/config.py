@@ -33,6 +33,9 @@ class EngineConfig:
     enforce_eager: bool = False  # run decode op by op: no CUDA graphs
     cuda_graph_max_bs: int | None = None  # largest decode batch replayed from a graph (default min(256, running cap))
     tensor_parallel_size: int = 1  # ranks (processes, one GPU each on CUDA) that shard every layer
+    nnodes: int = 1  # machines the tensor-parallel ranks span (tensor_parallel_size / nnodes ranks on each)
+    node_rank: int = 0  # this machine's index; node 0 runs the engine (and the server), the others only ranks
+    dist_init_addr: str | None = None  # host:port of node 0's rendezvous (default: a free local port, one node)
     disable_overlap_schedule: bool = False  # process each step before scheduling the next (no host/device overlap)
     skip_warmup: bool = False  # skip compiling every kernel variant at start-up (they then compile in the first steps)
     use_tqdm: bool = True  # a progress bar while the weights load
@@ -68,6 +71,12 @@ class EngineConfig:
             fail("max_model_len", "must be >= 2")
         if self.tensor_parallel_size < 1:
             fail("tensor_parallel_size", "must be >= 1")
+        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
+            fail("nnodes", f"must be >= 1 and divide tensor_parallel_size ({self.tensor_parallel_size})")
+        if not 0 <= self.node_rank < self.nnodes:
+            fail("node_rank", f"must be in [0, nnodes={self.nnodes})")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            fail("dist_init_addr", "is needed (host:port of node 0) when the ranks span several nodes")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             fail("cuda_graph_max_bs", "must be >= 1")
         if self.kernel_backend not in ("auto", "triton", "torch"):

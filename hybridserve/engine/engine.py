@@ -106,10 +106,11 @@ class LLMEngine:
         self._in_flight: tuple[ScheduledStep, StepHandle] | None = None  # the launched step not yet processed
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (they are daemons and die with this process anyway)."""
-        if self.workers:
+        """Stop the tensor-parallel ranks: this node's worker processes (daemons, which die with this process
+        anyway) and the other nodes' ranks."""
+        if self.runner.channel is not None:
             stop_workers(self.workers, self.runner.channel)
-            self.workers = []
+            self.workers, self.runner.channel = [], None
 
     # --- setup helpers ---------------------------------------------------------------------------------------
     def _eos_token_ids(self, model_dir: str) -> frozenset[int]:

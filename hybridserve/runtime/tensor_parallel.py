@@ -34,10 +34,21 @@ def _free_port() -> int:
 
 
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
-    """The rank's own config: on CUDA rank r runs on cuda:r."""
-    if config.torch_device().type == "cuda":
-        return dataclasses.replace(config, device=f"cuda:{rank}")
+    """The rank's own config: on CUDA the rank's local index on its node, counted from the configured GPU."""
+    device = config.torch_device()
+    if device.type == "cuda":
+        local = rank % (config.tensor_parallel_size // config.nnodes)
+        return dataclasses.replace(config, device=f"cuda:{(device.index or 0) + local}")
     return config
+
+
+def _node_ranks(config: EngineConfig) -> range:
+    per_node = config.tensor_parallel_size // config.nnodes
+    return range(config.node_rank * per_node, (config.node_rank + 1) * per_node)
+
+
+def _address(config: EngineConfig) -> str:
+    return f"tcp://{config.dist_init_addr}" if config.dist_init_addr else f"tcp://127.0.0.1:{_free_port()}"
 
 
 class ControlChannel:
@@ -71,25 +82,41 @@ def init_group(rank: int, size: int, address: str, device: torch.device) -> Cont
     return ControlChannel(dist.new_group(backend="gloo", timeout=TIMEOUT))
 
 
-def start_workers(config: EngineConfig) -> tuple[list[mp.Process], ControlChannel]:
-    """Spawn ranks 1 .. N-1 and join the group as rank 0."""
-    size = config.tensor_parallel_size
-    if config.torch_device().type == "cuda" and torch.cuda.device_count() < size:
-        raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs; this machine has "
+def _spawn(ranks: range, address: str, config: EngineConfig) -> list[mp.Process]:
+    local = len(_node_ranks(config))
+    if config.torch_device().type == "cuda" and torch.cuda.device_count() < local:
+        raise ValueError(f"{local} tensor-parallel ranks on this node need {local} GPUs; it has "
                          f"{torch.cuda.device_count()}")
-    address = f"tcp://127.0.0.1:{_free_port()}"
     context = mp.get_context("spawn")
-    workers = [context.Process(target=_worker_main, args=(rank, size, address, config), daemon=True,
-                               name=f"hybridserve-tp{rank}") for rank in range(1, size)]
+    workers = [context.Process(target=_worker_main, args=(rank, config.tensor_parallel_size, address, config),
+                               daemon=True, name=f"hybridserve-tp{rank}") for rank in ranks]
     for worker in workers:
         worker.start()
-    channel = init_group(0, size, address, rank_config(config, 0).torch_device())
+    return workers
+
+
+def start_workers(config: EngineConfig) -> tuple[list[mp.Process], ControlChannel]:
+    """Node 0: spawn this node's other ranks and join the group as rank 0 (the other nodes' ranks join from
+    `run_worker_node`)."""
+    address = _address(config)
+    workers = _spawn(_node_ranks(config)[1:], address, config)
+    channel = init_group(0, config.tensor_parallel_size, address, rank_config(config, 0).torch_device())
     return workers, channel
+
+
+def run_worker_node(config: EngineConfig) -> None:
+    """A node other than 0: run its ranks (the first in this process) until rank 0 tells them to stop."""
+    first, *others = _node_ranks(config)
+    workers = _spawn(others, _address(config), config)
+    _worker_main(first, config.tensor_parallel_size, _address(config), config)
+    for worker in workers:
+        worker.join()
 
 
 def stop_workers(workers: list[mp.Process], channel: ControlChannel) -> None:
     try:
         channel.send(("stop", ()))
+        dist.barrier(group=channel.group)  # every rank has the message before the group is torn down
     finally:
         for worker in workers:
             worker.join(timeout=30)
@@ -104,11 +131,14 @@ def _worker_main(rank: int, size: int, address: str, config: EngineConfig) -> No
     from hybridserve.runtime.model_runner import ModelRunner
 
     config = rank_config(config, rank)
+    if config.torch_device().type == "cpu":  # the node's ranks share its cores
+        torch.set_num_threads(max(1, torch.get_num_threads() // len(_node_ranks(config))))
     channel = init_group(rank, size, address, config.torch_device())
     runner = ModelRunner(config, config.model, channel)
     while True:
         name, args = channel.receive()
         if name == "stop":
+            dist.barrier(group=channel.group)
             break
         getattr(runner, name)(*args)
     dist.destroy_process_group()

@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from hybridserve.config import EngineConfig
 from hybridserve.server.async_engine import AsyncEngine
+from hybridserve.server.replicas import ReplicaSet
 from hybridserve.server.chat import create_chat_completion
 from hybridserve.server.completions import create_completion
 from hybridserve.server.errors import APIError, install_error_handlers
@@ -178,7 +179,8 @@ class _Server(uvicorn.Server):
 
 def run_server(config: EngineConfig, options: ServerOptions, sock: socket.socket) -> int:
     """Serve until interrupted; 0 after a clean shutdown, 1 if the engine could not start or failed."""
-    engine = AsyncEngine(config, chat_template=options.chat_template)
+    engine = AsyncEngine(config, chat_template=options.chat_template) if options.data_parallel_size == 1 else \
+        ReplicaSet(config, options.data_parallel_size, chat_template=options.chat_template)
     state = ServerState(engine, ServerMetrics(engine.stats), options)
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"

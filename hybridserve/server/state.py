@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from hybridserve.sampling import SamplingParamError, SamplingParams
 from hybridserve.server.async_engine import AsyncEngine, EngineInfo
+from hybridserve.server.replicas import ReplicaSet
 from hybridserve.server.errors import APIError, not_ready, shutting_down
 from hybridserve.server.metrics import ServerMetrics
 from hybridserve.server.prompts import PromptWorker
@@ -31,11 +32,16 @@ class ServerOptions:
     trust_request_chat_template: bool = False
     chat_template: str | None = None  # replaces the model's chat template
     shutdown_grace_s: float = 1.0  # in-flight requests may finish this long after SIGTERM / Ctrl+C
+    data_parallel_size: int = 1  # engine replicas behind the server
+
+    def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ValueError(f"--dp {self.data_parallel_size}: at least one replica is needed")
 
 
 @dataclass
 class ServerState:
-    engine: AsyncEngine
+    engine: AsyncEngine | ReplicaSet
     metrics: ServerMetrics
     options: ServerOptions
     prompts: PromptWorker = field(default_factory=PromptWorker)

@@ -76,3 +76,44 @@ def test_unshardable_sizes_are_refused_before_any_rank_starts(zaya_dir):
     """The tiny ZAYA1 has 2 KV heads: TP=4 would need KV-head replication, which CCA does not support."""
     with pytest.raises(ValueError, match=r"num_key_value_heads = 2 is not divisible.*sizes that work: 1, 2"):
         _engine(zaya_dir, 4)
+
+
+def test_two_nodes_tp2_equals_tp1(ling_dir):
+    """TP=2 over two "nodes" on this host: node 1 is a separate `hybridserve serve --node-rank 1` process tree that
+    only runs its rank; node 0 is this process's engine. The same tokens as TP=1."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+    node1 = subprocess.Popen([sys.executable, "-m", "hybridserve.cli", "serve", str(ling_dir), "--device", "cpu",
+                              "--dtype", "float32", "--page-size", "4", "--max-num-batched-tokens", "20",
+                              "--tp", "2", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", address],
+                             env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        engine = LLMEngine(EngineConfig(model=str(ling_dir), device="cpu", dtype="float32", page_size=4,
+                                        tensor_parallel_size=2, nnodes=2, dist_init_addr=address,
+                                        max_num_batched_tokens=20, use_tqdm=False))
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        prompts = [[3 + (5 * i + j) % 100 for j in range(7 + 6 * i)] for i in range(4)]
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"n{i}", prompt, params)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+        engine.shutdown()
+        assert node1.wait(timeout=60) == 0, node1.stderr.read()[-2000:]
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+    single = _engine(ling_dir, 1)
+    for i, prompt in enumerate(prompts):
+        single.add_request(f"n{i}", prompt, params)
+    want = {}
+    while single.has_unfinished_requests():
+        want.update((o.request_id, o.outputs[0].token_ids) for o in single.step() if o.finished)
+    assert done == want

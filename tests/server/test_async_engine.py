@@ -28,10 +28,14 @@ class StepFailsEngine:
     def __init__(self, config: EngineConfig):
         self.pending: list[str] = []
         self.steps = 0
+        self.shut_down = False
         StepFailsEngine.instance = self
 
     def stats(self) -> dict[str, int]:
         return {"running": len(self.pending)}
+
+    def shutdown(self) -> None:
+        self.shut_down = True
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         if not prompt:
@@ -73,6 +77,7 @@ def test_groups_are_atomic_outputs_arrive_and_a_failure_reaches_everyone(monkeyp
         assert not engine.ready
         engine.stop()
         assert StepFailsEngine.instance.pending == ["c"]  # "a" of the refused group was taken back
+        assert StepFailsEngine.instance.shut_down  # the thread's end stops the engine (its TP workers)
 
     asyncio.run(scenario())
 
