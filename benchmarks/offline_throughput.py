@@ -90,7 +90,8 @@ def model_config(model_type: str, width: str, layers: int | None) -> dict:
         layers = layers or 40
         if width == "full":
             return zaya1_8b_config(layers)
-        return demo_zaya_config(DEMO_VOCAB, DEMO_EOS) | {"num_hidden_layers": layers, "layer_types": ["hybrid"] * layers}
+        return demo_zaya_config(DEMO_VOCAB, DEMO_EOS) | {"num_hidden_layers": layers,
+                                                         "layer_types": ["hybrid"] * layers}
     layers = layers or 32
     if width == "full":
         return ling_flash_config(layers)
@@ -119,7 +120,8 @@ def workload(scenario: Scenario, seed: int) -> tuple[list[list[int]], list[int]]
 
 def run_ours(model_dir: str, workloads: dict, args) -> dict[str, float]:
     llm = LLM(model_dir, use_tqdm=False, dtype=args.dtype, device=args.device, load_format=args.load_format,
-              max_running_requests=args.max_running_requests, enforce_eager=args.enforce_eager, seed=args.seed)
+              max_running_requests=args.max_running_requests, enforce_eager=args.enforce_eager, seed=args.seed,
+              tensor_parallel_size=args.tp)
     rates = {}
     for name, (prompts, outputs) in workloads.items():
         params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True, seed=i)
@@ -133,6 +135,7 @@ def run_ours(model_dir: str, workloads: dict, args) -> dict[str, float]:
         assert [len(r.outputs[0].token_ids) for r in results] == outputs
         rates[name] = _tokens(name, prompts, outputs) / elapsed
         print(f"hybridserve {name}: {rates[name]:.1f} {_unit(name)}", flush=True)
+    llm.shutdown()
     del llm
     gc.collect()
     torch.cuda.empty_cache() if args.device.startswith("cuda") else None
@@ -248,6 +251,8 @@ def main() -> None:
     parser.add_argument("--hf-batch", type=int, default=64, help="largest static batch for HF generate")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true", help="our engine without CUDA graphs")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="our engine's tensor-parallel size (the floor is then that of --tp GPUs)")
     parser.add_argument("--out", default=None, help="write the results here as JSON")
     args = parser.parse_args()
     args.load_format = args.load_format or ("dummy" if args.model_type == "ling" else "auto")
@@ -261,7 +266,7 @@ def main() -> None:
         workloads = {name: workload(SCENARIOS[name], args.seed) for name in args.scenarios}
         result = {"model": args.model or f"random {args.model_type} ({args.width} widths)",
                   "layers": config["num_hidden_layers"], "device": args.device, "load_format": args.load_format,
-                  "cuda_graphs": not args.enforce_eager,
+                  "cuda_graphs": not args.enforce_eager, "tensor_parallel_size": args.tp,
                   "scenarios": {name: {"requests": len(p), "input_tokens": sum(map(len, p)),
                                        "output_tokens": sum(o), "unit": _unit(name)}
                                 for name, (p, o) in workloads.items()}}
@@ -272,7 +277,8 @@ def main() -> None:
             if not sc.prefill:
                 context = (sc.min_input + sc.max_input) // 2 + (sc.min_output + sc.max_output) // 4
                 floor = zaya_decode_floor if zaya else ling_decode_floor
-                entry["floor_tok_s"] = floor(config, min(sc.requests, args.max_running_requests), context)
+                # Each of the --tp GPUs streams its shard: the bytes per step are split, the bandwidth multiplied.
+                entry["floor_tok_s"] = args.tp * floor(config, min(sc.requests, args.max_running_requests), context)
         if not zaya:
             for entry in result["scenarios"].values():
                 entry["hf_tok_s"] = "n/a"  # no Ling-2.6 model class in transformers here
