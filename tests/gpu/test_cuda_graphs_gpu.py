@@ -15,22 +15,14 @@ import pytest
 import torch
 
 from hybridserve import LLM, SamplingParams
-from hybridserve.demo import write_random_checkpoint
-from tests.gpu.test_ling_gpu import FLASH
-from tests.gpu.test_zaya_gpu import ZAYA1_8B_SHAPED
-from tests.helpers import add_tokenizer
-from tests.reference.ling_naive import random_ling_checkpoint, write_checkpoint
+from tests.gpu.models import largest_logprob_difference, write_two_layer_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.mark.parametrize("model", ["zaya", "ling"])
 def test_graph_decode_matches_eager(model: str, tmp_path: Path) -> None:
-    if model == "zaya":
-        write_random_checkpoint(tmp_path, ZAYA1_8B_SHAPED | {"num_hidden_layers": 2})
-    else:
-        write_checkpoint(tmp_path, FLASH, random_ling_checkpoint(FLASH, 0))
-    add_tokenizer(tmp_path)
+    write_two_layer_model(model, tmp_path)
     options = dict(dtype="float32", device="cuda", max_num_batched_tokens=1024, max_running_requests=24,
                    max_model_len=2048, gpu_memory_utilization=0.2, use_tqdm=False)
     gen = torch.Generator().manual_seed(0)
@@ -55,13 +47,7 @@ def test_graph_decode_matches_eager(model: str, tmp_path: Path) -> None:
         graph.replay = (lambda replay, size: lambda: (replays.append(size), replay())[1])(graph.replay, size)
     got = llm.generate(prompts, params)
     assert len(replays) > 20 and len(set(replays)) >= 4  # the batch shrinks through several sizes
-    worst = 0.0
-    for want, have in zip(expected, got):
-        a, b = want.outputs[0], have.outputs[0]
-        assert a.token_ids == b.token_ids
-        for x, y in zip(a.logprobs, b.logprobs):
-            assert x.keys() == y.keys()
-            worst = max([worst] + [abs(x[t] - y[t]) for t in x])
+    worst = largest_logprob_difference(expected, got)
     print(f"\n{model}: largest logprob difference graphs vs eager {worst:.2e}")
     assert worst <= 2e-5  # measured 5.7e-6 (ZAYA1) and 4.8e-6 (Ling) on the H200
     reserve = llm.engine.runner.graph_reserve

@@ -9,11 +9,7 @@ import pytest
 import torch
 
 from hybridserve import LLM, SamplingParams
-from hybridserve.demo import write_random_checkpoint
-from tests.gpu.test_ling_gpu import FLASH
-from tests.gpu.test_zaya_gpu import ZAYA1_8B_SHAPED
-from tests.helpers import add_tokenizer
-from tests.reference.ling_naive import random_ling_checkpoint, write_checkpoint
+from tests.gpu.models import largest_logprob_difference, write_two_layer_model
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 
@@ -22,11 +18,7 @@ LOGPROB_TOL = 1e-4  # fp32 on the GPU, reductions over hidden 2048-4096 split in
 
 @pytest.mark.parametrize("model", ["zaya", "ling"])
 def test_tp2_equals_tp1(model: str, tmp_path: Path) -> None:
-    if model == "zaya":
-        write_random_checkpoint(tmp_path, ZAYA1_8B_SHAPED | {"num_hidden_layers": 2})
-    else:
-        write_checkpoint(tmp_path, FLASH, random_ling_checkpoint(FLASH, 0))
-    add_tokenizer(tmp_path)
+    write_two_layer_model(model, tmp_path)
     gen = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(3, 1000, (n,), generator=gen).tolist()}
                for n in (5, 40, 130, 17, 300, 64, 9, 500)]
@@ -40,12 +32,6 @@ def test_tp2_equals_tp1(model: str, tmp_path: Path) -> None:
         llm.shutdown()
         del llm
         torch.cuda.empty_cache()
-    worst = 0.0
-    for want, have in zip(results[1], results[2]):
-        a, b = want.outputs[0], have.outputs[0]
-        assert a.token_ids == b.token_ids
-        for x, y in zip(a.logprobs, b.logprobs):
-            assert x.keys() == y.keys()
-            worst = max([worst] + [abs(x[t] - y[t]) for t in x])
+    worst = largest_logprob_difference(results[1], results[2])
     print(f"\n{model}: TP=2 vs TP=1 largest logprob difference {worst:.2e}")
     assert worst <= LOGPROB_TOL
