@@ -20,7 +20,10 @@ class ScheduledChunk:
 
     token_ids: list[int]
     prefix_len: int  # tokens already in the KV cache (and folded into the state, when restored)
-    page_ids: list[int]  # KV pages covering positions [0, prefix_len + len(token_ids))
+    # KV pages covering positions [0, prefix_len + len(token_ids)). The engine passes the request's own lists here
+    # and in window_page_ids (no O(pages) copy per step): the runner reads them when it launches the step, right
+    # after scheduling; later steps append to them, release window entries, or replace them.
+    page_ids: list[int]
     state_slot: int
     has_initial_state: bool  # the slot holds the state after `prefix_len` tokens (else start from zero)
     logits_offsets: list[int] = field(default_factory=list)  # which new tokens need logits (0-based in chunk)

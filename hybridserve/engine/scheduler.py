@@ -307,12 +307,12 @@ class Scheduler:
         plan.chunks.append(ScheduledChunk(
             token_ids=request.token_ids(start, known) + [FUTURE_TOKEN] * (end - known),
             prefix_len=start,
-            page_ids=list(request.page_ids),
+            page_ids=request.page_ids,  # not copied: see ScheduledChunk.page_ids
             state_slot=request.state_slot,
             has_initial_state=start > 0,
             logits_offsets=scored + ([count - 1] if draws else []),
             table_row=request.table_row,
-            window_page_ids=list(request.window_page_ids) if self.window_pages is not None else None,
+            window_page_ids=request.window_page_ids if self.window_pages is not None else None,
             future_token=request.pending_draw if end > known else None,
         ))
         if draws:  # the request's own draw, counted from now on (appended when the step is processed)

@@ -53,6 +53,8 @@ def _rank_main(rank: int, size: int, address: str, directory: str, premask_every
         logits = runner.model.compute_logits(runner.model(batch)[batch.logits_indices])
     torch.save({"logits": logits, "state": {k: v[:, 1].clone() for k, v in runner.state_pool.buffers.items()},
                 "skips": sum(skips)}, f"{out}/rank{rank}.pt")
+    torch.distributed.barrier()  # no rank leaves while another still talks to it (gloo aborts on a closed peer)
+    torch.distributed.destroy_process_group()
 
 
 def _run(directory, size: int, tmp_path, premask_every_rank: bool = False) -> list[dict]:
