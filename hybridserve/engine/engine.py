@@ -158,7 +158,8 @@ class LLMEngine:
     def _track(self, group: _Group, request: Request) -> _Sequence:
         params = group.params
         sequence = _Sequence(request, len(group.sequences),
-                             IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens),
+                             IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                                    params.skip_special_tokens),
                              StopStringMatcher(params.stop, params.include_stop_str_in_output),
                              new_logprobs=[] if params.logprobs is not None else None,
                              cumulative_logprob=0.0 if params.logprobs is not None else None)
@@ -203,7 +204,8 @@ class LLMEngine:
             "prefix_cache_kv_match_tokens": self.scheduler.prefix_kv_match_tokens,
             "prompt_tokens": self.num_prompt_tokens, "generation_tokens": self.num_generation_tokens,
             "preemptions": self.scheduler.num_preemptions,
-        }
+        } | {f"kv_{key}": counts[key] for key in ("window_pages_total", "window_pages_free", "window_pages_cached")
+             if key in counts}  # the window group's pool (models with sliding-window layers)
 
     # --- the step loop ---------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -26,6 +26,11 @@ _GAUGES = [
     ("state_slots_used", "state_slots_used", "Recurrent-state slots held by requests."),
     ("state_slots_cached", "state_slots_cached", "State slots held only by the prefix cache (evictable)."),
     ("state_slots_total", "state_slots_total", "Recurrent-state slots in the pool."),
+    # Models with sliding-window layers only: their KV pages live in a pool of their own.
+    ("kv_cache_window_pages_total", "kv_window_pages_total", "Pages in the sliding-window layers' KV pool."),
+    ("kv_cache_window_pages_free", "kv_window_pages_free", "Free pages in the sliding-window layers' KV pool."),
+    ("kv_cache_window_pages_cached", "kv_window_pages_cached",
+     "Sliding-window KV pages held by the prefix cache (requests may hold them too)."),
 ]
 _COUNTERS = [
     ("prompt_tokens", "prompt_tokens", "Prompt tokens of admitted requests."),

@@ -80,6 +80,9 @@ def test_64_concurrent_streams_all_complete(tiny_server):
         assert alone.choices[0].text == results[i][0]
     after = wait_until_idle(tiny_server)
     assert _idle_view(after) == IDLE
+    # The tiny model has a sliding-window layer: its pool is reported, and at idle no request holds a page of it.
+    window = [after[f"hybridserve:kv_cache_window_pages_{kind}"] for kind in ("total", "free", "cached")]
+    assert window[0] > 0 and window[1] + window[2] == window[0]
     assert after["hybridserve:generation_tokens_total"] - before["hybridserve:generation_tokens_total"] == 64 * 16 + 48
     assert after["hybridserve:time_to_first_token_seconds_count"] - \
         before["hybridserve:time_to_first_token_seconds_count"] == 67
