@@ -44,8 +44,9 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     serial: int = field(default_factory=lambda: next(_serials))  # unique in the process, unlike a reused request_id
-    # Overlapped scheduling: a token drawn by a launched step and not yet appended (0 or 1), and its index in that
-    # step's draws. The scheduler counts it (lengths, pages, positions) before its value reaches the host.
+    # Overlapped scheduling: tokens drawn by launched steps and not yet appended (at most 1 when a step is
+    # scheduled, 2 between launching step N+1 and processing step N), and the index of the latest in its step's
+    # draws. The scheduler counts them (lengths, pages, positions) before their values reach the host.
     num_pending: int = 0
     pending_draw: int = 0
 

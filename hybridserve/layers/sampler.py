@@ -111,8 +111,8 @@ class PenaltyCounts:
     """Each penalised sequence's output-token counts and prompt-token flags on the device, kept across its draws:
     each drawn token is counted on the device as it is drawn (`record`), and a draw adds from the host lists only
     tokens not counted yet (rebuilding them from the whole token lists every step made long generations
-    quadratic). Rows live in [capacity, vocab] tensors allocated on first
-    use (5 bytes per vocabulary entry and row); a sequence without a draw in a step (finished, preempted) gives its
+    quadratic). Rows live in [capacity, vocab] tensors allocated on first use (5 bytes per vocabulary entry and
+    row); a sequence without a draw in a step (finished, preempted) gives its
     row back at `end_step` and is rebuilt from its lists if it draws again."""
 
     def __init__(self, capacity: int):
@@ -192,12 +192,19 @@ class Sampler:
         return [token for draws in self.draw(logits, rows) for token in draws.result()]
 
     def draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[Draws]:
-        """Queue one token per row on the device (rows in groups that bound the [rows, vocab] temporaries)."""
+        """Queue one token per row on the device (rows in groups that bound the [rows, vocab] temporaries). The
+        penalty counts take the drawn tokens only once every group is drawn: a call that fails part-way (the
+        caller then retries request by request) counts nothing."""
         step = max(1, _MAX_ELEMENTS_PER_CALL // logits.shape[-1])
-        return [self._draw_rows(logits[start:start + step], rows[start:start + step])
-                for start in range(0, len(rows), step)]
+        groups = [self._draw_rows(logits[start:start + step], rows[start:start + step])
+                  for start in range(0, len(rows), step)]
+        for draws, counted in groups:
+            if counted:
+                self.penalties.record(counted, draws.tokens)
+        return [draws for draws, _ in groups]
 
-    def _draw_rows(self, logits: torch.Tensor, rows: list[SamplingRow]) -> Draws:
+    def _draw_rows(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[Draws, list[tuple[int, int]]]:
+        """The rows' draws and (batch row, penalty-state row) of those whose counts must take the drawn token."""
         device = logits.device
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(r.params.logprobs is not None for r in rows) else None
         logits, counted = self._apply_penalties(logits, rows)
@@ -213,12 +220,10 @@ class Sampler:
             if drawn:
                 index = _upload(drawn, device, torch.long)
                 tokens = tokens.index_copy(0, index, self._sample(logits[index], [rows[i] for i in drawn]))
-        if counted:
-            self.penalties.record(counted, tokens)
         if raw_logprobs is None:
-            return Draws(tokens, rows, None, 0)
+            return Draws(tokens, rows, None, 0), counted
         top_k = max(r.params.logprobs or 0 for r in rows)
-        return Draws(tokens, rows, _pack(raw_logprobs, tokens, top_k), top_k)
+        return Draws(tokens, rows, _pack(raw_logprobs, tokens, top_k), top_k), counted
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]
                          ) -> tuple[torch.Tensor, list[tuple[int, int]]]:

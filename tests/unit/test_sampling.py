@@ -231,3 +231,30 @@ def test_penalty_counts_kept_across_draws_equal_counts_from_the_lists(monkeypatc
         assert sorted(kept.penalties._rows) == ([1, 2] if step not in (4, 5) else [1])
         for k, token in zip(keys, drawn.tolist()):
             outputs[k].append(token)
+
+
+def test_a_draw_that_fails_part_way_counts_no_penalty_tokens(monkeypatch):
+    """One row per group; the second group fails: nothing drawn in that call reaches the penalty counts, and the
+    retries row by row (what the runner does) count each drawn token exactly once."""
+    vocab = 40
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(8))
+    rows = [_penalised(k, [5, 6], [3, 4], True) for k in (1, 2)]
+    sampler = Sampler(max_running=2)
+    monkeypatch.setattr(sampler_module, "_MAX_ELEMENTS_PER_CALL", vocab)
+    draw_rows, calls = Sampler._draw_rows, []
+
+    def failing_once(self, lg, rs):
+        calls.append(rs[0].key)
+        if calls == [1, 2]:
+            raise RuntimeError("injected")
+        return draw_rows(self, lg, rs)
+
+    monkeypatch.setattr(Sampler, "_draw_rows", failing_once)
+    with pytest.raises(RuntimeError, match="injected"):
+        sampler.draw(logits, rows)
+    drawn = [sampler.draw(logits[i:i + 1], rows[i:i + 1])[0].tokens for i in range(2)]
+    counts = sampler.penalties.counts
+    for key, tokens in zip((1, 2), drawn):
+        row, counted = sampler.penalties._rows[key]
+        expected = torch.bincount(torch.tensor([5, 6, int(tokens[0])]), minlength=vocab).float()
+        assert counted == 3 and torch.equal(counts[row], expected)
