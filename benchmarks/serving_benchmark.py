@@ -33,7 +33,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repository root: benchmarks, hybridserve
 
 from benchmarks.offline_throughput import add_model_options, make_random_model  # noqa: E402
+from hybridserve.runtime.tensor_parallel import free_local_port  # noqa: E402
 
 SERVED_NAME = "bench"
 PERCENTILES = ("p50", "p90", "p99")
@@ -78,12 +78,6 @@ def fill_tokenizer_vocab(model_dir: Path, vocab_size: int) -> int:
     return len(missing)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _stop_with_parent() -> None:
     """In the server's child process: have Linux send it SIGTERM when this script dies, even by SIGKILL (a test's
     timeout), so that no server outlives its benchmark holding the GPU."""
@@ -95,7 +89,7 @@ class Server:
     """`hybridserve serve` in a subprocess with its log in a file; stopped on exit."""
 
     def __init__(self, args: list[str], log_path: Path):
-        self.port = free_port()
+        self.port = free_local_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.command = [sys.executable, "-m", "hybridserve.cli", "serve", *args, "--host", "127.0.0.1",

@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 TIMEOUT = datetime.timedelta(minutes=10)  # a collective waiting this long means a rank is gone
 
 
-def _free_port() -> int:
+def free_local_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for a rendezvous or a local server)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -48,7 +49,7 @@ def _node_ranks(config: EngineConfig) -> range:
 
 
 def _address(config: EngineConfig) -> str:
-    return f"tcp://{config.dist_init_addr}" if config.dist_init_addr else f"tcp://127.0.0.1:{_free_port()}"
+    return f"tcp://{config.dist_init_addr}" if config.dist_init_addr else f"tcp://127.0.0.1:{free_local_port()}"
 
 
 class ControlChannel:

@@ -9,6 +9,7 @@ import torch
 from hybridserve import SamplingParams
 from hybridserve.config import EngineConfig
 from hybridserve.engine.engine import LLMEngine
+from hybridserve.runtime.tensor_parallel import free_local_port
 from tests.helpers import add_tokenizer
 
 LOGPROB_TOL = 1e-5  # fp32: the shards' partial sums are added in another order than TP=1's full products
@@ -82,13 +83,10 @@ def test_two_nodes_tp2_equals_tp1(ling_dir):
     """TP=2 over two "nodes" on this host: node 1 is a separate `hybridserve serve --node-rank 1` process tree that
     only runs its rank; node 0 is this process's engine. The same tokens as TP=1."""
     import os
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{sock.getsockname()[1]}"
+    address = f"127.0.0.1:{free_local_port()}"
     node1 = subprocess.Popen([sys.executable, "-m", "hybridserve.cli", "serve", str(ling_dir), "--device", "cpu",
                               "--dtype", "float32", "--page-size", "4", "--max-num-batched-tokens", "20",
                               "--tp", "2", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", address],

@@ -5,14 +5,13 @@ rule: the scaled-identity skip term is replicated on every rank, so it must ente
 every rank before the all-reduce (the first vLLM port's mistake) it changes the output."""
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from hybridserve.config import EngineConfig
 from hybridserve.core.batch import ScheduledChunk, build_forward_batch
+from hybridserve.runtime.tensor_parallel import free_local_port
 
 PAGE = 4
 PROMPT = [3 + (11 * j) % 97 for j in range(40)]
@@ -58,9 +57,7 @@ def _rank_main(rank: int, size: int, address: str, directory: str, premask_every
 
 
 def _run(directory, size: int, tmp_path, premask_every_rank: bool = False) -> list[dict]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        address = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    address = f"tcp://127.0.0.1:{free_local_port()}"
     out = tmp_path / f"tp{size}-{premask_every_rank}"
     out.mkdir()
     context = mp.get_context("spawn")

@@ -14,7 +14,6 @@ oversubscribed OpenMP threads spin, slowing tiny ops a hundredfold.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,21 +24,17 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from hybridserve.runtime.tensor_parallel import free_local_port
+
 STARTUP_TIMEOUT_S = 120
 SMALL_CACHE = ["--kv-cache-memory-bytes", str(64 << 20)]  # quick to allocate and to free
 API_KEY = "test-key-0123"
 OPERATOR_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class Server:
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
-        self.port = free_port()
+        self.port = free_local_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
