@@ -23,6 +23,7 @@ PROGRAMS = 256  # programs per launch to aim for: about two per SM of an H200
 TILE_ELEMENTS = 8192  # a program's [tokens, columns, K chunk] fp32 product tile: 64 registers a thread at 4 warps
 PIPELINE_STAGES = 4  # K chunks in flight per program when its loop has several
 MAX_COLUMNS = 64  # output columns (weight rows) per program at most: wider tiles give too few programs anyway
+MIN_CHUNK = 64  # K lanes of a chunk at least (128 bytes of a 16-bit row): fewer tokens*columns where it would not fit
 NUM_WARPS = 4
 
 
@@ -47,13 +48,15 @@ class Tiles:
 
 def tiles(tokens: int, rows: int, depth: int, units: int = 1, min_rows: int = 1) -> Tiles:
     """Tiles for `units` independent products (MoE pairs or token rows) of `tokens` tokens each against `rows`
-    weight rows of length `depth`: the widest power-of-two BN (from `min_rows` to MAX_COLUMNS) that still gives
-    `units * cdiv(rows, BN)` >= PROGRAMS (else `min_rows`), and a K chunk filling TILE_ELEMENTS."""
+    weight rows of length `depth`: the widest power-of-two BN (from `min_rows` to MAX_COLUMNS, and keeping a K
+    chunk of MIN_CHUNK) that still gives `units * cdiv(rows, BN)` >= PROGRAMS (else `min_rows`), and a K chunk
+    filling TILE_ELEMENTS."""
     bt = triton.next_power_of_2(max(tokens, 1))
     bn = min_rows
-    while 2 * bn <= MAX_COLUMNS and units * triton.cdiv(rows, 2 * bn) >= PROGRAMS:
+    while 2 * bn <= min(MAX_COLUMNS, TILE_ELEMENTS // (bt * MIN_CHUNK)) and \
+            units * triton.cdiv(rows, 2 * bn) >= PROGRAMS:
         bn *= 2
-    bk = min(max(16, TILE_ELEMENTS // (bt * bn)), triton.next_power_of_2(depth))
+    bk = min(max(MIN_CHUNK, TILE_ELEMENTS // (bt * bn)), triton.next_power_of_2(depth))
     return Tiles(bt, bn, bk, PIPELINE_STAGES if bk < depth else 1)
 
 

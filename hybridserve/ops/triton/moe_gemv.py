@@ -37,7 +37,7 @@ def _pair(ids_ptr, weights_ptr, pair, EXPERTS: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w13_ptr, ids_ptr, weights_ptr, act_ptr, stride_x, inter, TOP_K: tl.constexpr,
+def _gemv_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, weights_ptr, act_ptr, stride_x, inter, TOP_K: tl.constexpr,
                     EXPERTS: tl.constexpr, H: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     STAGES: tl.constexpr):
     """act[pair, cols] = SiLU(gate) * up of BN / 2 intermediate columns; w13 rows 2j (gate) and 2j + 1 (up) of the
@@ -58,7 +58,7 @@ def _gate_up_kernel(x_ptr, w13_ptr, ids_ptr, weights_ptr, act_ptr, stride_x, int
 
 
 @triton.jit
-def _down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, CHOICES: tl.constexpr,
+def _gemv_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, CHOICES: tl.constexpr,
                  EXPERTS: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
     """out[row, cols] = the sum over the row's CHOICES pairs, in order, of (act[pair] @ w2[e]^T * weight) rounded
     to out's dtype, summed in fp32 and rounded once (one pair: its weighted row)."""
@@ -114,10 +114,10 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
         ids = topk_ids.reshape(-1).contiguous()
         weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
         act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-        _gate_up_kernel[(pairs, triton.cdiv(2 * inter, up_tiles.BN))](
+        _gemv_gate_up_kernel[(pairs, triton.cdiv(2 * inter, up_tiles.BN))](
             x, w13, ids, weights, act, x.stride(0), inter, TOP_K=top_k, EXPERTS=experts, H=hidden, BN=up_tiles.BN,
             BK=up_tiles.BK, STAGES=up_tiles.STAGES, num_warps=up_tiles.num_warps)
-        _down_kernel[(out.shape[0], triton.cdiv(hidden, down.BN))](
+        _gemv_down_kernel[(out.shape[0], triton.cdiv(hidden, down.BN))](
             act, w2, ids, weights, out, hidden, CHOICES=top_k if reduce else 1, EXPERTS=experts, I=inter,
             BN=down.BN, BK=down.BK, STAGES=down.STAGES, num_warps=down.num_warps)
     return out if reduce else out.view(tokens, top_k, hidden)
