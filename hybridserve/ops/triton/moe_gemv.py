@@ -23,8 +23,8 @@ import triton.language as tl
 
 from hybridserve.ops.triton.gemv import Tiles, dot_rows, tiles
 
-# The most (token, choice) pairs this form takes; beyond, the grouped-GEMM form (`ops.triton.moe`), whose expert
-# blocks share each weight tile among their rows. benchmarks/ops/moe.py times both forms at decode sizes.
+# The most (token, choice) pairs ops.moe gives this form; beyond, the grouped-GEMM form (`ops.triton.moe`), whose
+# expert blocks share each weight tile among their rows. benchmarks/ops/moe.py times both forms at decode sizes.
 MAX_PAIRS = 16
 
 
@@ -89,9 +89,10 @@ def down_tiles(rows: int, hidden: int, inter: int) -> Tiles:
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                   topk_weights: torch.Tensor, reduce: bool = True,
                   config: tuple[Tiles, Tiles] | None = None) -> torch.Tensor:
-    """x [T, H]; w13 [E, 2I, H] (gate rows first); w2 [E, H, I]; topk_ids/weights [T, K] (T*K at most MAX_PAIRS)
-    -> [T, H] in x's dtype, or with `reduce=False` the K weighted rows [T, K, H] (see `ops.moe.fused_experts`).
-    `config`: (gate/up, down) tiles instead of `gate_up_tiles` / `down_tiles` (tests, tuning)."""
+    """x [T, H]; w13 [E, 2I, H] (gate rows first); w2 [E, H, I]; topk_ids/weights [T, K] -> [T, H] in x's dtype,
+    or with `reduce=False` the K weighted rows [T, K, H] (see `ops.moe.fused_experts`). Any T*K works (ops.moe
+    takes this form up to MAX_PAIRS). `config`: (gate/up, down) tiles instead of `gate_up_tiles` / `down_tiles`
+    (tests, tuning)."""
     tokens, hidden = x.shape
     experts, inter = w13.shape[0], w13.shape[1] // 2
     top_k = topk_ids.shape[1]
@@ -101,8 +102,6 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != tokens:
         raise ValueError(f"topk ids {tuple(topk_ids.shape)} / weights {tuple(topk_weights.shape)} "
                          f"do not match {tokens} tokens")
-    if tokens * top_k > MAX_PAIRS:
-        raise ValueError(f"the GEMV experts take at most {MAX_PAIRS} (token, choice) pairs; got {tokens * top_k}")
     if x.stride(1) != 1 or not (w13.is_contiguous() and w2.is_contiguous()):
         raise ValueError("the GEMV experts need contiguous weights and x rows of unit column stride")
     pairs = tokens * top_k
