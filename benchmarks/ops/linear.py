@@ -31,8 +31,8 @@ def cases(device: torch.device) -> list[OpCase]:
         weights = [(torch.randn(n, k, device=device) / k**0.5).bfloat16() for _ in range(copies)]
         for tokens in TOKENS:
             x = torch.randn(tokens, k, device=device).bfloat16()
-            gemv = graphed([lambda w=w: kernel.linear(x, w) for w in weights])
-            cublas = graphed([lambda w=w: F.linear(x, w) for w in weights])
+            gemv = graphed([lambda w=w, x=x: kernel.linear(x, w) for w in weights])
+            cublas = graphed([lambda w=w, x=x: F.linear(x, w) for w in weights])
             out.append(OpCase("linear", f"{name} T={tokens} x{copies} graph", gemv, cublas,
                               bytes=copies * 2 * (n * k + tokens * (n + k)), flops=copies * 2 * tokens * n * k))
     return out

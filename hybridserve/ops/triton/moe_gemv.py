@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from hybridserve.ops.triton.gemv import Tiles, dot_rows, tiles
+from hybridserve.ops.triton.moe import expert_shapes
 
 # The most (token, choice) pairs ops.moe gives this form; beyond, the grouped-GEMM form (`ops.triton.moe`), whose
 # expert blocks share each weight tile among their rows. benchmarks/ops/moe.py times both forms at decode sizes.
@@ -93,15 +94,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     or with `reduce=False` the K weighted rows [T, K, H] (see `ops.moe.fused_experts`). Any T*K works (ops.moe
     takes this form up to MAX_PAIRS). `config`: (gate/up, down) tiles instead of `gate_up_tiles` / `down_tiles`
     (tests, tuning)."""
-    tokens, hidden = x.shape
-    experts, inter = w13.shape[0], w13.shape[1] // 2
-    top_k = topk_ids.shape[1]
-    if w13.shape != (experts, 2 * inter, hidden) or w2.shape != (experts, hidden, inter):
-        raise ValueError(f"expert weights do not match: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "
-                         f"w2 {tuple(w2.shape)}")
-    if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != tokens:
-        raise ValueError(f"topk ids {tuple(topk_ids.shape)} / weights {tuple(topk_weights.shape)} "
-                         f"do not match {tokens} tokens")
+    tokens, hidden, experts, inter, top_k = expert_shapes(x, w13, w2, topk_ids, topk_weights)
     if x.stride(1) != 1 or not (w13.is_contiguous() and w2.is_contiguous()):
         raise ValueError("the GEMV experts need contiguous weights and x rows of unit column stride")
     pairs = tokens * top_k
