@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
 from tests.ops.conftest import DEVICE, KERNEL_DTYPES
 from hybridserve.ops import backends
@@ -109,6 +110,10 @@ def test_tiles_fill_the_gpu_at_real_shapes() -> None:
     assert (zaya_up.BN, zaya_up.BK, -(-4096 // zaya_up.BN)) == (16, 512, 256)
     assert moe_gemv.down_tiles(1, 4096, 1024).BN == 16  # Ling, reduced: one row, 256 programs of 8 experts each
     assert moe_gemv.gate_up_tiles(1, 4, 8).BN == 2  # tiny: at least one intermediate column
+    for pairs in (3, 5, 7, 12):  # tiles of the power of two below: the warm-up ladder's variants
+        assert moe_gemv.gate_up_tiles(pairs, 2048, 2048) == moe_gemv.gate_up_tiles(1 << (pairs.bit_length() - 1),
+                                                                                    2048, 2048)
+        assert tiles(pairs, 1536, 2048) == tiles(triton.next_power_of_2(pairs), 1536, 2048)
 
 
 # ----------------------------------------------------------------------------------------------------- experts

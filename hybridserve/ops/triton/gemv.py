@@ -50,8 +50,10 @@ def tiles(tokens: int, rows: int, depth: int, units: int = 1, min_rows: int = 1)
     """Tiles for `units` independent products (MoE pairs or token rows) of `tokens` tokens each against `rows`
     weight rows of length `depth`: the widest power-of-two BN (from `min_rows` to MAX_COLUMNS, and keeping a K
     chunk of MIN_CHUNK) that still gives `units * cdiv(rows, BN)` >= PROGRAMS (else `min_rows`), and a K chunk
-    filling TILE_ELEMENTS."""
+    filling TILE_ELEMENTS. Tokens and units count by powers of two (BT the next, units the previous one), so the
+    warm-up's power-of-two ladder compiles every variant a run needs."""
     bt = triton.next_power_of_2(max(tokens, 1))
+    units = 1 << (max(units, 1).bit_length() - 1)
     bn = min_rows
     while 2 * bn <= min(MAX_COLUMNS, TILE_ELEMENTS // (bt * MIN_CHUNK)) and \
             units * triton.cdiv(rows, 2 * bn) >= PROGRAMS:
