@@ -109,7 +109,8 @@ def test_tiles_fill_the_gpu_at_real_shapes() -> None:
     zaya_up = moe_gemv.gate_up_tiles(1, 2048, 2048)  # 16 gate|up rows: 8 intermediate columns, 256 programs
     assert (zaya_up.BN, zaya_up.BK, -(-4096 // zaya_up.BN)) == (16, 512, 256)
     assert moe_gemv.down_tiles(1, 4096, 1024).BN == 16  # Ling, reduced: one row, 256 programs of 8 experts each
-    assert moe_gemv.gate_up_tiles(1, 4, 8).BN == 2  # tiny: at least one intermediate column
+    assert moe_gemv.gate_up_tiles(1, 4, 8).BN == 64  # tiny rows: one program streams them all
+    assert tiles(1, 4096, 64).BN == 64 and tiles(16, 4096, 64).BN == 8  # ... as far as the tile allows
     for pairs in (3, 5, 7, 12):  # tiles of the power of two below: the warm-up ladder's variants
         assert moe_gemv.gate_up_tiles(pairs, 2048, 2048) == moe_gemv.gate_up_tiles(1 << (pairs.bit_length() - 1),
                                                                                     2048, 2048)

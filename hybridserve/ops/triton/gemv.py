@@ -24,6 +24,7 @@ TILE_ELEMENTS = 8192  # a program's [tokens, columns, K chunk] fp32 product tile
 PIPELINE_STAGES = 4  # K chunks in flight per program when its loop has several
 MAX_COLUMNS = 64  # output columns (weight rows) per program at most: wider tiles give too few programs anyway
 MIN_CHUNK = 64  # K lanes of a chunk at least (128 bytes of a 16-bit row): fewer tokens*columns where it would not fit
+MIN_PROGRAM_ELEMENTS = 8192  # weight elements a program streams at least (16 KB of bf16): no finer split pays
 NUM_WARPS = 4
 
 
@@ -48,15 +49,16 @@ class Tiles:
 
 def tiles(tokens: int, rows: int, depth: int, units: int = 1, min_rows: int = 1) -> Tiles:
     """Tiles for `units` independent products (MoE pairs or token rows) of `tokens` tokens each against `rows`
-    weight rows of length `depth`: the widest power-of-two BN (from `min_rows` to MAX_COLUMNS, and keeping a K
-    chunk of MIN_CHUNK) that still gives `units * cdiv(rows, BN)` >= PROGRAMS (else `min_rows`), and a K chunk
-    filling TILE_ELEMENTS. Tokens and units count by powers of two (BT the next, units the previous one), so the
-    warm-up's power-of-two ladder compiles every variant a run needs."""
+    weight rows of length `depth`: the widest power-of-two BN up to MAX_COLUMNS (and keeping a K chunk of
+    MIN_CHUNK) that still gives `units * cdiv(rows, BN)` >= PROGRAMS, but at least `min_rows` and the rows of
+    MIN_PROGRAM_ELEMENTS (short rows: fewer, fuller programs); a K chunk filling TILE_ELEMENTS. Tokens and units
+    count by powers of two (BT the next, units the previous one), so the warm-up's power-of-two ladder compiles
+    every variant a run needs."""
     bt = triton.next_power_of_2(max(tokens, 1))
     units = 1 << (max(units, 1).bit_length() - 1)
-    bn = min_rows
-    while 2 * bn <= min(MAX_COLUMNS, TILE_ELEMENTS // (bt * MIN_CHUNK)) and \
-            units * triton.cdiv(rows, 2 * bn) >= PROGRAMS:
+    widest = min(MAX_COLUMNS, TILE_ELEMENTS // (bt * MIN_CHUNK))
+    bn = max(min_rows, min(widest, triton.next_power_of_2(triton.cdiv(MIN_PROGRAM_ELEMENTS, depth))))
+    while 2 * bn <= widest and units * triton.cdiv(rows, 2 * bn) >= PROGRAMS:
         bn *= 2
     bk = min(max(MIN_CHUNK, TILE_ELEMENTS // (bt * bn)), triton.next_power_of_2(depth))
     return Tiles(bt, bn, bk, PIPELINE_STAGES if bk < depth else 1)
