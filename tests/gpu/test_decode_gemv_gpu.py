@@ -5,7 +5,7 @@ Linear bound: every element within one bf16 ulp of the exact (fp64) product of t
 accumulation, one rounding); cuBLAS's bf16 GEMM is held to nothing here, it is only the speed reference. Experts
 bound, fixture and routing (skip rows on every 5th token from the 5th) as tests/gpu/test_moe_gpu.py: norm-relative error vs the fp32 reference <= 1e-2 and no worse than 1.2x the
 torch bf16 path's. Both must be bit-identical run to run and between eager calls and a CUDA-graph replay, and must
-not sync the host.
+not sync the host; a token's expert rows must not depend on the other tokens of the batch.
 """
 from __future__ import annotations
 
@@ -82,6 +82,8 @@ def test_experts_bf16_match_reference_deterministic_and_graphed(experts, reduce:
         if top_k == 1:
             assert not got[4::5].any()  # _routing's skip rows: exact zeros
         assert torch.equal(got, kernel.fused_experts(x, w13, w2, ids, weights, reduce=reduce))
+        # the first token's row(s) alone: the same bits (tiles from the weight shapes only)
+        assert torch.equal(kernel.fused_experts(x[:1], w13, w2, ids[:1], weights[:1], reduce=reduce), got[:1])
         static = [torch.zeros_like(x), torch.zeros_like(ids), torch.zeros_like(weights)]
         graphed = _graphed(lambda v, i, w: kernel.fused_experts(v, w13, w2, i, w, reduce=reduce), static,
                            [x, ids, weights])

@@ -106,15 +106,13 @@ def test_tiles_fill_the_gpu_at_real_shapes() -> None:
             t = tiles(tokens, n, k)
             assert t.BT >= tokens and t.BT * t.BN * t.BK <= 8192 and -(-n // t.BN) >= 256, (n, k, t)
             assert t.STAGES == (1 if t.BK >= k else 4)
-    zaya_up = moe_gemv.gate_up_tiles(1, 2048, 2048)  # 16 gate|up rows: 8 intermediate columns, 256 programs
+    zaya_up = moe_gemv.gate_up_tiles(2048, 2048)  # 16 gate|up rows: 8 intermediate columns, 256 programs a pair
     assert (zaya_up.BN, zaya_up.BK, -(-4096 // zaya_up.BN)) == (16, 512, 256)
-    assert moe_gemv.down_tiles(1, 4096, 1024).BN == 16  # Ling, reduced: one row, 256 programs of 8 experts each
-    assert moe_gemv.gate_up_tiles(1, 4, 8).BN == 64  # tiny rows: one program streams them all
+    assert moe_gemv.down_tiles(4096, 1024).BN == 16  # Ling: 256 programs a row (a pair, or a token's 8)
+    assert moe_gemv.gate_up_tiles(4, 8).BN == 64  # tiny rows: one program streams them all
     assert tiles(1, 4096, 64).BN == 64 and tiles(16, 4096, 64).BN == 8  # ... as far as the tile allows
-    for pairs in (3, 5, 7, 12):  # tiles of the power of two below: the warm-up ladder's variants
-        assert moe_gemv.gate_up_tiles(pairs, 2048, 2048) == moe_gemv.gate_up_tiles(1 << (pairs.bit_length() - 1),
-                                                                                    2048, 2048)
-        assert tiles(pairs, 1536, 2048) == tiles(triton.next_power_of_2(pairs), 1536, 2048)
+    for tokens in (3, 5, 7, 12):  # the warm-up ladder's variants, and those of a batch padded for a CUDA graph
+        assert tiles(tokens, 1536, 2048) == tiles(triton.next_power_of_2(tokens), 1536, 2048)
 
 
 # ----------------------------------------------------------------------------------------------------- experts
@@ -197,6 +195,20 @@ def test_skipped_pairs_read_nothing_and_give_exact_zeros(dtype: torch.dtype) -> 
     x = _randn(4, hidden, seed=14, dtype=dtype)
     live = torch.where(dead, 0, ids)  # the live pairs alone, on clean weights, against the reference
     _check_moe(x, w13, w2, live, torch.where(dead, 0.0, weights), config)
+
+
+def test_experts_rows_do_not_depend_on_the_batch() -> None:
+    """A token's rows are the same bits alone, among others, and with padding rows (expert 0 at weight 0, as a
+    CUDA-graph decode step pads): the default tiles depend on the weight shapes only."""
+    w13, w2 = _experts(8, 32, 16, torch.float16, seed=16)
+    x = _randn(4, 32, seed=17, dtype=torch.float16)
+    ids = _ids([[1, 6], [6, 2], [3, 1], [0, 0]])
+    weights = torch.tensor([[0.4, 0.6], [0.5, 0.5], [0.9, 0.1], [0.0, 0.0]], device=DEVICE)
+    together = moe_gemv.fused_experts(x, w13, w2, ids, weights, reduce=False)
+    for token in range(3):
+        alone = moe_gemv.fused_experts(x[token:token + 1], w13, w2, ids[token:token + 1], weights[token:token + 1],
+                                       reduce=False)
+        assert torch.equal(alone[0], together[token])
 
 
 def test_experts_reject_bad_input() -> None:

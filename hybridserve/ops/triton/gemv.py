@@ -47,18 +47,17 @@ class Tiles:
             raise ValueError(f"GEMV STAGES and num_warps must be positive; got {self}")
 
 
-def tiles(tokens: int, rows: int, depth: int, units: int = 1, min_rows: int = 1) -> Tiles:
-    """Tiles for `units` independent products (MoE pairs or token rows) of `tokens` tokens each against `rows`
-    weight rows of length `depth`: the widest power-of-two BN up to MAX_COLUMNS (and keeping a K chunk of
-    MIN_CHUNK) that still gives `units * cdiv(rows, BN)` >= PROGRAMS, but at least `min_rows` and the rows of
-    MIN_PROGRAM_ELEMENTS (short rows: fewer, fuller programs); a K chunk filling TILE_ELEMENTS. Tokens and units
-    count by powers of two (BT the next, units the previous one), so the warm-up's power-of-two ladder compiles
-    every variant a run needs."""
+def tiles(tokens: int, rows: int, depth: int, min_rows: int = 1) -> Tiles:
+    """Tiles for `tokens` tokens against `rows` weight rows of length `depth`: the widest power-of-two BN up to
+    MAX_COLUMNS (and keeping a K chunk of MIN_CHUNK) that still gives cdiv(rows, BN) >= PROGRAMS, but at least
+    `min_rows` and the rows of MIN_PROGRAM_ELEMENTS (short rows: fewer, fuller programs); a K chunk filling
+    TILE_ELEMENTS. Tokens count by the next power of two (BT), so the warm-up's power-of-two ladder compiles every
+    variant a run needs, and a decode batch padded to its CUDA-graph size keeps the tiles, hence the sums, of the
+    eager step."""
     bt = triton.next_power_of_2(max(tokens, 1))
-    units = 1 << (max(units, 1).bit_length() - 1)
     widest = min(MAX_COLUMNS, TILE_ELEMENTS // (bt * MIN_CHUNK))
     bn = max(min_rows, min(widest, triton.next_power_of_2(triton.cdiv(MIN_PROGRAM_ELEMENTS, depth))))
-    while 2 * bn <= widest and units * triton.cdiv(rows, 2 * bn) >= PROGRAMS:
+    while 2 * bn <= widest and triton.cdiv(rows, 2 * bn) >= PROGRAMS:
         bn *= 2
     bk = min(max(MIN_CHUNK, TILE_ELEMENTS // (bt * bn)), triton.next_power_of_2(depth))
     return Tiles(bt, bn, bk, PIPELINE_STAGES if bk < depth else 1)

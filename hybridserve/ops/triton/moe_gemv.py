@@ -11,7 +11,9 @@ its rows of that expert's weights (`gemv.dot_rows`: fp32 products, no padding), 
    once: the sum `ops.ling_norm.add_rms_norm` makes of the unreduced rows, bit for bit, with no atomics and no third
    launch. Unreduced, an output row is a pair.
 The pair index is the fastest grid axis, so pairs that share an expert (more tokens than experts) read the same
-weight block at about the same time, the second from L2. A pair with weight 0 (ZAYA1's MOD skip) or an expert id
+weight block at about the same time, the second from L2. Tiles depend on the weight shapes only (enough programs
+for one pair; more pairs only add programs), so a pair's row is the same bits whatever else is in the batch: a
+decode step padded to its CUDA-graph size computes what the eager step does. A pair with weight 0 (ZAYA1's MOD skip) or an expert id
 outside [0, E) reads no weights: its row is an exact zero. Grids come from T, K and the weight shapes only: CUDA-graph
 capturable, no host sync, deterministic.
 """
@@ -44,7 +46,7 @@ def _gemv_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, weights_ptr, act_ptr, stride_x
     """act[pair, cols] = SiLU(gate) * up of BN / 2 intermediate columns; w13 rows 2j (gate) and 2j + 1 (up) of the
     tile are column j's."""
     pair = tl.program_id(0)
-    expert, weight, live = _pair(ids_ptr, weights_ptr, pair, EXPERTS)
+    expert, _, live = _pair(ids_ptr, weights_ptr, pair, EXPERTS)
     if live:  # else the down launch skips the pair too: its act row is never read
         lane = tl.arange(0, BN)
         col = tl.program_id(1) * (BN // 2) + lane // 2
@@ -78,13 +80,13 @@ def _gemv_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, CH
     tl.store(out_ptr + row.to(tl.int64) * hidden + col, total.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
-def gate_up_tiles(pairs: int, inter: int, hidden: int) -> Tiles:
+def gate_up_tiles(inter: int, hidden: int) -> Tiles:
     """BN interleaved gate|up rows (BN / 2 intermediate columns) per program; at least one column."""
-    return tiles(1, 2 * inter, hidden, units=pairs, min_rows=2)
+    return tiles(1, 2 * inter, hidden, min_rows=2)
 
 
-def down_tiles(rows: int, hidden: int, inter: int) -> Tiles:
-    return tiles(1, hidden, inter, units=rows)
+def down_tiles(hidden: int, inter: int) -> Tiles:
+    return tiles(1, hidden, inter)
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
@@ -100,7 +102,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     pairs = tokens * top_k
     out = torch.empty(tokens if reduce else pairs, hidden, dtype=x.dtype, device=x.device)
     if pairs:
-        up_tiles, down = config or (gate_up_tiles(pairs, inter, hidden), down_tiles(out.shape[0], hidden, inter))
+        up_tiles, down = config or (gate_up_tiles(inter, hidden), down_tiles(hidden, inter))
         if up_tiles.BN < 2 or up_tiles.BT != 1 or down.BT != 1:
             raise ValueError(f"GEMV expert tiles need BT = 1 and at least 2 gate/up rows; got {up_tiles}, {down}")
         ids = topk_ids.reshape(-1).contiguous()
