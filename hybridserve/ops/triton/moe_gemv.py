@@ -41,8 +41,8 @@ def _pair(ids_ptr, weights_ptr, pair, EXPERTS: tl.constexpr):
 
 @triton.jit
 def _gemv_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, weights_ptr, act_ptr, stride_x, inter, TOP_K: tl.constexpr,
-                    EXPERTS: tl.constexpr, H: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    STAGES: tl.constexpr):
+                         EXPERTS: tl.constexpr, H: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                         STAGES: tl.constexpr):
     """act[pair, cols] = SiLU(gate) * up of BN / 2 intermediate columns; w13 rows 2j (gate) and 2j + 1 (up) of the
     tile are column j's."""
     pair = tl.program_id(0)
@@ -62,7 +62,8 @@ def _gemv_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, weights_ptr, act_ptr, stride_x
 
 @triton.jit
 def _gemv_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, CHOICES: tl.constexpr,
-                 EXPERTS: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+                      EXPERTS: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      STAGES: tl.constexpr):
     """out[row, cols] = the sum over the row's CHOICES pairs, in order, of (act[pair] @ w2[e]^T * weight) rounded
     to out's dtype, summed in fp32 and rounded once (one pair: its weighted row)."""
     row = tl.program_id(0)
