@@ -72,6 +72,7 @@ if [[ $what == serving || $what == serving-ling ]]; then
   rc=$?
   echo "serving_benchmark rc=$rc"
   grep -m 1 "^server ready" "$OUT/logs/serving.log" | cut -c1-200
+  grep -m 1 "^lone-request" "$OUT/logs/serving.log"
   sed -n '/^## serving benchmark/,$p' "$OUT/logs/serving.log"
   [[ $rc == 0 ]] || tail -n 40 "$OUT/logs/serving.log"
 fi

@@ -51,16 +51,15 @@ def time_ms(fn: Callable[[], object], warmup: int = 5, repeat: int = 50) -> floa
 
 
 def graphed(calls: list[Callable[[], object]]) -> Callable[[], None]:
-    """One CUDA graph of `calls` in order (each run once eagerly first: compiles and allocates outside the capture),
-    as its replay: decode-sized calls launched one by one from Python would time the host, not the kernels."""
+    """The replay of one CUDA graph of `calls` in order (each run once eagerly first: compiles and allocates
+    outside the capture). Decode-sized calls launched one by one from Python would time the host."""
     for call in calls:
         call()
-    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for call in calls:
             call()
-    return graph.replay
+    return lambda kept=calls: graph.replay()  # `kept` holds the tensors the graph reads alive
 
 
 def measure_ceilings(device: torch.device) -> tuple[float, float]:
