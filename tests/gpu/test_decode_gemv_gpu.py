@@ -3,7 +3,8 @@ Ling-2.6-flash's projections, and the few-pair routed experts (ops.triton.moe_ge
 
 Linear bound: every element within one bf16 ulp of the exact (fp64) product of the same bf16 inputs (fp32
 accumulation, one rounding); cuBLAS's bf16 GEMM is held to nothing here, it is only the speed reference. Experts
-bound, fixture and routing (skip rows on every 5th token from the 5th) as tests/gpu/test_moe_gpu.py: norm-relative error vs the fp32 reference <= 1e-2 and no worse than 1.2x the
+bound, fixture and routing (skip rows on every 5th token from the 5th) as tests/gpu/test_moe_gpu.py: norm-relative
+error vs the fp32 reference <= 1e-2 and no worse than 1.2x the
 torch bf16 path's. Both must be bit-identical run to run and between eager calls and a CUDA-graph replay, and must
 not sync the host; a token's expert rows must not depend on the other tokens of the batch.
 """
@@ -64,7 +65,7 @@ def test_linear_bf16_within_one_rounding(shape: str, tokens: int) -> None:
 
 
 @pytest.mark.parametrize("reduce", [True, False])
-def test_experts_bf16_match_reference_deterministic_and_graphed(experts, reduce: bool) -> None:
+def test_experts_bf16_match_reference_deterministic_and_graphed(experts, reduce: bool) -> None:  # noqa: F811
     from hybridserve.ops.triton import moe_gemv as kernel
     name, top_k, w13, w2 = experts
     hidden = w13.shape[2]
@@ -90,7 +91,7 @@ def test_experts_bf16_match_reference_deterministic_and_graphed(experts, reduce:
         assert torch.equal(graphed, got)
 
 
-def test_no_device_to_host_sync(experts) -> None:
+def test_no_device_to_host_sync(experts) -> None:  # noqa: F811  (the fixture)
     from hybridserve.ops.triton import linear as linear_kernel
     from hybridserve.ops.triton import moe_gemv as kernel
     _, top_k, w13, w2 = experts

@@ -1,6 +1,7 @@
 """Launch budgets per decoder layer and decode step, counted on CPU (benchmarks/layer_launches.py).
 
-ZAYA1: 2 GEMV linears (fused q|k|v|v projection, o_proj; cuBLAS GEMMs beyond decode sizes), 7 ZAYA kernels (CCA conv, QKNorm+RoPE+KV write, two
+ZAYA1: 2 GEMV linears (fused q|k|v|v projection, o_proj; cuBLAS GEMMs beyond decode sizes), 7 ZAYA kernels (CCA conv,
+QKNorm+RoPE+KV write, two
 residual+norm, the EDA router's three: down-projection + carry, norm + fc1, fc2 + class selection, each split by
 columns), plus one call each into attention and MoE (whose launches are theirs)."""
 from __future__ import annotations

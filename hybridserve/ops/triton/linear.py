@@ -15,9 +15,12 @@ import triton.language as tl
 
 from hybridserve.ops.triton.gemv import Tiles, dot_rows, tiles
 
-# The most tokens the GEMV form takes; beyond it cuBLAS's tensor-core GEMM (the reference, F.linear) runs.
-# benchmarks/ops/linear.py times both forms at 1..16 tokens to place this switch.
-MAX_TOKENS = 16
+MAX_TOKENS = 16  # the most tokens the kernel takes (its register tiles)
+# Where ops.linear runs it rather than cuBLAS's tensor-core GEMM (the reference, F.linear), placed from
+# benchmarks/ops/linear.py on an H200: ZAYA1's projections (4-6 MB) run 1.1-1.9x faster at 1-4 tokens and slower
+# from 8; Ling-2.6-flash's 134 MB q|k|v|g already streams at 84% of the floor in cuBLAS and lost 10% at one token.
+FASTER_UP_TO_TOKENS = 4
+FASTER_UP_TO_WEIGHT_BYTES = 64 << 20
 
 
 @triton.jit(do_not_specialize=["num_tokens"])  # one variant per token bucket (BT), not per token count

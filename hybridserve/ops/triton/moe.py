@@ -1,7 +1,8 @@
 """Fused MoE on CUDA: routed SwiGLU experts as two grouped GEMMs over expert-sorted (token, choice) pairs.
 
-1. Alignment (two small kernels, one for small batches; no host sync): the T*K pairs are ordered by expert (pair order kept inside an
-   expert), and each expert's run is padded to a multiple of BLOCK_M with the sentinel T*K. `block_expert[b]` is
+1. Alignment (two small kernels, one for small batches; no host sync): the T*K pairs are ordered by expert (pair
+   order kept inside an expert), and each expert's run is padded to a multiple of BLOCK_M with the sentinel T*K.
+   `block_expert[b]` is
    the expert of block b, -1 past the last used block. Sizes come from T, K, E and BLOCK_M only: at most
    `max_blocks = (T*K + min(E, T*K) * (BLOCK_M - 1)) // BLOCK_M` blocks. Grids are sized by that bound and
    programs of unused blocks return at once, so a decode batch never reads the weights of an expert nobody chose.

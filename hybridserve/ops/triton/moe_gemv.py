@@ -8,13 +8,15 @@ its rows of that expert's weights (`gemv.dot_rows`: fp32 products, no padding), 
    pipelined loop reads both; SiLU(gate) * up in fp32 (as `ops.triton.moe`), rounded to x's dtype into [T*K, I].
 2. down, grid (output row, hidden block): times the routing weight in fp32, each pair's row rounded once to x's
    dtype. With `reduce` an output row is a token and its program adds its K rows in choice order in fp32 and rounds
-   once: the sum `ops.ling_norm.add_rms_norm` makes of the unreduced rows, bit for bit, with no atomics and no third
-   launch. Unreduced, an output row is a pair.
+   once: the sum `ops.ling_norm.add_rms_norm` makes of the unreduced rows, bit for bit in 16-bit dtypes (in fp32
+   nothing rounds a row before the sum, and the compiler may fuse its product into it), with no atomics and no
+   third launch. Unreduced, an output row is a pair.
 The pair index is the fastest grid axis, so pairs that share an expert (more tokens than experts) read the same
 weight block at about the same time, the second from L2. Tiles depend on the weight shapes only (enough programs
 for one pair; more pairs only add programs), so a pair's row is the same bits whatever else is in the batch: a
-decode step padded to its CUDA-graph size computes what the eager step does. A pair with weight 0 (ZAYA1's MOD skip) or an expert id
-outside [0, E) reads no weights: its row is an exact zero. Grids come from T, K and the weight shapes only: CUDA-graph
+decode step padded to its CUDA-graph size computes what the eager step does. A pair with weight 0 (ZAYA1's MOD
+skip) or an expert id outside [0, E) reads no weights: its row is an exact zero. Grids come from T, K and the weight
+shapes only: CUDA-graph
 capturable, no host sync, deterministic.
 """
 from __future__ import annotations
@@ -27,8 +29,9 @@ from hybridserve.ops.triton.gemv import Tiles, dot_rows, tiles
 from hybridserve.ops.triton.moe import expert_shapes
 
 # The most (token, choice) pairs ops.moe gives this form; beyond, the grouped-GEMM form (`ops.triton.moe`), whose
-# expert blocks share each weight tile among their rows. benchmarks/ops/moe.py times both forms at decode sizes.
-MAX_PAIRS = 16
+# expert blocks share each weight tile among their rows. benchmarks/ops/moe.py times both forms at decode sizes; on
+# an H200 this form is 1.6x / 1.4x faster at ZAYA1's 1 / 2 pairs, level at 4, 8 (and Ling's 8 at one token), 0.9x at 16.
+MAX_PAIRS = 8
 
 
 @triton.jit
