@@ -212,3 +212,14 @@ def test_a_grammar_failure_fails_its_request_alone(demo_dir, mixed_outputs, monk
         if request_id != "regex":
             assert output.error is None
             assert [c.token_ids for c in output.outputs] == [c.token_ids for c in baseline[request_id].outputs]
+
+
+def test_tensor_parallel_ranks_draw_with_the_same_masks(demo_dir, mixed_outputs):
+    """TP=2 (gloo): rank 0 sends each step's masks to the other rank, which draws the same tokens."""
+    engine = _engine(demo_dir, tensor_parallel_size=2)
+    try:
+        outputs = _run(engine, _mixed())
+    finally:
+        engine.shutdown()
+    for request_id, output in mixed_outputs.items():
+        assert [c.token_ids for c in outputs[request_id].outputs] == [c.token_ids for c in output.outputs]
