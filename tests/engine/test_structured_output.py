@@ -6,7 +6,10 @@ grammar fails its request alone; an uncompilable spec is refused before anything
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 
 import jsonschema
 import pytest
@@ -223,3 +226,14 @@ def test_tensor_parallel_ranks_draw_with_the_same_masks(demo_dir, mixed_outputs)
         engine.shutdown()
     for request_id, output in mixed_outputs.items():
         assert [c.token_ids for c in outputs[request_id].outputs] == [c.token_ids for c in output.outputs]
+
+
+def test_an_engine_without_grammars_never_loads_xgrammar(demo_dir):
+    script = ("import sys; from hybridserve import LLM, SamplingParams; "
+              f"llm = LLM({str(demo_dir)!r}, use_tqdm=False, device='cpu', dtype='float32', "
+              "kv_cache_memory_bytes=8 << 20); llm.generate(['hi'], SamplingParams(max_tokens=3)); "
+              "print('xgrammar' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "False"
