@@ -3,7 +3,7 @@
 # poisons the whole process, so one faulting kernel must not hide the others' results), then the benchmarks.
 # Logs and JSON go to $OUT (default ./gpu-out); the per-file logs end up in one $OUT/logs.tgz, as the device tool
 # brings back at most 8 files. Usage, from the repository root on the GPU machine:
-#   bash benchmarks/gpu_session.sh [tests|bench|all|ling|agreement|profile|tune|serving|serving-ling|tp]
+#   bash benchmarks/gpu_session.sh [tests|bench|all|ling|agreement|profile|tune|serving|serving-ling|tp|structured]
 # (all = tests + bench; ling = 16 Ling-2.6-flash layers with dummy weights and the shared-expert overlap; agreement =
 # Ling decode agreement per lightning implementation; profile = the b1, b64 and prefill step profiles of the 40-layer
 # ZAYA1 run; tune = the fused-MoE tile tables, as $OUT/moe_configs.tgz: their names hold '=' and ',', which the
