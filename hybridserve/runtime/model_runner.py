@@ -20,6 +20,7 @@ from hybridserve.runtime.cuda_graphs import DecodeGraphs, capture_sizes
 from hybridserve.runtime.model_loader import build_model, resolve_dtype
 from hybridserve.runtime.tensor_parallel import ControlChannel
 from hybridserve.runtime.warmup import DUMMY_PAGE, DUMMY_SLOT, warmup_batches
+from hybridserve.spec.verify import IntermediateSlots, commit_states
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,16 @@ class ModelRunner:
         self.kv_pool = KVPool(full_spec, self.memory.num_pages + 1, config.page_size, self.device)
         self.window_pool = KVPool(window_spec, self.memory.num_window_pages + 1, config.page_size, self.device) \
             if window_spec is not None else None
-        self.state_pool = StatePool(state_spec, self.memory.num_state_slots, self.device)
+        # Speculative decoding: k intermediate states per running request, after the allocator's slots.
+        k = config.num_speculative_tokens
+        self.intermediate_slots = IntermediateSlots(self.memory.num_state_slots + 1, k) if k else None
+        if k:
+            logger.info("speculative decoding: %s, %d draft tokens; %d intermediate states of %.2f MiB reserved "
+                        "(%d per running request, %d running)", config.speculative_config.method, k,
+                        k * self.memory.max_running_requests, state_spec.bytes_per_slot() / 2**20, k,
+                        self.memory.max_running_requests)
+        self.state_pool = StatePool(state_spec, self.memory.num_state_slots + k * self.memory.max_running_requests,
+                                    self.device)
         self.footer_pool = StatePool(state_spec, self.memory.num_pages, self.device) if self.page_footers else None
         self._bind(self.kv_pool, self.window_pool, self.state_pool, self.footer_pool)
         self.sampler = Sampler(config.max_running_requests)
@@ -231,6 +241,7 @@ class ModelRunner:
             raise RuntimeError("create_tables must be called before the first step")
         self._tell_workers("launch", plan)
         self.tables.reset(plan.table_resets)
+        self.tables.truncate(plan.table_truncations)
         chunks = plan.chunks
         replay = self.graphs is not None and all(len(c.token_ids) == 1 for c in chunks) and \
             self.graphs.size_for(len(chunks)) is not None
@@ -262,8 +273,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[batch.logits_indices])
         if logits.shape[0] == 0:
             return handle
-        row, sampling = 0, []
-        for result, targets, rows in zip(handle.results, plan.prompt_logprobs, plan.samples):
+        row, sampling, verify, first_draw = 0, [], [], 0
+        for chunk, result, targets, rows in zip(chunks, handle.results, plan.prompt_logprobs, plan.samples):
             if targets is not None:
                 try:
                     scored = torch.log_softmax(logits[row:row + len(targets.token_ids)], dim=-1)
@@ -272,13 +283,20 @@ class ModelRunner:
                     result.error = err
                 row += len(targets.token_ids)
             if rows:
-                sampling.append((result, rows, row))
-                row += 1
+                # Forks draw from the prompt's last logits row; a verify row draws at each of its positions.
+                span = len(rows) if chunk.num_drafts else 1
+                sampling.append((result, rows, list(range(row, row + span)) if span > 1 else [row] * len(rows)))
+                if chunk.num_drafts:
+                    verify.append((chunk, first_draw))
+                row += span
+                first_draw += len(rows)
         if sampling:
             handle.draws = self._sample(logits, sampling)
             handle.draw_counts = [(result, len(rows)) for result, rows, _ in sampling]
             tokens = [draws.tokens for draws in handle.draws]
             self._drawn_tokens = tokens[0] if len(tokens) == 1 else torch.cat(tokens)
+            if verify:
+                commit_states(self.state_pool, self._drawn_tokens, verify)
             for draws in handle.draws:
                 draws.start_copy()
         self.sampler.end_step()
@@ -291,13 +309,13 @@ class ModelRunner:
             result.sampled = [next(tokens) for _ in range(count)]
         return handle.results
 
-    def _sample(self, logits: torch.Tensor, sampling: list[tuple[ChunkResult, list, int]]) -> list[Draws]:
+    def _sample(self, logits: torch.Tensor, sampling: list[tuple[ChunkResult, list, list[int]]]) -> list[Draws]:
         """All draws of the step in one sampler call, in plan order (the order `future_token` indexes). If that
         fails, chunk by chunk: a failure then stays with the request that caused it (its result's `error`; its
         draws are placeholder tokens 0, which the engine discards) and every other request still gets its tokens
         (draws depend only on their own row, so they are the same either way)."""
-        def draw(entries: list[tuple[ChunkResult, list, int]]) -> list[Draws]:
-            draw_rows = [row for _, rows, row in entries for _ in rows]
+        def draw(entries: list[tuple[ChunkResult, list, list[int]]]) -> list[Draws]:
+            draw_rows = [row for _, _, logits_rows in entries for row in logits_rows]
             contiguous = draw_rows == list(range(draw_rows[0], draw_rows[0] + len(draw_rows)))
             picked = logits[draw_rows[0]:draw_rows[0] + len(draw_rows)] if contiguous else \
                 logits[torch.tensor(draw_rows, device=logits.device)]

@@ -1,0 +1,52 @@
+"""Draft sources: what proposes the tokens a verify row checks. One small interface, so the scheduler neither knows
+nor cares where drafts come from.
+
+- `NgramDrafts`: prompt lookup over the request's own tokens (both models).
+- `ModelDrafts`: the tokens the model's draft layer (Ling's MTP) produced on the device in the request's previous
+  step, handed back with that step's results (`ChunkResult.drafts`).
+- `ReplayDrafts`: given continuations (e.g. a plain run's greedy outputs) replayed from each request's current
+  length: the forced-acceptance measurement of what verification costs (benchmarks/offline_throughput.py), and
+  the tests' always-right / always-wrong drafts (`LLMEngine.set_draft_source`).
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+from hybridserve.config import SpeculativeConfig
+from hybridserve.engine.request import Request
+from hybridserve.spec.ngram import propose_ngram
+
+
+class DraftSource(Protocol):
+    def propose(self, request: Request, limit: int) -> list[int]:
+        """At most `limit` tokens to follow the request's tokens (all on the host: speculative steps run serially)."""
+
+
+class NgramDrafts:
+    def __init__(self, k: int, n_min: int, n_max: int):
+        self.k, self.n_min, self.n_max = k, n_min, n_max
+
+    def propose(self, request: Request, limit: int) -> list[int]:
+        tokens = request.prompt_token_ids + request.output_token_ids
+        return propose_ngram(tokens, min(self.k, limit), self.n_min, self.n_max)
+
+
+class ModelDrafts:
+    def propose(self, request: Request, limit: int) -> list[int]:
+        return request.draft_token_ids[:limit]
+
+
+class ReplayDrafts:
+    def __init__(self, continuations: dict[str, list[int]]):
+        """{request id: the tokens to propose as its output, from its first output token on}."""
+        self.continuations = continuations
+
+    def propose(self, request: Request, limit: int) -> list[int]:
+        done = len(request.output_token_ids)
+        return self.continuations.get(request.request_id, [])[done:done + limit]
+
+
+def draft_source(config: SpeculativeConfig) -> DraftSource:
+    if config.method == "ngram":
+        return NgramDrafts(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+    return ModelDrafts()
