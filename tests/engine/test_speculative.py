@@ -9,6 +9,7 @@ import itertools
 import random
 
 import pytest
+import torch
 
 from hybridserve import SamplingParams
 from hybridserve.config import EngineConfig
@@ -240,3 +241,28 @@ def test_stops_inside_an_accepted_run_truncate_it(model):
         [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for o in plain for c in o.outputs]
     assert engine.stats()["spec_accepted_tokens"] > 0
     _assert_idle(engine)
+
+
+def test_sampled_token_distribution_matches_the_plain_runs(model):
+    """Two independent samples (different seeds) of one prompt's first four tokens at temperature 1, the plain run
+    and a run whose drafts are the greedy continuation (accepted only as often as the target draws it): per
+    position, every token's frequency agrees within 5 sigma of the two-sample spread."""
+    kind, directory = model
+    prompt = _prompts(1, seed=41)[0]
+    count = 300
+    greedy = _reference(kind, directory, [prompt])[0]
+
+    def params(first_seed):
+        return [SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=first_seed + i)
+                for i in range(count)]
+
+    plain = torch.tensor(_tokens(_run(_engine(directory, disable_overlap_schedule=True), [prompt] * count,
+                                      params(0))))
+    engine = _engine(directory, _ngram(3))
+    spec = torch.tensor(_tokens(_replay(engine, [prompt] * count, params(10_000), [[greedy]] * count)))
+    stats = engine.stats()
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+    for position in range(4):
+        f1, f2 = (torch.bincount(t[:, position], minlength=128).float() / count for t in (plain, spec))
+        pooled = (f1 + f2) / 2
+        assert ((f1 - f2).abs() <= 5 * (pooled * (1 - pooled) * 2 / count).sqrt() + 1e-9).all(), position
