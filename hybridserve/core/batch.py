@@ -39,6 +39,9 @@ class ScheduledChunk:
     # its first token goes to `state_slot` (that token is already accepted), the state after draft j to
     # draft_slots[j - 1] (the row's intermediate slots); the slot never sees a draft's state. Empty: not a verify row.
     draft_slots: list[int] = field(default_factory=list)
+    # The known token after the chunk (a chunk that stops short of its prompt's end), which a draft layer reading
+    # each position's next token needs (Ling's MTP). None: the chunk draws it, or it is not known.
+    next_token_id: int | None = None
 
     @property
     def num_drafts(self) -> int:

@@ -71,3 +71,4 @@ class ChunkResult:
     sampled: list[SampledToken] = field(default_factory=list)  # one per SamplingRow of the chunk
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)  # per scored token: {id: logprob}
     error: Exception | None = None  # this chunk's sampling or scoring failed (the rest of the step did not)
+    drafts: list[int] = field(default_factory=list)  # a draft layer's proposals to verify next (speculative, MTP)

@@ -22,7 +22,7 @@ from hybridserve.outputs import CompletionOutput, RequestOutput, RequestOutputKi
 from hybridserve.runtime.model_runner import ModelRunner, StepHandle
 from hybridserve.runtime.tensor_parallel import rank_config, start_workers, stop_workers
 from hybridserve.sampling import SamplingParams
-from hybridserve.spec.drafts import DraftSource, draft_source
+from hybridserve.spec.drafts import DraftSource, Speculation, draft_source
 from hybridserve.spec.verify import accepted_length
 from hybridserve.tokenizer import (
     IncrementalDetokenizer,
@@ -100,7 +100,8 @@ class LLMEngine:
                                       window_pages=window_pages, sliding_window=window)
         speculation = None
         if config.speculative_config is not None:
-            speculation = (draft_source(config.speculative_config), self.runner.intermediate_slots)
+            speculation = Speculation(draft_source(config.speculative_config), self.runner.intermediate_slots,
+                                      self.runner.draft_lookahead)
         self.scheduler = Scheduler(pages, slots, config.page_size, plan.max_running_requests,
                                    config.max_num_batched_tokens, config.chunked_prefill_size, cache,
                                    config.state_checkpoint_interval, window_pages, window, self.max_model_len,
@@ -206,9 +207,9 @@ class LLMEngine:
     def set_draft_source(self, source: DraftSource) -> None:
         """Replace where drafts come from (speculative decoding must be on): benchmarks and tests feed chosen drafts
         (`spec.drafts.ReplayDrafts`) to measure verification alone or pin acceptance."""
-        if self.scheduler.drafts is None:
+        if self.scheduler.speculation is None:
             raise ValueError("speculative decoding is off; start the engine with a speculative_config")
-        self.scheduler.drafts = source
+        self.scheduler.speculation.drafts = source
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None
@@ -281,6 +282,8 @@ class LLMEngine:
                     raise result.error
                 if result.prompt_logprobs:
                     group.prompt_logprobs.extend(result.prompt_logprobs)
+                if result.sampled:
+                    request.draft_token_ids = result.drafts
                 if chunk.num_drafts and result.sampled:  # the drawn tokens as far as they confirm the drafts
                     request.num_pending -= 1
                     for sampled in result.sampled[:accepted[request.serial] + 1]:

@@ -35,8 +35,7 @@ from hybridserve.cache.state_pool import SlotAllocator
 from hybridserve.core.batch import FUTURE_TOKEN, ScheduledChunk
 from hybridserve.core.step import PromptLogprobTargets, SamplingRow, StepPlan
 from hybridserve.engine.request import Request, RequestStatus
-from hybridserve.spec.drafts import DraftSource
-from hybridserve.spec.verify import IntermediateSlots
+from hybridserve.spec.drafts import Speculation
 
 # Prompt-logprob chunks produce [tokens, vocab] fp32 logits; this bounds them per step, across all requests.
 PROMPT_LOGPROB_TOKENS_PER_STEP = 512
@@ -60,7 +59,7 @@ class Scheduler:
                  prefix_cache: HybridPrefixCache | None = None, checkpoint_interval: int | None = None,
                  window_pages: PageAllocator | None = None, sliding_window: int | None = None,
                  max_model_len: int | None = None,
-                 speculation: tuple[DraftSource, IntermediateSlots] | None = None):
+                 speculation: Speculation | None = None):
         if (window_pages is None) != (sliding_window is None):
             raise ValueError("a window group needs both its page allocator and the sliding window")
         self.pages = pages
@@ -76,7 +75,7 @@ class Scheduler:
         self.sparse = prefix_cache is not None and not prefix_cache.per_page_state
         self.checkpoint_interval = checkpoint_interval
         self.max_model_len = max_model_len if max_model_len is not None else float("inf")
-        self.drafts, self.draft_slots = speculation if speculation is not None else (None, None)
+        self.speculation = speculation
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -191,12 +190,15 @@ class Scheduler:
             drafts = self._propose(request, budget) if count == 1 else []
             if count == 0 or not self._reserve_pages(request, count + len(drafts), preempt=True):
                 continue  # (0: a prompt to score, and this step's scoring budget is spent)
+            self._reserve_lookahead(request, count + len(drafts))
             budget -= self._add_chunk(step, request, count, budget, drafts)
         while self.waiting and budget > 0 and len(self.running) + step.fork_draws < self.max_running:
             if not self._admit(step, self.waiting[0], budget):
                 break
             request = self.waiting.popleft()
-            budget -= self._add_chunk(step, request, self._chunk_length(request, budget, step), budget)
+            count = self._chunk_length(request, budget, step)
+            self._reserve_lookahead(request, count)
+            budget -= self._add_chunk(step, request, count, budget)
         if not step.requests:
             # Nothing to run, so nothing can overwrite a fork's source yet: keep its copies for the next plan.
             self._pending_page_copies, self._pending_restores = step.plan.page_copies, step.plan.restores
@@ -217,16 +219,32 @@ class Scheduler:
         """Drafts for a decode row (speculative decoding): within the step's budget, max_tokens and the context
         length, and short of the next sparse snapshot position unless that is the row's first token (the working
         slot holds the state after it, a verified state; a later position would be a draft's state)."""
-        if self.drafts is None or not request.output_token_ids or request.num_computed_tokens != request.num_tokens - 1:
+        spec = self.speculation
+        if spec is None or not request.output_token_ids or request.num_computed_tokens != request.num_tokens - 1:
             return []
-        limit = min(self.draft_slots.per_row, budget - 1, self.max_model_len - request.num_tokens - 1)
+        limit = min(spec.slots.per_row, budget - 1, self.max_model_len - request.num_tokens - 1)
         if request.params.max_tokens is not None:
             limit = min(limit, request.params.max_tokens - request.num_output_tokens - 1)
         if self.sparse:
             snapshot = self._next_snapshot(request, request.num_computed_tokens)
             if snapshot is not None and snapshot > request.num_computed_tokens + 1:
                 limit = min(limit, snapshot - request.num_computed_tokens - 2)
-        return self.drafts.propose(request, limit) if limit > 0 else []
+        return spec.drafts.propose(request, limit) if limit > 0 else []
+
+    def _reserve_lookahead(self, request: Request, count: int) -> None:
+        """Pages for the draft layer's chain after a drawing row (`Speculation.lookahead`), if free ones are left
+        (never by preemption or eviction: without them the chain's KV writes go to the dummy page and only those
+        drafts suffer)."""
+        reach = self.speculation.lookahead if self.speculation is not None else 0
+        end = request.num_computed_tokens + count
+        if not reach or end < request.num_tokens:  # not a drawing row
+            return
+        needed = self._pages_needed(request, count + min(reach, self.max_model_len - end))
+        if needed and needed <= self.pages.num_free and (self.window_pages is None or
+                                                         needed <= self.window_pages.num_free):
+            pages, window = self._allocate_pages(needed)
+            request.page_ids.extend(pages)
+            request.window_page_ids.extend(window)
 
     def accept_drafts(self, request: Request, start: int, accepted: int) -> None:
         """A verify row that started at `start` kept its first token and `accepted` drafts: only their positions
@@ -361,6 +379,7 @@ class Scheduler:
             table_row=request.table_row,
             window_page_ids=request.window_page_ids if self.window_pages is not None else None,
             future_token=request.pending_draw if end > known else None,
+            next_token_id=request.token_ids(end, end + 1)[0] if end < request.num_known_tokens else None,
         ))
         if draws:  # the request's own draw, counted from now on (appended when the step is processed)
             request.num_pending += 1
@@ -394,7 +413,7 @@ class Scheduler:
             logits_offsets=list(range(1 + len(drafts))),
             table_row=request.table_row,
             window_page_ids=request.window_page_ids if self.window_pages is not None else None,
-            draft_slots=self.draft_slots.of(request.table_row, len(drafts)),
+            draft_slots=self.speculation.slots.of(request.table_row, len(drafts)),
         ))
         step.plan.samples.append([
             SamplingRow(params=request.params, seed=request.seed, output_token_ids=request.output_token_ids,

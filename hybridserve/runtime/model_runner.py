@@ -1,6 +1,7 @@
 """ModelRunner: owns the model and the cache pools on one device, and executes StepPlans."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -20,6 +21,7 @@ from hybridserve.runtime.cuda_graphs import DecodeGraphs, capture_sizes
 from hybridserve.runtime.model_loader import build_model, resolve_dtype
 from hybridserve.runtime.tensor_parallel import ControlChannel
 from hybridserve.runtime.warmup import DUMMY_PAGE, DUMMY_SLOT, warmup_batches
+from hybridserve.spec.mtp import MtpDrafter
 from hybridserve.spec.verify import IntermediateSlots, commit_states
 
 logger = logging.getLogger(__name__)
@@ -33,6 +35,8 @@ class StepHandle:
     results: list[ChunkResult]
     draws: list[Draws] = field(default_factory=list)
     draw_counts: list[tuple[ChunkResult, int]] = field(default_factory=list)
+    drafts: torch.Tensor | None = None  # [R, k] the draft layer's proposals for the results that drew (MTP)
+    draft_results: list[ChunkResult] = field(default_factory=list)
 
 _CPU_CACHE_BYTES = 1 * GiB
 _GRAPH_POOL_HEADROOM = 64 << 20
@@ -56,6 +60,12 @@ class ModelRunner:
         self.page_footers = caching and self.model.state_checkpoints == "per_page"
         self.sparse_checkpoints = caching and self.model.state_checkpoints == "sparse"
         self.kv_spec, state_spec = self.model.kv_cache_spec(self.dtype), self.model.state_spec(self.dtype)
+        speculative = config.speculative_config
+        self.drafter = None
+        if speculative is not None and speculative.method == "mtp":
+            # The MTP layer's MLA gets a KV layer of its own after the main ones (same fields, same pages).
+            self.kv_spec = dataclasses.replace(self.kv_spec, num_layers=self.kv_spec.num_layers + 1)
+            self.drafter = MtpDrafter(self.model, speculative.num_speculative_tokens, config.page_size)
         full_spec, window_spec = self.kv_spec.groups()
         self.sliding_window = self.kv_spec.sliding_window if window_spec is not None else None
         page_bytes = full_spec.bytes_per_token() * config.page_size
@@ -100,6 +110,11 @@ class ModelRunner:
                         self.config.kernel_backend)
             return False
         return True
+
+    @property
+    def draft_lookahead(self) -> int:
+        """Positions after a drawing row whose KV the draft layer writes in the same step (its chain)."""
+        return self.drafter.k - 1 if self.drafter is not None else 0
 
     def graph_rows(self) -> int:
         """Rows of the largest decode graph: --cuda-graph-max-bs, else 256 or the running cap, whichever is less."""
@@ -244,7 +259,7 @@ class ModelRunner:
         self.tables.truncate(plan.table_truncations)
         chunks = plan.chunks
         replay = self.graphs is not None and all(len(c.token_ids) == 1 for c in chunks) and \
-            self.graphs.size_for(len(chunks)) is not None
+            self.graphs.size_for(len(chunks)) is not None and self.drafter is None
         previous = self._drawn_tokens
         if replay:
             self.tables.upload_updates(chunks)
@@ -269,12 +284,15 @@ class ModelRunner:
             hidden = self.model(batch)
             self._copy_slots(plan.snapshots, self.state_pool)
             if batch.logits_indices.numel() == 0:
+                if self.drafter is not None:  # no draws: the draft layer's KV of these positions only
+                    self.drafter.draft(batch, hidden, chunks, [None] * len(chunks), None, None)
                 return handle
             logits = self.model.compute_logits(hidden[batch.logits_indices])
         if logits.shape[0] == 0:
             return handle
-        row, sampling, verify, first_draw = 0, [], [], 0
+        row, sampling, verify, first_draw, first_draws = 0, [], [], 0, []
         for chunk, result, targets, rows in zip(chunks, handle.results, plan.prompt_logprobs, plan.samples):
+            first_draws.append(first_draw if rows else None)
             if targets is not None:
                 try:
                     scored = torch.log_softmax(logits[row:row + len(targets.token_ids)], dim=-1)
@@ -290,13 +308,17 @@ class ModelRunner:
                     verify.append((chunk, first_draw))
                 row += span
                 first_draw += len(rows)
+        accepted = None
         if sampling:
             handle.draws = self._sample(logits, sampling)
             handle.draw_counts = [(result, len(rows)) for result, rows, _ in sampling]
             tokens = [draws.tokens for draws in handle.draws]
             self._drawn_tokens = tokens[0] if len(tokens) == 1 else torch.cat(tokens)
-            if verify:
-                commit_states(self.state_pool, self._drawn_tokens, verify)
+            accepted = commit_states(self.state_pool, self._drawn_tokens, verify) if verify else None
+        if self.drafter is not None:
+            handle.drafts = self.drafter.draft(batch, hidden, chunks, first_draws, self._drawn_tokens, accepted)
+            handle.draft_results = [result for result, rows in zip(handle.results, plan.samples) if rows]
+        if sampling:
             for draws in handle.draws:
                 draws.start_copy()
         self.sampler.end_step()
@@ -307,6 +329,9 @@ class ModelRunner:
         tokens = iter([token for draws in handle.draws for token in draws.result()])
         for result, count in handle.draw_counts:
             result.sampled = [next(tokens) for _ in range(count)]
+        if handle.drafts is not None:
+            for result, drafts in zip(handle.draft_results, handle.drafts.tolist()):
+                result.drafts = drafts
         return handle.results
 
     def _sample(self, logits: torch.Tensor, sampling: list[tuple[ChunkResult, list, list[int]]]) -> list[Draws]:

@@ -10,11 +10,13 @@ nor cares where drafts come from.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 from hybridserve.config import SpeculativeConfig
 from hybridserve.engine.request import Request
 from hybridserve.spec.ngram import propose_ngram
+from hybridserve.spec.verify import IntermediateSlots
 
 
 class DraftSource(Protocol):
@@ -50,3 +52,14 @@ def draft_source(config: SpeculativeConfig) -> DraftSource:
     if config.method == "ngram":
         return NgramDrafts(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
     return ModelDrafts()
+
+
+@dataclass
+class Speculation:
+    """What the scheduler needs for speculative decoding."""
+
+    drafts: DraftSource
+    slots: IntermediateSlots
+    # Positions after a drawing row's last token whose KV the draft layer writes in the same step (an MTP chain of
+    # k drafts: k - 1); the scheduler gives the row pages for them.
+    lookahead: int = 0
