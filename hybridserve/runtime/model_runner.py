@@ -285,7 +285,8 @@ class ModelRunner:
             self._copy_slots(plan.snapshots, self.state_pool)
             if batch.logits_indices.numel() == 0:
                 if self.drafter is not None:  # no draws: the draft layer's KV of these positions only
-                    self.drafter.draft(batch, hidden, chunks, [None] * len(chunks), None, None)
+                    self.drafter.run(batch, hidden, self.drafter.inputs(batch, chunks, [None] * len(chunks), None,
+                                                                        None))
                 return handle
             logits = self.model.compute_logits(hidden[batch.logits_indices])
         if logits.shape[0] == 0:
@@ -316,7 +317,8 @@ class ModelRunner:
             self._drawn_tokens = tokens[0] if len(tokens) == 1 else torch.cat(tokens)
             accepted = commit_states(self.state_pool, self._drawn_tokens, verify) if verify else None
         if self.drafter is not None:
-            handle.drafts = self.drafter.draft(batch, hidden, chunks, first_draws, self._drawn_tokens, accepted)
+            inputs = self.drafter.inputs(batch, chunks, first_draws, self._drawn_tokens, accepted)
+            handle.drafts = self.drafter.run(batch, hidden, inputs)
             handle.draft_results = [result for result, rows in zip(handle.results, plan.samples) if rows]
         if sampling:
             for draws in handle.draws:

@@ -10,6 +10,7 @@ nor cares where drafts come from.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -39,13 +40,14 @@ class ModelDrafts:
 
 
 class ReplayDrafts:
-    def __init__(self, continuations: dict[str, list[int]]):
-        """{request id: the tokens to propose as its output, from its first output token on}."""
-        self.continuations = continuations
+    def __init__(self, continuations: dict, key: Callable[[Request], Hashable] = lambda r: r.request_id):
+        """{key(request): the tokens to propose as its output, from its first output token on}; the key is the
+        request id unless given (e.g. the prompt, for requests whose ids are not known in advance)."""
+        self.continuations, self.key = continuations, key
 
     def propose(self, request: Request, limit: int) -> list[int]:
         done = len(request.output_token_ids)
-        return self.continuations.get(request.request_id, [])[done:done + limit]
+        return self.continuations.get(self.key(request), [])[done:done + limit]
 
 
 def draft_source(config: SpeculativeConfig) -> DraftSource:

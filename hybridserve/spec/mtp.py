@@ -15,28 +15,39 @@ no recurrent state. After a step's draws (and the verify rows' commit) it runs o
    previous draft and its own output there (its KV written at b + j - 1, in pages the scheduler reserved ahead,
    `Speculation.lookahead`; past them, on the dummy page). Every draft is the argmax: q is one-hot.
 
+`inputs` prepares a step's index tensors on the host (one upload); `run` is pure device work on them, so CUDA-graph
+verify steps (runtime/cuda_graphs.py) replay it from static copies of the same inputs.
+
 Entry p depends on token p + 1, which a prefix-cache hit ending at p + 1 does not fix: the entry at a hit's last
 cached position is the inserting request's (only its drafts can suffer, never the output).
 """
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 
 from hybridserve.core.batch import ForwardBatch, HostPack, ScheduledChunk
 
 
+@dataclass
+class DraftInputs:
+    ids: torch.Tensor  # [T] each position's next token
+    base: torch.Tensor  # [R] packed index of each drafting row's last committed position
+    rows: torch.Tensor  # [R] the drafting rows' batch rows
+    reach: torch.Tensor  # [R] positions each drafting row's pages cover (its chain writes past them go to page 0)
+    max_kv_len: int  # a bound on the chain's key counts (attention grids)
+
+
 class MtpDrafter:
     def __init__(self, model, num_drafts: int, page_size: int):
         self.model, self.k, self.page_size = model, num_drafts, page_size
 
-    def draft(self, batch: ForwardBatch, hidden: torch.Tensor, chunks: list[ScheduledChunk],
-              first_draws: list[int | None], drawn: torch.Tensor | None,
-              accepted: torch.Tensor | None) -> torch.Tensor | None:
-        """Drafts [R, k] on the device for the R chunks that drew (`first_draws[i]`: chunk i's first draw in
-        `drawn`, None if it drew nothing; None when none drew: the extension alone); `accepted` [verify rows]: the
-        verify rows' accepted counts (plan order)."""
+    def inputs(self, batch: ForwardBatch, chunks: list[ScheduledChunk], first_draws: list[int | None],
+               drawn: torch.Tensor | None, accepted: torch.Tensor | None) -> DraftInputs:
+        """The draft inputs of an eager step: chunk i's first draw in `drawn` is `first_draws[i]` (None: it drew
+        nothing); `accepted` [verify rows]: the verify rows' accepted counts (plan order). R = the drawing rows."""
         pack = HostPack()
         known_rows, known_tokens, drawn_rows, drawn_index = [], [], [], []
         base, rows, reach, verify_base = [], [], [], []
@@ -59,45 +70,51 @@ class MtpDrafter:
                              ("drawn_index", drawn_index), ("base", base), ("rows", rows), ("reach", reach),
                              ("verify_base", verify_base)):
             pack.add(name, values)
-        t = pack.upload(hidden.device)
+        t = pack.upload(batch.input_ids.device)
         ids = torch.empty_like(batch.input_ids)
         ids[:-1] = batch.input_ids[1:]
         ids[-1] = 0  # a row end: set below (or a chunk whose next token is unknown: its entry is never read)
         ids[t["known_rows"]] = t["known_tokens"]
-        if not rows:  # the extension alone: the layer's KV of these positions
-            self.model.draft_hidden(ids, hidden, batch)
-            return None
-        ids[t["drawn_rows"]] = drawn[t["drawn_index"]]
+        if drawn_rows:
+            ids[t["drawn_rows"]] = drawn[t["drawn_index"]]
         if accepted is not None:  # a verify row drafts from its last accepted position
             t["base"].index_add_(0, t["verify_base"], accepted)
-        out = self.model.draft_hidden(ids, hidden, batch)[t["base"]]
+        return DraftInputs(ids, t["base"], t["rows"], t["reach"],
+                           max(p + len(c.token_ids) for p, c in zip(batch.prefix_lens, chunks)) + self.k)
+
+    def run(self, batch: ForwardBatch, hidden: torch.Tensor, inputs: DraftInputs) -> torch.Tensor | None:
+        """Extend over the batch, then draft: [R, k] on the device (None without drafting rows: the extension
+        alone, which writes the layer's KV of these positions)."""
+        out = self.model.draft_hidden(inputs.ids, hidden, batch)
+        if inputs.rows.numel() == 0:
+            return None
+        out = out[inputs.base]
         drafts = [self.model.compute_logits(out).argmax(dim=-1)]
-        chain = self._chain_batch(batch, t["rows"], batch.positions[t["base"]], t["reach"],
-                                  max(p + len(c.token_ids) for p, c in zip(batch.prefix_lens, chunks)) + self.k)
+        chain = self._chain_batch(batch, inputs)
         for j in range(1, self.k):
-            step = chain(j)
-            out = self.model.draft_hidden(drafts[-1], out, step)
+            out = self.model.draft_hidden(drafts[-1], out, chain(j))
             drafts.append(self.model.compute_logits(out).argmax(dim=-1))
         return torch.stack(drafts, dim=1)
 
-    def _chain_batch(self, batch: ForwardBatch, rows: torch.Tensor, base: torch.Tensor, reach: torch.Tensor,
-                     max_kv_len: int):
+    def _chain_batch(self, batch: ForwardBatch, inputs: DraftInputs):
         """step j -> the one-token-per-row batch at positions base + j (KV rows from the rows' page tables; past a
         row's reserved pages, the dummy page 0)."""
-        size = rows.shape[0]
+        rows, size = inputs.rows, inputs.rows.shape[0]
+        base = batch.positions[inputs.base]
         page_table = batch.page_table.index_select(0, rows)
         index = torch.arange(size, device=rows.device)
+        query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=rows.device)
         dummy = torch.zeros(0, dtype=torch.long, device=rows.device)
 
         def step(j: int) -> ForwardBatch:
             positions = base + j
             page = page_table.gather(1, (positions // self.page_size).clamp(max=page_table.shape[1] - 1)[:, None])
-            slots = torch.where(positions < reach, page[:, 0] * self.page_size, 0) + positions % self.page_size
+            slots = torch.where(positions < inputs.reach, page[:, 0] * self.page_size, 0) + positions % self.page_size
             return dataclasses.replace(
-                batch, query_lens=[1] * size, query_starts=list(range(size)), prefix_lens=[max_kv_len - 1] * size,
-                is_decode=True, max_query_len=1, max_kv_len=max_kv_len, input_ids=dummy, positions=positions,
-                query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=rows.device),
-                seq_ids=index.to(torch.int32), kv_lens=positions + 1, page_table=page_table, slot_mapping=slots,
+                batch, query_lens=[1] * size, query_starts=list(range(size)),
+                prefix_lens=[inputs.max_kv_len - 1] * size, is_decode=True, max_query_len=1,
+                max_kv_len=inputs.max_kv_len, input_ids=dummy, positions=positions, query_start_loc=query_start_loc,
+                seq_ids=query_start_loc[:size], kv_lens=positions + 1, page_table=page_table, slot_mapping=slots,
                 state_slots=batch.state_slots.index_select(0, rows),
                 has_initial_state=batch.has_initial_state.index_select(0, rows), logits_indices=index,
                 page_end_tokens=dummy, page_end_pages=dummy, token_history=None, verify=None,
