@@ -297,10 +297,11 @@ def kv_row(page_ids: list[int], pos: int, page_size: int) -> int:
     return page_ids[pos // page_size] * page_size + pos % page_size
 
 
-def decode_token_history(rows: int, length: int, device: torch.device) -> TokenHistory:
-    """The TokenHistory of `rows` one-token rows (it depends on nothing else: CUDA-graph decode batches)."""
+def decode_token_history(rows: int, length: int, device: torch.device, row_tokens: int = 1) -> TokenHistory:
+    """The TokenHistory of `rows` rows of `row_tokens` tokens each (it depends on nothing else: CUDA-graph decode
+    and verify batches)."""
     total_rows, token_index, history_index, final_index = _token_history_rows(
-        [ScheduledChunk([0], 0, [], 0, False)] * rows, length)
+        [ScheduledChunk([0] * row_tokens, 0, [], 0, False)] * rows, length)
     return TokenHistory(length, total_rows, *(torch.tensor(index, device=device)
                                               for index in (token_index, history_index, final_index)))
 

@@ -232,14 +232,19 @@ class Scheduler:
         return spec.drafts.propose(request, limit) if limit > 0 else []
 
     def _reserve_lookahead(self, request: Request, count: int) -> None:
-        """Pages for the draft layer's chain after a drawing row (`Speculation.lookahead`), if free ones are left
-        (never by preemption or eviction: without them the chain's KV writes go to the dummy page and only those
-        drafts suffer)."""
-        reach = self.speculation.lookahead if self.speculation is not None else 0
-        end = request.num_computed_tokens + count
-        if not reach or end < request.num_tokens:  # not a drawing row
+        """Speculative decoding: pages past a drawing row's `count` tokens, if free ones are left (never by
+        preemption or eviction): for the draft layer's chain (`Speculation.lookahead`) and, for a decode row, up to
+        1 + k positions, which a CUDA-graph verify step pads every row to. Without them the chain's KV writes go to
+        the dummy page (only those drafts suffer) and the step runs eagerly."""
+        spec = self.speculation
+        start = request.num_computed_tokens
+        end = start + count
+        if spec is None or end < request.num_tokens:  # not a drawing row
             return
-        needed = self._pages_needed(request, count + min(reach, self.max_model_len - end))
+        target = end + spec.lookahead
+        if start == request.num_tokens - 1 and request.output_token_ids:
+            target = max(target, start + 1 + spec.slots.per_row)
+        needed = self._pages_needed(request, min(target, self.max_model_len) - start)
         if needed and needed <= self.pages.num_free and (self.window_pages is None or
                                                          needed <= self.window_pages.num_free):
             pages, window = self._allocate_pages(needed)

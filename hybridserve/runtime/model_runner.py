@@ -35,8 +35,8 @@ class StepHandle:
     results: list[ChunkResult]
     draws: list[Draws] = field(default_factory=list)
     draw_counts: list[tuple[ChunkResult, int]] = field(default_factory=list)
-    drafts: torch.Tensor | None = None  # [R, k] the draft layer's proposals for the results that drew (MTP)
-    draft_results: list[ChunkResult] = field(default_factory=list)
+    drafts: torch.Tensor | None = None  # [R, k] the draft layer's proposals (MTP)
+    draft_results: list[ChunkResult | None] = field(default_factory=list)  # whose each row is (None: nobody's)
 
 _CPU_CACHE_BYTES = 1 * GiB
 _GRAPH_POOL_HEADROOM = 64 << 20
@@ -99,6 +99,8 @@ class ModelRunner:
         self.sampler = Sampler(config.max_running_requests)
         self.tables: PageTables | None = None
         self.graphs: DecodeGraphs | None = None
+        self.verify_graphs: DecodeGraphs | None = None  # speculative decoding: rows of 1 + k tokens
+        self._no_draws = torch.zeros(0, dtype=torch.long, device=self.device)
         self._drawn_tokens: torch.Tensor | None = None  # the last launched step's draws, in plan order
 
     def _graphs_possible(self) -> bool:
@@ -134,16 +136,26 @@ class ModelRunner:
     def create_tables(self, max_rows: int, max_model_len: int) -> None:
         """The persistent device page/slot tables: one row per running sequence, wide enough for max_model_len."""
         self._tell_workers("create_tables", max_rows, max_model_len)
-        self.tables = PageTables(max_rows, -(-max_model_len // self.config.page_size) + 1, self.device,
-                                 window=self.window_pool is not None)
+        # Speculative rows reach up to 2k positions past their last token (verify padding, an MTP chain).
+        width = -(-(max_model_len + 2 * self.config.num_speculative_tokens) // self.config.page_size) + 1
+        self.tables = PageTables(max_rows, width, self.device, window=self.window_pool is not None)
 
     def capture_graphs(self, max_rows: int, max_model_len: int) -> None:
-        """Capture the decode graphs (after `create_tables`; the caches are bound for good by then)."""
+        """Capture the decode graphs and, with speculative decoding, the verify graphs (after `create_tables`; the
+        caches are bound for good by then). Verify graphs cover as many tokens as the largest decode graph; with
+        a draft layer they replace the decode graphs (every decode step drafts)."""
         self._tell_workers("capture_graphs", max_rows, max_model_len)
-        if self.use_graphs:
-            sizes = capture_sizes(min(self.graph_rows(), max_rows))
-            self.graphs = DecodeGraphs(self.model, self.tables, self.config.page_size, max_model_len, sizes,
-                                       self.device, capture=True)
+        if not self.use_graphs:
+            return
+        rows, k = min(self.graph_rows(), max_rows), self.config.num_speculative_tokens
+        pool = torch.cuda.graph_pool_handle()
+        if k:
+            self.verify_graphs = DecodeGraphs(self.model, self.tables, self.config.page_size, max_model_len,
+                                              capture_sizes(max(1, rows // (k + 1))), self.device, capture=True,
+                                              row_tokens=k + 1, drafter=self.drafter, pool=pool)
+        if self.drafter is None:
+            self.graphs = DecodeGraphs(self.model, self.tables, self.config.page_size, max_model_len,
+                                       capture_sizes(rows), self.device, capture=True, pool=pool)
 
     def _with_window_pages(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
         """Chunks that run outside the scheduler (warm-up, profiling) use the same page ids in the window group.
@@ -258,10 +270,9 @@ class ModelRunner:
         self.tables.reset(plan.table_resets)
         self.tables.truncate(plan.table_truncations)
         chunks = plan.chunks
-        replay = self.graphs is not None and all(len(c.token_ids) == 1 for c in chunks) and \
-            self.graphs.size_for(len(chunks)) is not None and self.drafter is None
+        graphs = self._graphs_for(chunks)
         previous = self._drawn_tokens
-        if replay:
+        if graphs is not None:
             self.tables.upload_updates(chunks)
         else:
             batch = build_forward_batch(chunks, self.config.page_size, self.device, self.model.history_len,
@@ -274,25 +285,54 @@ class ModelRunner:
         self._copy_slots(plan.page_restores, self.footer_pool)
         handle = StepHandle([ChunkResult() for _ in chunks])
         self._drawn_tokens = None
-        # Logits rows come chunk by chunk: the scored prompt positions, then the last token when it samples.
-        if replay:
-            logits = self.graphs.run(chunks, previous)  # every row's; keep those of chunks that want logits
-            wanted = [i for i, c in enumerate(chunks) if c.logits_offsets]
-            logits = logits if len(wanted) == len(chunks) else logits[torch.tensor(wanted, device=self.device)]
+        # Logits rows come chunk by chunk: the scored prompt positions, then the positions that sample.
+        if graphs is not None:
+            logits = graphs.run(chunks, previous)  # every token's; keep those of positions that want logits
+            n = graphs.row_tokens
+            wanted = [i * n + j for i, c in enumerate(chunks) for j in c.logits_offsets]
+            if len(wanted) != logits.shape[0]:
+                logits = logits[torch.tensor(wanted, device=self.device)]
             self._copy_slots(plan.snapshots, self.state_pool)
         else:
             hidden = self.model(batch)
             self._copy_slots(plan.snapshots, self.state_pool)
-            if batch.logits_indices.numel() == 0:
-                if self.drafter is not None:  # no draws: the draft layer's KV of these positions only
-                    self.drafter.run(batch, hidden, self.drafter.inputs(batch, chunks, [None] * len(chunks), None,
-                                                                        None))
-                return handle
             logits = self.model.compute_logits(hidden[batch.logits_indices])
-        if logits.shape[0] == 0:
-            return handle
+        first_draws, accepted = self._score_and_draw(plan, handle, logits) if logits.shape[0] else \
+            ([None] * len(chunks), None)
+        if self.drafter is not None:  # after the draws and the commit, on the device
+            drawn = self._drawn_tokens if self._drawn_tokens is not None else self._no_draws
+            if graphs is not None:
+                handle.drafts = graphs.draft(chunks, first_draws, drawn, accepted)
+                handle.draft_results = [r if first is not None else None
+                                        for r, first in zip(handle.results, first_draws)]
+            else:
+                inputs = self.drafter.inputs(batch, chunks, first_draws, drawn, accepted, self.tables.full.pages)
+                handle.drafts = self.drafter.run(batch, hidden, inputs)
+                handle.draft_results = [r for r, first in zip(handle.results, first_draws) if first is not None]
+        for draws in handle.draws:
+            draws.start_copy()
+        if logits.shape[0]:
+            self.sampler.end_step()
+        return handle
+
+    def _graphs_for(self, chunks: list[ScheduledChunk]) -> DecodeGraphs | None:
+        """The graphs a step replays: decode graphs when every row runs one token (no draft layer); verify graphs
+        when some row verifies drafts (or a draft layer drafts) and every row fits them; else None (eager)."""
+        if self.graphs is not None and all(len(c.token_ids) == 1 for c in chunks) and \
+                self.graphs.size_for(len(chunks)) is not None:
+            return self.graphs
+        verify = self.verify_graphs
+        if verify is not None and (self.drafter is not None or any(c.num_drafts for c in chunks)) and \
+                verify.fits(chunks):
+            return verify
+        return None
+
+    def _score_and_draw(self, plan: StepPlan, handle: StepHandle,
+                        logits: torch.Tensor) -> tuple[list[int | None], torch.Tensor | None]:
+        """Prompt logprobs and the step's draws from `logits` (the wanted rows, in plan order), then the verify rows'
+        commit. -> (each chunk's first draw in the step's draws or None, the verify rows' accepted counts)."""
         row, sampling, verify, first_draw, first_draws = 0, [], [], 0, []
-        for chunk, result, targets, rows in zip(chunks, handle.results, plan.prompt_logprobs, plan.samples):
+        for chunk, result, targets, rows in zip(plan.chunks, handle.results, plan.prompt_logprobs, plan.samples):
             first_draws.append(first_draw if rows else None)
             if targets is not None:
                 try:
@@ -309,22 +349,13 @@ class ModelRunner:
                     verify.append((chunk, first_draw))
                 row += span
                 first_draw += len(rows)
-        accepted = None
-        if sampling:
-            handle.draws = self._sample(logits, sampling)
-            handle.draw_counts = [(result, len(rows)) for result, rows, _ in sampling]
-            tokens = [draws.tokens for draws in handle.draws]
-            self._drawn_tokens = tokens[0] if len(tokens) == 1 else torch.cat(tokens)
-            accepted = commit_states(self.state_pool, self._drawn_tokens, verify) if verify else None
-        if self.drafter is not None:
-            inputs = self.drafter.inputs(batch, chunks, first_draws, self._drawn_tokens, accepted)
-            handle.drafts = self.drafter.run(batch, hidden, inputs)
-            handle.draft_results = [result for result, rows in zip(handle.results, plan.samples) if rows]
-        if sampling:
-            for draws in handle.draws:
-                draws.start_copy()
-        self.sampler.end_step()
-        return handle
+        if not sampling:
+            return first_draws, None
+        handle.draws = self._sample(logits, sampling)
+        handle.draw_counts = [(result, len(rows)) for result, rows, _ in sampling]
+        tokens = [draws.tokens for draws in handle.draws]
+        self._drawn_tokens = tokens[0] if len(tokens) == 1 else torch.cat(tokens)
+        return first_draws, commit_states(self.state_pool, self._drawn_tokens, verify) if verify else None
 
     def collect(self, handle: StepHandle) -> list[ChunkResult]:
         """Wait for a launched step's sampled tokens and hand them to each chunk's result."""
@@ -333,7 +364,8 @@ class ModelRunner:
             result.sampled = [next(tokens) for _ in range(count)]
         if handle.drafts is not None:
             for result, drafts in zip(handle.draft_results, handle.drafts.tolist()):
-                result.drafts = drafts
+                if result is not None:
+                    result.drafts = drafts
         return handle.results
 
     def _sample(self, logits: torch.Tensor, sampling: list[tuple[ChunkResult, list, list[int]]]) -> list[Draws]:

@@ -37,6 +37,7 @@ class DraftInputs:
     base: torch.Tensor  # [R] packed index of each drafting row's last committed position
     rows: torch.Tensor  # [R] the drafting rows' batch rows
     reach: torch.Tensor  # [R] positions each drafting row's pages cover (its chain writes past them go to page 0)
+    page_table: torch.Tensor  # [R, W] their rows of the persistent page table (wide enough for every chain)
     max_kv_len: int  # a bound on the chain's key counts (attention grids)
 
 
@@ -45,12 +46,13 @@ class MtpDrafter:
         self.model, self.k, self.page_size = model, num_drafts, page_size
 
     def inputs(self, batch: ForwardBatch, chunks: list[ScheduledChunk], first_draws: list[int | None],
-               drawn: torch.Tensor | None, accepted: torch.Tensor | None) -> DraftInputs:
+               drawn: torch.Tensor | None, accepted: torch.Tensor | None, pages: torch.Tensor) -> DraftInputs:
         """The draft inputs of an eager step: chunk i's first draw in `drawn` is `first_draws[i]` (None: it drew
-        nothing); `accepted` [verify rows]: the verify rows' accepted counts (plan order). R = the drawing rows."""
+        nothing); `accepted` [verify rows]: the verify rows' accepted counts (plan order); `pages`: the persistent
+        page table (`PageTables.full.pages`). R = the drawing rows."""
         pack = HostPack()
         known_rows, known_tokens, drawn_rows, drawn_index = [], [], [], []
-        base, rows, reach, verify_base = [], [], [], []
+        base, rows, reach, verify_base, table_rows = [], [], [], [], []
         for row, (chunk, start, first) in enumerate(zip(chunks, batch.query_starts, first_draws)):
             last = start + len(chunk.token_ids) - 1
             if first is None:
@@ -66,9 +68,10 @@ class MtpDrafter:
             base.append(start if chunk.num_drafts else last)
             rows.append(row)
             reach.append(len(chunk.page_ids) * self.page_size)
+            table_rows.append(chunk.table_row)
         for name, values in (("known_rows", known_rows), ("known_tokens", known_tokens), ("drawn_rows", drawn_rows),
                              ("drawn_index", drawn_index), ("base", base), ("rows", rows), ("reach", reach),
-                             ("verify_base", verify_base)):
+                             ("verify_base", verify_base), ("table_rows", table_rows)):
             pack.add(name, values)
         t = pack.upload(batch.input_ids.device)
         ids = torch.empty_like(batch.input_ids)
@@ -79,7 +82,7 @@ class MtpDrafter:
             ids[t["drawn_rows"]] = drawn[t["drawn_index"]]
         if accepted is not None:  # a verify row drafts from its last accepted position
             t["base"].index_add_(0, t["verify_base"], accepted)
-        return DraftInputs(ids, t["base"], t["rows"], t["reach"],
+        return DraftInputs(ids, t["base"], t["rows"], t["reach"], pages.index_select(0, t["table_rows"]),
                            max(p + len(c.token_ids) for p, c in zip(batch.prefix_lens, chunks)) + self.k)
 
     def run(self, batch: ForwardBatch, hidden: torch.Tensor, inputs: DraftInputs) -> torch.Tensor | None:
@@ -99,9 +102,8 @@ class MtpDrafter:
     def _chain_batch(self, batch: ForwardBatch, inputs: DraftInputs):
         """step j -> the one-token-per-row batch at positions base + j (KV rows from the rows' page tables; past a
         row's reserved pages, the dummy page 0)."""
-        rows, size = inputs.rows, inputs.rows.shape[0]
+        rows, size, page_table = inputs.rows, inputs.rows.shape[0], inputs.page_table
         base = batch.positions[inputs.base]
-        page_table = batch.page_table.index_select(0, rows)
         index = torch.arange(size, device=rows.device)
         query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=rows.device)
         dummy = torch.zeros(0, dtype=torch.long, device=rows.device)
