@@ -209,10 +209,17 @@ class ModelRunner:
             rows = self.graph_rows()
             # The pool's segments are whole allocator blocks (2 MiB for small tensors, 20 MiB and up for large
             # ones), hence the headroom over the peak of live tensors.
-            self.graph_reserve = _GRAPH_POOL_HEADROOM + self._profile_activations(
-                [ScheduledChunk([0], 0, [], 1, True, [0]) for _ in range(rows)], rows)
-            logger.info("memory plan: %.0f MiB reserved for the CUDA graphs' pool (the forward of %d decode rows)",
-                        self.graph_reserve / 2**20, rows)
+            graph_peak = self._profile_activations([ScheduledChunk([0], 0, [], 1, True, [0]) for _ in range(rows)],
+                                                   rows)
+            k = self.config.num_speculative_tokens
+            if k:  # verify graphs: as many tokens in rows of 1 + k (their states into the profile pool's slot 1)
+                verify = max(1, rows // (k + 1))
+                graph_peak = max(graph_peak, self._profile_activations(
+                    [ScheduledChunk([0] * (k + 1), 0, [], 1, True, list(range(k + 1)), draft_slots=[1] * k)
+                     for _ in range(verify)], verify * (k + 1)))
+            self.graph_reserve = _GRAPH_POOL_HEADROOM + graph_peak
+            logger.info("memory plan: %.0f MiB reserved for the CUDA graphs' pool (the forward of %d decode rows%s)",
+                        self.graph_reserve / 2**20, rows, f" or of {rows // (k + 1)} verify rows" if k else "")
             peak += self.graph_reserve
         # The sampler's penalty counts (fp32 count + bool flag per vocabulary entry and penalty row), allocated
         # when a request first uses a penalty.
