@@ -12,6 +12,7 @@ from hybridserve import SamplingParams
 from hybridserve.config import EngineConfig
 from hybridserve.engine.engine import LLMEngine
 from hybridserve.spec.drafts import ModelDrafts, ReplayDrafts
+from tests.helpers import finish_all
 from tests.reference.ling_naive import NaiveLing, load_checkpoint
 
 K = 3
@@ -55,9 +56,7 @@ def test_mtp_drafts_equal_the_naive_chain(ling_dir, source):
     ids = [f"p{i}" for i in range(len(prompts))]
     for request_id, prompt in zip(ids, prompts):
         plain.add_request(request_id, prompt, PARAMS)
-    reference = {}
-    while plain.has_unfinished_requests():
-        reference.update({o.request_id: o.outputs[0].token_ids for o in plain.step() if o.finished})
+    reference = {i: o.outputs[0].token_ids for i, o in finish_all(plain).items()}
 
     engine = LLMEngine(EngineConfig(model=str(ling_dir), speculative_config={"method": "mtp",
                                                                             "num_speculative_tokens": K}, **options))
@@ -66,10 +65,7 @@ def test_mtp_drafts_equal_the_naive_chain(ling_dir, source):
     engine.set_draft_source(recording)
     for request_id, prompt in zip(ids, prompts):
         engine.add_request(request_id, prompt, PARAMS)
-    outputs = {}
-    while engine.has_unfinished_requests():
-        outputs.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
-    assert outputs == reference
+    assert {i: o.outputs[0].token_ids for i, o in finish_all(engine).items()} == reference
     stats = engine.stats()
     if source == "replayed":
         assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]

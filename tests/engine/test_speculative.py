@@ -18,6 +18,7 @@ from hybridserve.config import EngineConfig
 from hybridserve.engine.engine import LLMEngine
 from hybridserve.spec.drafts import ReplayDrafts
 from hybridserve.tokenizer import load_tokenizer
+from tests.helpers import finish_all
 
 PAGE = 4
 INTERVAL = 8  # Ling: a checkpoint every 8 tokens, so decode-time snapshots meet the verify rows often
@@ -54,12 +55,7 @@ def _submit(engine: LLMEngine, prompts, params) -> list[str]:
 
 def _run(engine: LLMEngine, prompts, params=GREEDY) -> list:
     ids = _submit(engine, prompts, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        engine.scheduler.check_resources()
+    done = finish_all(engine, check_resources=True)
     return [done[i] for i in ids]
 
 
@@ -201,9 +197,7 @@ def _replay(engine: LLMEngine, prompts, params, continuations: list[list[list[in
                                           for n, tokens in enumerate(sequences)}))
     for request_id, prompt, p in zip(ids, prompts, params if isinstance(params, list) else [params] * len(prompts)):
         engine.add_request(request_id, prompt, p)
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
+    done = finish_all(engine)
     return [done[i] for i in ids]
 
 

@@ -33,29 +33,24 @@ def test_conv_verify_rows_at_zaya1_8b_widths() -> None:
 
 
 def test_lightning_verify_rows_at_flash_widths() -> None:
-    from hybridserve.core.batch import ScheduledChunk, build_forward_batch
     from hybridserve.ops.reference import lightning as reference
     from hybridserve.ops.triton import lightning as kernel
+    from tests.ops.test_lightning_kernel import verify_batch
 
-    heads, d, page = 32, 128, 16
+    heads, d = 32, 128
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = [(5, 1, True), (1, 2, False), (4, 3, True), (200, 4, False), (2, 5, True)]  # (tokens, slot, verify)
-    chunks, draft_slot = [], 6
-    for n, slot, verify in rows:
-        drafts = list(range(draft_slot, draft_slot + n - 1)) if verify else []
-        draft_slot += len(drafts)
-        chunks.append(ScheduledChunk([0] * n, 40, list(range(1, 2 + (40 + n) // page)), slot, True,
-                                     draft_slots=drafts))
-    batch = build_forward_batch(chunks, page, torch.device("cuda"))
+    batch = verify_batch(rows, first_draft_slot=6, prefix=40)
+    draft_slot = 6 + sum(n - 1 for n, _, verify in rows if verify)
     tokens = sum(n for n, _, _ in rows)
     q, k, v = (torch.randn(tokens, heads, d, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(3))
     log_decay = -torch.rand(heads, device="cuda", generator=gen) * 1.7
-    pool = torch.randn(draft_slot + 1, heads, d, d, device="cuda", generator=gen)
+    pool = torch.randn(draft_slot, heads, d, d, device="cuda", generator=gen)
     got_pool, ref_pool = pool.clone(), pool.clone()
     out = kernel.lightning_attention(q, k, v, log_decay, got_pool, batch)
     expected = reference.lightning_attention(q, k, v, log_decay, ref_pool, batch)
     assert ((out - expected).norm() / expected.norm()).item() <= 5e-5
-    for slot in range(draft_slot + 1):
+    for slot in range(draft_slot):
         assert ((got_pool[slot] - ref_pool[slot]).norm() / ref_pool[slot].norm()).item() <= 5e-5, slot
 
 

@@ -184,16 +184,16 @@ def test_bad_layouts_are_refused() -> None:
         kernel.lightning_prefill(q, k, v, LOG_DECAY, pool, batch, precision="bf16")
 
 
-def _verify_batch(rows: list[tuple[int, int, bool]]):
-    """rows: (tokens, slot, verify); a verify row's drafts get slots 5, 6, ... in order, its first token its own
-    slot (speculative decoding's verify layout)."""
-    chunks, draft_slot = [], 5
+def verify_batch(rows: list[tuple[int, int, bool]], first_draft_slot: int = 5, prefix: int = 3, page: int = PAGE):
+    """rows: (tokens, slot, verify), each after `prefix` tokens; a verify row's drafts get slots first_draft_slot,
+    ... in order, its first token its own slot (speculative decoding's verify layout)."""
+    chunks, draft_slot = [], first_draft_slot
     for n, slot, verify in rows:
         drafts = list(range(draft_slot, draft_slot + n - 1)) if verify else []
         draft_slot += len(drafts)
-        chunks.append(ScheduledChunk([0] * n, 3, list(range(1, 2 + (3 + n) // PAGE)), slot, True,
+        chunks.append(ScheduledChunk([0] * n, prefix, list(range(1, 2 + (prefix + n) // page)), slot, True,
                                      draft_slots=drafts))
-    return build_forward_batch(chunks, PAGE, DEVICE)
+    return build_forward_batch(chunks, page, DEVICE)
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
@@ -205,7 +205,7 @@ def test_verify_rows_store_each_tokens_state(dtype: torch.dtype, rows) -> None:
     """Verify rows: outputs, the state after each token in its slot (first token: the row's own slot), no other
     slot touched; the reference is checked against the plain recurrence in tests/unit/test_lightning_ops.py."""
     gen = torch.Generator(device=DEVICE).manual_seed(6)
-    batch = _verify_batch(rows)
+    batch = verify_batch(rows)
     lengths = [n for n, _, _ in rows]
     q, k, v = _qkv(sum(lengths), dtype, gen)
     before = _pool([], [], gen)

@@ -12,7 +12,7 @@ from hybridserve.config import EngineConfig
 from hybridserve.engine.engine import LLMEngine
 from hybridserve.ops import backends
 from hybridserve.spec.drafts import ReplayDrafts
-from tests.helpers import add_tokenizer
+from tests.helpers import add_tokenizer, finish_all
 from tests.models.zaya_fixtures import random_hf_zaya, save_hf, tiny_config
 from tests.ops.conftest import ON_GPU
 from tests.reference.ling_naive import random_ling_checkpoint, tiny_ling_config, write_checkpoint
@@ -47,12 +47,10 @@ def _run(directory, prompts, spec=None, drafts=None) -> list[list[int]]:
         engine.set_draft_source(ReplayDrafts(dict(zip(ids, drafts))))
     for request_id, prompt in zip(ids, prompts):
         engine.add_request(request_id, prompt, PARAMS)
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    done = finish_all(engine)
     stats = engine.stats()
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"] or spec is None
-    return [done[i] for i in ids]
+    return [done[i].outputs[0].token_ids for i in ids]
 
 
 def test_speculation_on_the_recurrent_kernels_equals_the_plain_torch_path(case, monkeypatch):
