@@ -169,12 +169,20 @@ class ModelRunner:
     def warm_up(self, max_rows: int, max_model_len: int) -> int:
         """Run the warm-up steps (runtime/warmup.py) on the dummy page and slot, then zero both. Returns the steps."""
         self._tell_workers("warm_up", max_rows, max_model_len)
-        steps = warmup_batches(self.config.max_num_batched_tokens, max_rows, max_model_len, self.config.page_size)
+        steps = warmup_batches(self.config.max_num_batched_tokens, max_rows, max_model_len, self.config.page_size,
+                               self.config.num_speculative_tokens)
         for chunks in steps:
             batch = build_forward_batch(self._with_window_pages(chunks), self.config.page_size, self.device,
                                         self.model.history_len)
             hidden = self.model(batch)
             self.model.compute_logits(hidden[batch.logits_indices])
+            if self.drafter is not None:  # every row drafts from token 0s (the chain's KV on the dummy page)
+                counts = [1 + c.num_drafts for c in chunks]
+                drawn = torch.zeros(sum(counts), dtype=torch.long, device=self.device)
+                verify = sum(1 for c in chunks if c.num_drafts)
+                inputs = self.drafter.inputs(batch, chunks, [sum(counts[:i]) for i in range(len(chunks))], drawn,
+                                             drawn[:verify] if verify else None, self.tables.full.pages)
+                self.drafter.run(batch, hidden, inputs)
         self.kv_pool.clear_page(DUMMY_PAGE)
         if self.window_pool is not None:
             self.window_pool.clear_page(DUMMY_PAGE)
