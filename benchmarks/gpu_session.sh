@@ -3,7 +3,7 @@
 # poisons the whole process, so one faulting kernel must not hide the others' results), then the benchmarks.
 # Logs and JSON go to $OUT (default ./gpu-out); the per-file logs end up in one $OUT/logs.tgz, as the device tool
 # brings back at most 8 files. Usage, from the repository root on the GPU machine:
-#   bash benchmarks/gpu_session.sh [tests|bench|all|ling|agreement|profile|tune|serving|serving-ling|tp|spec]
+#   bash benchmarks/gpu_session.sh [tests|bench|all|ling|agreement|profile|tune|serving|serving-ling|tp|structured|spec]
 # (all = tests + bench; ling = 16 Ling-2.6-flash layers with dummy weights and the shared-expert overlap; agreement =
 # Ling decode agreement per lightning implementation; profile = the b1, b64 and prefill step profiles of the 40-layer
 # ZAYA1 run; tune = the fused-MoE tile tables, as $OUT/moe_configs.tgz: their names hold '=' and ',', which the
@@ -11,8 +11,9 @@
 # serving / serving-ling = serving_benchmark.py on the 40-layer ZAYA1 / 16 Ling-flash layers, which needs guidellm
 # and the server's packages installed first from .whl and .whl-serving: see benchmarks/fetch_serving_wheels.sh;
 # tp = on nvidia-h200-x2: the TP=2 GPU test, 40-layer ZAYA1 at TP=2, and Ling-2.6-flash at full size at TP=2;
-# spec = speculative decoding: its GPU test, then 40-layer ZAYA1 with n-gram drafts and 16 Ling-2.6-flash layers
-# with MTP drafts, plain vs speculative vs forced acceptance at batch 1 and 16, greedy)
+# structured = the structured-output GPU test and the 40-layer ZAYA1 offline benchmark with and without a JSON
+# grammar on every request; spec = speculative decoding: its GPU test, then 40-layer ZAYA1 with n-gram drafts and
+# 16 Ling-2.6-flash layers with MTP drafts, plain vs speculative vs forced acceptance at batch 1 and 16, greedy)
 set -u
 OUT=${OUT:-gpu-out}
 what=${1:-all}
@@ -74,6 +75,7 @@ if [[ $what == serving || $what == serving-ling ]]; then
   rc=$?
   echo "serving_benchmark rc=$rc"
   grep -m 1 "^server ready" "$OUT/logs/serving.log" | cut -c1-200
+  grep -m 1 "^lone-request" "$OUT/logs/serving.log"
   sed -n '/^## serving benchmark/,$p' "$OUT/logs/serving.log"
   [[ $rc == 0 ]] || tail -n 40 "$OUT/logs/serving.log"
 fi
@@ -88,6 +90,15 @@ if [[ $what == tp ]]; then
     --scenarios b1 b64 prefill --out "$OUT/offline_ling_flash_tp2.json" > "$OUT/logs/offline_ling_tp2.log" 2>&1
   grep -m 1 "memory plan" "$OUT/logs/offline_ling_tp2.log" | cut -c 1-300
   grep -A 4 "^scenario" "$OUT/logs/offline_ling_tp2.log"
+fi
+
+if [[ $what == structured ]]; then  # needs xgrammar: pip install --no-deps .whl-agent/*.whl first
+  timeout 300 python -m pytest -s -p no:cacheprovider tests/gpu/test_structured_gpu.py \
+    > "$OUT/logs/test_structured_gpu.log" 2>&1
+  grep -E "largest logprob| (passed|failed|skipped|error)" "$OUT/logs/test_structured_gpu.log" | tail -n 3
+  timeout 400 python benchmarks/offline_throughput.py --layers 40 --load-format dummy --scenarios b1 b64 \
+    --json-grammar --skip-hf --out "$OUT/offline_json.json" > "$OUT/logs/offline_json.log" 2>&1
+  grep -A 6 "^scenario" "$OUT/logs/offline_json.log"
 fi
 
 if [[ $what == spec ]]; then

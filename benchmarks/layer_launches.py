@@ -54,9 +54,10 @@ class CountedModel:
 
 
 MODELS = {
-    "zaya": CountedModel(tiny_zaya_config, ("conv", "norm", "zaya_qk", "zaya_router"),
+    "zaya": CountedModel(tiny_zaya_config, ("conv", "norm", "zaya_qk", "zaya_router", "linear"),
                          (("hybridserve.models.zaya", "paged_attention"), ("hybridserve.layers.moe", "fused_experts"))),
-    "ling": CountedModel(tiny_ling_config, ("attention", "moe", "router", "lightning", "ling_norm", "activation")),
+    "ling": CountedModel(tiny_ling_config, ("attention", "moe", "router", "lightning", "ling_norm", "activation",
+                                            "linear")),
 }
 
 

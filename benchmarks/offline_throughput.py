@@ -16,7 +16,9 @@ disk) writes only config.json and the tokenizer and has the engine draw random w
 writes a random safetensors checkpoint first. Every decode scenario reports its bandwidth floor (the bytes one
 decode step must move over HBM bandwidth); on CUDA and for ZAYA1 the same prompts also go through HF transformers
 `generate` (static batches of up to 64, left-padded, after our engine has been freed); Ling-2.6 has no HF model
-class here (n/a). Results also go to --out as JSON.
+class here (n/a). Results also go to --out as JSON. `--json-grammar` runs each of our scenarios a second time with
+a JSON schema on every request (an array of at least 100000 short strings, so every draw stays masked to its last
+token) and reports both rates: with no grammar, structured output must cost nothing.
 
 Speculative decoding (`--speculative-algorithm NGRAM|NEXTN --num-draft-tokens K`; NEXTN gives the random Ling model
 its MTP layer): every decode scenario runs three engines on the same prompts, plain (overlap and CUDA graphs as
@@ -29,6 +31,7 @@ its own acceptance rate.
 
     python benchmarks/offline_throughput.py --layers 40 --scenarios b1 b64 prefill --out results.json
     python benchmarks/offline_throughput.py --model-type ling --layers 16 --scenarios b1 b64 prefill
+    python benchmarks/offline_throughput.py --layers 40 --scenarios b1 b64 --json-grammar --skip-hf
     python benchmarks/offline_throughput.py --layers 40 --scenarios b1 b16 --temperature 0 --skip-hf \\
         --speculative-algorithm NGRAM --num-draft-tokens 4
 """
@@ -58,6 +61,7 @@ from hybridserve.demo import (  # noqa: E402
 )
 from hybridserve.models.ling_config import parse_ling_config  # noqa: E402
 from hybridserve.spec.drafts import ReplayDrafts  # noqa: E402
+from hybridserve.structured import StructuredOutputParams  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12  # H200 device-to-device copy bandwidth measured on the lent machines (KINDS.md)
 
@@ -77,6 +81,9 @@ SCENARIOS = {"b1": Scenario(1, 512, 512, 128, 128), "b16": Scenario(16, 100, 512
              "nano": Scenario(256, 100, 1024, 100, 1024), "prefill": Scenario(64, 512, 512, 1, 1, prefill=True),
              "smoke": Scenario(2, 16, 32, 4, 4)}
 DEMO_VOCAB, DEMO_EOS = 151680, [151645]  # the bundled tokenizer's (the demo checkpoints' widths)
+# --json-grammar: a JSON language no output completes within the budgets above, so every draw is masked.
+BENCH_GRAMMAR = StructuredOutputParams(json={"type": "array", "items": {"type": "string", "maxLength": 16},
+                                             "minItems": 100000})
 
 
 def zaya1_8b_config(layers: int) -> dict:
@@ -139,37 +146,40 @@ SPEC_STATS = ("spec_verify_rows", "spec_draft_tokens", "spec_accepted_tokens")
 
 def run_ours(model_dir: str, workloads: dict, args, speculative: dict | None = None,
              forced: dict[str, list[list[int]]] | None = None) -> dict[str, dict]:
-    """Per scenario: tok/s, the generated tokens, and with `speculative` the acceptance measured on the timed run.
-    `forced` (per scenario, the outputs of a plain run): drafts replayed from them, keyed by prompt."""
+    """Per scenario (and per `name+json` with --json-grammar, without speculation): tok/s, the generated tokens,
+    and with `speculative` the acceptance measured on the timed run. `forced` (per scenario, the outputs of a plain
+    run): drafts replayed from them, keyed by prompt."""
     llm = LLM(model_dir, use_tqdm=False, dtype=args.dtype, device=args.device, load_format=args.load_format,
               max_running_requests=args.max_running_requests, enforce_eager=args.enforce_eager, seed=args.seed,
               tensor_parallel_size=args.tp, speculative_config=speculative)
-    label = "hybridserve" + ("" if speculative is None else " speculative" + (" forced" if forced else ""))
+    kind = "" if speculative is None else " speculative" + (" forced" if forced else "")
     results = {}
     for name, (prompts, outputs) in workloads.items():
-        params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True, seed=i)
-                  for i, n in enumerate(outputs)]
         if forced is not None:
             llm.engine.set_draft_source(ReplayDrafts({tuple(p): t for p, t in zip(prompts, forced[name])},
                                                      key=lambda request: tuple(request.prompt_token_ids)))
-        llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params[:2])  # warm-up
-        before = llm.engine.stats()
-        _sync(args.device)
-        start = time.perf_counter()
-        generated = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        _sync(args.device)
-        elapsed = time.perf_counter() - start
-        tokens = [r.outputs[0].token_ids for r in generated]
-        assert [len(t) for t in tokens] == outputs
-        entry = results[name] = {"tok_s": _tokens(name, prompts, outputs) / elapsed, "tokens": tokens}
-        line = f"{label} {name}: {entry['tok_s']:.1f} {_unit(name)}"
-        if speculative is not None:
-            rows, drafts, accepted = (llm.engine.stats()[k] - before[k] for k in SPEC_STATS)
-            # Tokens a verifying request gains per step (accepted drafts + the bonus); None: nothing was verified.
-            entry["acceptance_rate"] = accepted / drafts if drafts else None
-            entry["mean_accept_length"] = (accepted + rows) / rows if rows else None
-            line += f", acceptance {_ratio(entry['acceptance_rate'])}, {rows} verifying request-steps"
-        print(line, flush=True)
+        for grammar in (None, BENCH_GRAMMAR) if args.json_grammar and speculative is None else (None,):
+            params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True, seed=i,
+                                     structured_output=grammar) for i, n in enumerate(outputs)]
+            llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params[:2])  # warm-up (and compile)
+            before = llm.engine.stats()
+            _sync(args.device)
+            start = time.perf_counter()
+            generated = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            _sync(args.device)
+            elapsed = time.perf_counter() - start
+            tokens = [r.outputs[0].token_ids for r in generated]
+            assert [len(t) for t in tokens] == outputs
+            label = name if grammar is None else f"{name}+json"
+            entry = results[label] = {"tok_s": _tokens(name, prompts, outputs) / elapsed, "tokens": tokens}
+            line = f"hybridserve{kind} {label}: {entry['tok_s']:.1f} {_unit(name)}"
+            if speculative is not None:
+                rows, drafts, accepted = (llm.engine.stats()[k] - before[k] for k in SPEC_STATS)
+                # Tokens a verifying request gains per step (accepted drafts + the bonus); None: nothing verified.
+                entry["acceptance_rate"] = accepted / drafts if drafts else None
+                entry["mean_accept_length"] = (accepted + rows) / rows if rows else None
+                line += f", acceptance {_ratio(entry['acceptance_rate'])}, {rows} verifying request-steps"
+            print(line, flush=True)
     llm.shutdown()
     del llm
     gc.collect()
@@ -296,6 +306,8 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="our engine without CUDA graphs")
     parser.add_argument("--tp", type=int, default=1,
                         help="our engine's tensor-parallel size (the floor is then that of --tp GPUs)")
+    parser.add_argument("--json-grammar", action="store_true",
+                        help="also run each scenario with a JSON grammar on every request (structured output)")
     parser.add_argument("--speculative-algorithm", type=str.upper, default=None, choices=["NGRAM", "NEXTN"],
                         help="also run speculative decoding (and its forced-acceptance bound) beside the plain run")
     parser.add_argument("--num-draft-tokens", type=int, default=4, help="draft tokens per verify step")
@@ -332,9 +344,14 @@ def main() -> None:
                     spec_mean_accept_length=spec[name]["mean_accept_length"], forced_tok_s=forced[name]["tok_s"],
                     forced_acceptance_rate=forced[name]["acceptance_rate"],
                     forced_mean_accept_length=forced[name]["mean_accept_length"])
-        for name, run in plain.items():
+        for label, run in plain.items():
+            name, _, grammar = label.partition("+")
             entry = result["scenarios"][name]
-            entry["ours_tok_s"] = run["tok_s"]
+            rate = run["tok_s"]
+            if grammar:  # --json-grammar: the same scenario with a JSON grammar on every request
+                entry["ours_json_tok_s"], entry["json_cost"] = rate, 1 - rate / entry["ours_tok_s"]
+                continue
+            entry["ours_tok_s"] = rate
             sc = SCENARIOS[name]
             if not sc.prefill:
                 context = (sc.min_input + sc.max_input) // 2 + (sc.min_output + sc.max_output) // 4
@@ -355,6 +372,9 @@ def main() -> None:
             floor = f"{e['floor_tok_s']:>12.0f} {e['ours_tok_s'] / e['floor_tok_s']:>8.1%}" if "floor_tok_s" in e \
                 else f"{'-':>12} {'-':>9}"
             print(f"{name:<9} {e['ours_tok_s']:>11.1f} {hf_text} {floor}  ({e['unit']})")
+            if "ours_json_tok_s" in e:
+                print(f"{name + '+json':<9} {e['ours_json_tok_s']:>11.1f}  (every request under a JSON grammar: "
+                      f"{e['json_cost']:.1%} slower)")
         if speculative is not None:
             print(f"{'scenario':<9} {'plain tok/s':>12} {'spec tok/s':>11} {'accepted':>9} {'tok/verify':>11} "
                   f"{'forced tok/s':>13} {'accepted':>9} {'tok/verify':>11}")

@@ -50,6 +50,18 @@ def time_ms(fn: Callable[[], object], warmup: int = 5, repeat: int = 50) -> floa
     return sorted(times)[len(times) // 2]
 
 
+def graphed(calls: list[Callable[[], object]]) -> Callable[[], None]:
+    """The replay of one CUDA graph of `calls` in order (each run once eagerly first: compiles and allocates
+    outside the capture). Decode-sized calls launched one by one from Python would time the host."""
+    for call in calls:
+        call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return lambda kept=calls: graph.replay()  # `kept` holds the tensors the graph reads alive
+
+
 def measure_ceilings(device: torch.device) -> tuple[float, float]:
     """(bytes/s of a device copy counting read + write, bf16 GEMM FLOP/s) on random data."""
     src = torch.randn(512 * 2**20 // 4, device=device)  # 512 MiB, far beyond L2

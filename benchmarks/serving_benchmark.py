@@ -130,12 +130,50 @@ class Server:
             time.sleep(0.5)
         raise RuntimeError(f"the server was not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
 
+    def ttft_sum_count(self) -> tuple[float, float]:
+        """The server's own time-to-first-token histogram (arrival to the first token reaching the event loop):
+        (sum in seconds, count)."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        values = {}
+        for line in text.splitlines():
+            for field in ("sum", "count"):
+                if line.startswith(f"hybridserve:time_to_first_token_seconds_{field} "):
+                    values[field] = float(line.split()[1])
+        return values["sum"], values["count"]
+
+    def first_token_ms(self, prompt: list[int], max_tokens: int) -> float:
+        """Milliseconds from sending a streaming completion to its first data line (read to the end)."""
+        body = json.dumps({"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+                           "stream": True})
+        request = urllib.request.Request(f"{self.url}/v1/completions", body.encode(),
+                                         {"Content-Type": "application/json"})
+        start, first = time.perf_counter(), None
+        with urllib.request.urlopen(request, timeout=600) as response:
+            for line in response:
+                if first is None and line.startswith(b"data: "):
+                    first = time.perf_counter()
+        return (first - start) * 1e3
+
     def complete(self, prompt: list[int], max_tokens: int) -> dict:
         body = json.dumps({"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True})
         request = urllib.request.Request(f"{self.url}/v1/completions", body.encode(),
                                          {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=600) as response:
             return json.loads(response.read())
+
+
+def probe_ttft(server: Server, input_len: int, output_len: int, requests: int = 16) -> dict:
+    """TTFT of lone streaming requests seen two ways, to tell the server's share from the client's: by a plain
+    urllib client here, and by the server's own histogram (arrival to the first token reaching the event loop; its
+    mean over these requests, from the /metrics sum and count before and after)."""
+    before = server.ttft_sum_count()
+    client = sorted(server.first_token_ms([2000 + (i * 7 + j) % 5000 for j in range(input_len)], output_len)
+                    for i in range(requests))
+    after = server.ttft_sum_count()
+    return {"requests": requests, "client_ttft_ms_p50": client[len(client) // 2],
+            "client_ttft_ms_mean": sum(client) / len(client),
+            "server_ttft_ms_mean": (after[0] - before[0]) / max(after[1] - before[1], 1) * 1e3}
 
 
 def guidellm_scenario(url: str, tokenizer: str, levels: list[int], requests: list[int], args,
@@ -270,6 +308,9 @@ def run(args: argparse.Namespace) -> int:
             server.wait_ready(args.startup_timeout)
             print(f"server ready in {time.perf_counter() - start:.1f} s: {shlex.join(server.command)}", flush=True)
             server.complete([1000 + i % 1000 for i in range(args.input_len)], min(args.output_len, 8))  # warm-up
+            probe = probe_ttft(server, args.input_len, args.output_len)
+            print("lone-request TTFT: client p50 {client_ttft_ms_p50:.1f} ms, mean {client_ttft_ms_mean:.1f} ms; "
+                  "server mean {server_ttft_ms_mean:.1f} ms".format(**probe), flush=True)
             (work / "scenario.json").write_text(json.dumps(guidellm_scenario(
                 server.url, model_dir, args.concurrency, level_requests(args), args, report), indent=2))
             subprocess.run([*guidellm, "run", "--scenario", str(work / "scenario.json"),
@@ -282,7 +323,8 @@ def run(args: argparse.Namespace) -> int:
                 "scenario": scenario, "model": model, "layers": config["num_hidden_layers"],
                 "load_format": args.load_format, "server_args": server_args[1:],
                 "load_generator": f"guidellm {guidellm_report['metadata']['guidellm_version']}",
-                "input_len": args.input_len, "output_len": args.output_len, "results": entries,
+                "input_len": args.input_len, "output_len": args.output_len, "lone_request_ttft": probe,
+                "results": entries,
                 "problems": problems}, indent=2))
         for problem in problems:
             print(f"PROBLEM: {problem}", file=sys.stderr)

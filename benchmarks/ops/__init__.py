@@ -1,1 +1,2 @@
-"""Per-op micro-benchmark cases: each module exposes `cases(device) -> list[OpCase]` (see benchmarks/op_microbench.py)."""
+"""Per-op micro-benchmark cases: each module exposes `cases(device) -> list[OpCase]` (see
+benchmarks/op_microbench.py)."""

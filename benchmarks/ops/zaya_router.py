@@ -7,11 +7,9 @@ tokens (the cuBLAS form) is timed eagerly. Both forms also run at 256 and 512 to
 FUSED_MAX_TOKENS, to check it."""
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from benchmarks.op_microbench import OpCase
+from benchmarks.op_microbench import OpCase, graphed
 
 HIDDEN, WIDTH, CLASSES = 2048, 256, 17
 LAYERS = 40  # ZAYA1-8B's layers: a decode step's router calls
@@ -25,17 +23,6 @@ def _inputs(tokens: int, device: torch.device) -> dict:
                 fc1_weight=torch.randn(WIDTH, WIDTH, **f32) / 16, fc1_bias=torch.randn(WIDTH, **f32),
                 fc2_weight=torch.randn(WIDTH, WIDTH, **f32) / 16, fc2_bias=torch.randn(WIDTH, **f32),
                 out_weight=torch.randn(CLASSES, WIDTH, **f32) / 16, balancing_biases=torch.zeros(CLASSES, **f32))
-
-
-def _graphed(route: Callable, layers: list[dict]) -> Callable[[], None]:
-    """A CUDA graph of `route` over every layer's inputs (run once eagerly first: compiles outside the capture)."""
-    for args in layers:
-        route(**args)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for args in layers:
-            route(**args)
-    return graph.replay
 
 
 def cases(device: torch.device) -> list[OpCase]:
@@ -57,6 +44,8 @@ def cases(device: torch.device) -> list[OpCase]:
                               lambda a=args: reference.eda_route(**a), moved, flops))
             continue
         layers = [_inputs(tokens, device) for _ in range(LAYERS)]
-        out.append(OpCase("router", f"eda route T={tokens}{label} x{LAYERS} graph", _graphed(route, layers),
-                          _graphed(reference.eda_route, layers), LAYERS * moved, LAYERS * flops))
+        out.append(OpCase("router", f"eda route T={tokens}{label} x{LAYERS} graph",
+                          graphed([lambda a=a, f=route: f(**a) for a in layers]),
+                          graphed([lambda a=a: reference.eda_route(**a) for a in layers]), LAYERS * moved,
+                          LAYERS * flops))
     return out

@@ -110,7 +110,9 @@ class HybridPrefixCache:
 
     def _window_cached(self, window: list[int], end: int) -> bool:
         """Whether the window pages a query at `end` reads (positions (end - W, end)) are all cached."""
-        return self.window is None or all(window[window_first_page(end, self.window, self.page_size): end // self.page_size])
+        if self.window is None:
+            return True
+        return all(window[window_first_page(end, self.window, self.page_size): end // self.page_size])
 
     def _window_needed(self, window: list[int], end: int) -> list[int]:
         """The window pages of a hit of `end` tokens: those its next query reads, 0 before them."""

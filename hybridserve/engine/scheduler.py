@@ -218,9 +218,12 @@ class Scheduler:
     def _propose(self, request: Request, budget: int) -> list[int]:
         """Drafts for a decode row (speculative decoding): within the step's budget, max_tokens and the context
         length, and short of the next sparse snapshot position unless that is the row's first token (the working
-        slot holds the state after it, a verified state; a later position would be a draft's state)."""
+        slot holds the state after it, a verified state; a later position would be a draft's state). A request
+        under a grammar (structured output) gets none: its mask at a verify position would need the grammar
+        advanced through the drafts before it, so it decodes one token a step."""
         spec = self.speculation
-        if spec is None or not request.output_token_ids or request.num_computed_tokens != request.num_tokens - 1:
+        if spec is None or not request.output_token_ids or request.num_computed_tokens != request.num_tokens - 1 \
+                or request.params.structured_output is not None:
             return []
         limit = min(spec.slots.per_row, budget - 1, self.max_model_len - request.num_tokens - 1)
         if request.params.max_tokens is not None:

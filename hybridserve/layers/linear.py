@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.core.parallel import all_reduce, divide, tp_rank, tp_size
@@ -19,6 +18,7 @@ from hybridserve.layers.weights import (
     shard_slice,
     tp_shard_loader,
 )
+from hybridserve.ops.linear import linear
 
 
 class ReplicatedLinear(nn.Module):
@@ -30,7 +30,7 @@ class ReplicatedLinear(nn.Module):
         self.bias = new_parameter(out_features, dtype=dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -43,7 +43,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = new_parameter(local, loader=tp_shard_loader(0)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(nn.Module):
@@ -81,7 +81,7 @@ class MergedColumnParallelLinear(nn.Module):
             target.copy_(shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -95,7 +95,7 @@ class RowParallelLinear(nn.Module):
         self.bias = new_parameter(out_features) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = linear(x, self.weight)
         if self.reduce_results:
             out = all_reduce(out)
         # The bias is replicated, so it is added once, after the sum.

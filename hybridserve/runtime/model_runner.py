@@ -11,7 +11,7 @@ from hybridserve.cache.kv_pool import KVPool
 from hybridserve.cache.memory import GiB, MemoryPlan, plan_memory
 from hybridserve.cache.state_pool import StatePool
 from hybridserve.config import EngineConfig
-from hybridserve.core.batch import PageTables, ScheduledChunk, build_forward_batch
+from hybridserve.core.batch import ForwardBatch, PageTables, ScheduledChunk, build_forward_batch
 from hybridserve.core.parallel import tp_rank
 from hybridserve.core.step import ChunkResult, StepPlan
 from hybridserve.layers.sampler import Draws, Sampler, logprob_dicts, penalty_rows
@@ -23,20 +23,41 @@ from hybridserve.runtime.tensor_parallel import ControlChannel
 from hybridserve.runtime.warmup import DUMMY_PAGE, DUMMY_SLOT, warmup_batches
 from hybridserve.spec.mtp import MtpDrafter
 from hybridserve.spec.verify import IntermediateSlots, commit_states
+from hybridserve.structured.bitmask import TokenMask
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
+class DraftWork:
+    """What the draft layer (MTP) needs from a launched step once its draws are made: the eager batch and hidden
+    states, or the graphs that ran the step; the chunks and where each one's draws start (None: no draw)."""
+
+    chunks: list[ScheduledChunk]
+    first_draws: list[int | None]
+    batch: ForwardBatch | None = None
+    hidden: torch.Tensor | None = None
+    graphs: DecodeGraphs | None = None
+
+
+@dataclass
 class StepHandle:
     """A launched step: its chunks' results (filled by `collect`), the draws still on their way to the host, and
-    how many of them (in plan order) each result takes."""
+    how many of them (in plan order) each result takes. A step with grammar rows keeps its logits, sampling rows
+    and verify rows (`pending`) until `draw_masked` gives the masks; a step with a draft layer drafts after its
+    draws (`draft_work`)."""
 
     results: list[ChunkResult]
     draws: list[Draws] = field(default_factory=list)
     draw_counts: list[tuple[ChunkResult, int]] = field(default_factory=list)
+    pending: tuple[torch.Tensor, list[tuple[ChunkResult, list, list[int]]], list] | None = None
+    draft_work: DraftWork | None = None
     drafts: torch.Tensor | None = None  # [R, k] the draft layer's proposals (MTP)
     draft_results: list[ChunkResult | None] = field(default_factory=list)  # whose each row is (None: nobody's)
+
+    @property
+    def awaits_mask(self) -> bool:
+        return self.pending is not None
 
 _CPU_CACHE_BYTES = 1 * GiB
 _GRAPH_POOL_HEADROOM = 64 << 20
@@ -100,6 +121,7 @@ class ModelRunner:
         self.tables: PageTables | None = None
         self.graphs: DecodeGraphs | None = None
         self.verify_graphs: DecodeGraphs | None = None  # speculative decoding: rows of 1 + k tokens
+        self._awaiting_mask: StepHandle | None = None  # the launched step whose draws wait for grammar masks
         self._no_draws = torch.zeros(0, dtype=torch.long, device=self.device)
         self._drawn_tokens: torch.Tensor | None = None  # the last launched step's draws, in plan order
 
@@ -270,10 +292,6 @@ class ModelRunner:
             self.state_pool.copy_from(source, torch.tensor(src, device=self.device),
                                       torch.tensor(dst, device=self.device))
 
-    def execute(self, plan: StepPlan) -> list[ChunkResult]:
-        """Run one step and wait for its results."""
-        return self.collect(self.launch(plan))
-
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> StepHandle:
         """Queue one step on the device: copies and restores -> forward -> snapshots, then prompt logprobs and
@@ -312,23 +330,63 @@ class ModelRunner:
             hidden = self.model(batch)
             self._copy_slots(plan.snapshots, self.state_pool)
             logits = self.model.compute_logits(hidden[batch.logits_indices])
-        first_draws, accepted = self._score_and_draw(plan, handle, logits) if logits.shape[0] else \
-            ([None] * len(chunks), None)
-        if self.drafter is not None:  # after the draws and the commit, on the device
-            drawn = self._drawn_tokens if self._drawn_tokens is not None else self._no_draws
-            if graphs is not None:
-                handle.drafts = graphs.draft(chunks, first_draws, drawn, accepted)
-                handle.draft_results = [r if first is not None else None
-                                        for r, first in zip(handle.results, first_draws)]
-            else:
-                inputs = self.drafter.inputs(batch, chunks, first_draws, drawn, accepted, self.tables.full.pages)
-                handle.drafts = self.drafter.run(batch, hidden, inputs)
-                handle.draft_results = [r for r, first in zip(handle.results, first_draws) if first is not None]
+        sampling, verify, first_draws = self._score(plan, handle, logits)
+        if self.drafter is not None:
+            handle.draft_work = DraftWork(chunks, first_draws, graphs=graphs) if graphs is not None else \
+                DraftWork(chunks, first_draws, batch, hidden)
+        if not sampling:
+            self._draft(handle, None)
+            if logits.shape[0]:
+                self.sampler.end_step()
+            return handle
+        handle.pending = (logits, sampling, verify)
+        if any(row.params.structured_output is not None for _, rows, _ in sampling for row in rows):
+            self._awaiting_mask = handle  # the engine fills the masks while the forward runs: draw_masked
+        else:
+            self._draw(handle, None)
+        return handle
+
+    @torch.inference_mode()
+    def draw_masked(self, mask: TokenMask | None) -> None:
+        """Queue the draws of the launched step that waits for its grammar masks (`StepHandle.awaits_mask`).
+        `mask` (host memory): the allowed tokens of its draws with a grammar, by draw index in plan order (None:
+        no draw is constrained, e.g. every grammar request of the step finished meanwhile). Uploaded once."""
+        self._tell_workers("draw_masked", mask)
+        handle, self._awaiting_mask = self._awaiting_mask, None
+        if handle is None:
+            raise RuntimeError("draw_masked without a launched step that waits for grammar masks")
+        self._draw(handle, mask.to(self.device) if mask is not None else None)
+
+    def _draw(self, handle: StepHandle, mask: TokenMask | None) -> None:
+        """The step's draws, then (speculative decoding) the verify rows' commit and the draft layer's drafts."""
+        logits, sampling, verify = handle.pending
+        handle.pending = None
+        handle.draws = self._sample(logits, sampling, mask)
+        handle.draw_counts = [(result, len(rows)) for result, rows, _ in sampling]
+        tokens = [draws.tokens for draws in handle.draws]
+        self._drawn_tokens = tokens[0] if len(tokens) == 1 else torch.cat(tokens)
+        accepted = commit_states(self.state_pool, self._drawn_tokens, verify) if verify else None
+        self._draft(handle, accepted)
         for draws in handle.draws:
             draws.start_copy()
-        if logits.shape[0]:
-            self.sampler.end_step()
-        return handle
+        self.sampler.end_step()
+
+    def _draft(self, handle: StepHandle, accepted: torch.Tensor | None) -> None:
+        """The draft layer's work after the draws and the commit (MTP), on the device: its KV over the step, and
+        the drafts of the rows that drew."""
+        work, handle.draft_work = handle.draft_work, None
+        if work is None:
+            return
+        drawn = self._drawn_tokens if self._drawn_tokens is not None else self._no_draws
+        if work.graphs is not None:
+            handle.drafts = work.graphs.draft(work.chunks, work.first_draws, drawn, accepted)
+            handle.draft_results = [r if first is not None else None
+                                    for r, first in zip(handle.results, work.first_draws)]
+        else:
+            inputs = self.drafter.inputs(work.batch, work.chunks, work.first_draws, drawn, accepted,
+                                         self.tables.full.pages)
+            handle.drafts = self.drafter.run(work.batch, work.hidden, inputs)
+            handle.draft_results = [r for r, first in zip(handle.results, work.first_draws) if first is not None]
 
     def _graphs_for(self, chunks: list[ScheduledChunk]) -> DecodeGraphs | None:
         """The graphs a step replays: decode graphs when every row runs one token (no draft layer); verify graphs
@@ -342,10 +400,10 @@ class ModelRunner:
             return verify
         return None
 
-    def _score_and_draw(self, plan: StepPlan, handle: StepHandle,
-                        logits: torch.Tensor) -> tuple[list[int | None], torch.Tensor | None]:
-        """Prompt logprobs and the step's draws from `logits` (the wanted rows, in plan order), then the verify rows'
-        commit. -> (each chunk's first draw in the step's draws or None, the verify rows' accepted counts)."""
+    def _score(self, plan: StepPlan, handle: StepHandle, logits: torch.Tensor) -> tuple[list, list, list]:
+        """Prompt logprobs from `logits` (the wanted rows, in plan order), and the step's draws to make ->
+        (sampling entries (result, rows, logits rows), verify entries (chunk, its first draw), each chunk's first
+        draw in the step's draws or None)."""
         row, sampling, verify, first_draw, first_draws = 0, [], [], 0, []
         for chunk, result, targets, rows in zip(plan.chunks, handle.results, plan.prompt_logprobs, plan.samples):
             first_draws.append(first_draw if rows else None)
@@ -364,16 +422,12 @@ class ModelRunner:
                     verify.append((chunk, first_draw))
                 row += span
                 first_draw += len(rows)
-        if not sampling:
-            return first_draws, None
-        handle.draws = self._sample(logits, sampling)
-        handle.draw_counts = [(result, len(rows)) for result, rows, _ in sampling]
-        tokens = [draws.tokens for draws in handle.draws]
-        self._drawn_tokens = tokens[0] if len(tokens) == 1 else torch.cat(tokens)
-        return first_draws, commit_states(self.state_pool, self._drawn_tokens, verify) if verify else None
+        return sampling, verify, first_draws
 
     def collect(self, handle: StepHandle) -> list[ChunkResult]:
         """Wait for a launched step's sampled tokens and hand them to each chunk's result."""
+        if handle.awaits_mask:
+            raise RuntimeError("the step's draws wait for their grammar masks: call draw_masked first")
         tokens = iter([token for draws in handle.draws for token in draws.result()])
         for result, count in handle.draw_counts:
             result.sampled = [next(tokens) for _ in range(count)]
@@ -383,26 +437,29 @@ class ModelRunner:
                     result.drafts = drafts
         return handle.results
 
-    def _sample(self, logits: torch.Tensor, sampling: list[tuple[ChunkResult, list, list[int]]]) -> list[Draws]:
+    def _sample(self, logits: torch.Tensor, sampling: list[tuple[ChunkResult, list, list[int]]],
+                mask: TokenMask | None) -> list[Draws]:
         """All draws of the step in one sampler call, in plan order (the order `future_token` indexes). If that
         fails, chunk by chunk: a failure then stays with the request that caused it (its result's `error`; its
         draws are placeholder tokens 0, which the engine discards) and every other request still gets its tokens
         (draws depend only on their own row, so they are the same either way)."""
-        def draw(entries: list[tuple[ChunkResult, list, list[int]]]) -> list[Draws]:
+        def draw(entries: list[tuple[ChunkResult, list, list[int]]], entry_mask: TokenMask | None) -> list[Draws]:
             draw_rows = [row for _, _, logits_rows in entries for row in logits_rows]
             contiguous = draw_rows == list(range(draw_rows[0], draw_rows[0] + len(draw_rows)))
             picked = logits[draw_rows[0]:draw_rows[0] + len(draw_rows)] if contiguous else \
                 logits[torch.tensor(draw_rows, device=logits.device)]
-            return self.sampler.draw(picked, [r for _, rows, _ in entries for r in rows])
+            return self.sampler.draw(picked, [r for _, rows, _ in entries for r in rows], entry_mask)
 
         try:
-            return draw(sampling)
+            return draw(sampling, mask)
         except Exception:
-            out = []
+            out, first = [], 0
             for entry in sampling:
+                count = len(entry[1])
                 try:
-                    out += draw([entry])
+                    out += draw([entry], mask.restrict(first, first + count) if mask is not None else None)
                 except Exception as err:
                     entry[0].error = err
-                    out.append(Draws.placeholder(len(entry[1]), logits.device))
+                    out.append(Draws.placeholder(count, logits.device))
+                first += count
             return out

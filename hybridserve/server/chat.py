@@ -10,7 +10,7 @@ from fastapi.responses import Response
 from transformers import PreTrainedTokenizerBase
 
 from hybridserve.server.generation import Delta, Generation, respond
-from hybridserve.server.logprobs import TokenText, chat_logprobs
+from hybridserve.server.logprobs import TokenText, chat_logprobs, prompt_logprobs
 from hybridserve.server.prompts import chat_prompt, check_context
 from hybridserve.server.protocol import ChatCompletionRequest, warn_unknown
 from hybridserve.server.state import ServerState
@@ -31,32 +31,52 @@ class _ChatView:
             return None
         return {"content": chat_logprobs(self.token_text, delta.token_ids, delta.logprobs, self.body.top_logprobs or 0)}
 
-    def _chunk(self, choice: dict) -> dict:
-        return {**self._header("chat.completion.chunk"), "choices": [choice]}
+    def _chunk(self, choice: dict, generation: Generation, **extra) -> dict:
+        chunk = {**self._header("chat.completion.chunk"), **extra, "choices": [choice]}
+        if self.body.continuous_usage:
+            chunk["usage"] = generation.usage()
+        return chunk
+
+    def _choice(self, delta: Delta, content: dict) -> dict:
+        choice = {"index": delta.index, **content, "logprobs": self._logprobs(delta),
+                  "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+        if self.body.return_token_ids:
+            choice["token_ids"] = delta.token_ids
+        return choice
+
+    def _prompt_extras(self, generation: Generation) -> dict:
+        """vLLM's top-level prompt_token_ids (return_token_ids) and prompt_logprobs (never streamed)."""
+        extras = {}
+        if self.body.return_token_ids:
+            extras["prompt_token_ids"] = generation.requests[0].prompt_token_ids
+        if self.body.prompt_logprobs is not None:
+            output = generation.final[0]
+            extras["prompt_logprobs"] = prompt_logprobs(self.token_text, output.prompt_token_ids,
+                                                        output.prompt_logprobs, self.body.prompt_logprobs)
+        return extras
 
     async def chunks(self, generation: Generation) -> AsyncIterator[dict]:
         for index in range(len(generation.requests) * generation.n):  # the role comes first, before any token
             yield self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                               "finish_reason": None})
+                               "finish_reason": None}, generation, **self._prompt_extras(generation))
         async for prompt_index, output in generation:
             for delta in generation.deltas(prompt_index, output):  # content is always a string, possibly ""
-                yield self._chunk({"index": delta.index, "delta": {"content": delta.text},
-                                   "logprobs": self._logprobs(delta), "finish_reason": delta.finish_reason,
-                                   "stop_reason": delta.stop_reason})
+                yield self._chunk(self._choice(delta, {"delta": {"content": delta.text}}), generation)
         if self.body.include_usage:
             yield {**self._header("chat.completion.chunk"), "choices": [], "usage": generation.usage()}
 
     def response(self, generation: Generation) -> dict:
-        choices = [{"index": delta.index, "message": {"role": "assistant", "content": delta.text},
-                    "logprobs": self._logprobs(delta), "finish_reason": delta.finish_reason,
-                    "stop_reason": delta.stop_reason} for delta in generation.final_deltas()]
-        return {**self._header("chat.completion"), "choices": choices, "usage": generation.usage()}
+        choices = [self._choice(delta, {"message": {"role": "assistant", "content": delta.text}})
+                   for delta in generation.final_deltas()]
+        return {**self._header("chat.completion"), **self._prompt_extras(generation), "choices": choices,
+                "usage": generation.usage()}
 
 
 async def create_chat_completion(server: ServerState, body: ChatCompletionRequest, http: Request) -> Response:
     info = server.model(body.model)
     warn_unknown("/v1/chat/completions", body.check_supported())
     params = body.to_sampling_params()
+    await server.compile_grammar(params, body.structured_field)
     server.check_choices(1, params.n)
     options = body.template_options(server.options.trust_request_chat_template)
     prompt = await server.prompts.run(chat_prompt, info.tokenizer, body.messages, options,

@@ -97,18 +97,24 @@ def _abort_mid_verify(engine: LLMEngine, victims: int) -> set[str]:
     collecting its results (what a client disconnect does while the device runs the step)."""
     aborted: set[str] = set()
     runner = engine.runner
+    launch, collect = runner.launch, runner.collect
+    launched = []
 
-    def execute(plan):
-        handle = runner.launch(plan)
+    def launch_and_remember(plan):
+        launched.append(plan)
+        return launch(plan)
+
+    def abort_then_collect(handle):
+        plan = launched.pop()
         rows = {r.table_row: r for r in engine.scheduler.running}
         for chunk in plan.chunks:
             request = rows.get(chunk.table_row)
             if chunk.num_drafts and len(aborted) < victims and request is not None:
                 aborted.add(request.request_id)
                 engine.abort_request(request.request_id)
-        return runner.collect(handle)
+        return collect(handle)
 
-    runner.execute = execute
+    runner.launch, runner.collect = launch_and_remember, abort_then_collect
     return aborted
 
 

@@ -29,7 +29,8 @@ def test_conv_verify_rows_at_zaya1_8b_widths() -> None:
     from tests.ops.test_conv_kernel import VERIFY, run_conv_case
 
     for dtype in (torch.bfloat16, torch.float32):
-        run_conv_case(VERIFY, dtype, page_size=16, q_heads=8, k_heads=2, d=128, verify={0, 2, 4, 5})
+        for form in ("heads", "columns"):
+            run_conv_case(VERIFY, dtype, form, page_size=16, q_heads=8, k_heads=2, d=128, verify={0, 2, 4, 5})
 
 
 def test_lightning_verify_rows_at_flash_widths() -> None:

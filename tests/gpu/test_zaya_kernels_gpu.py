@@ -1,10 +1,11 @@
 """ZAYA1 kernels on CUDA at ZAYA1-8B widths (hidden 2048, 8 q / 2 kv heads x 128, conv channels 1280, router 256,
 16 experts), bf16 inputs against fp32 references on the same bf16-rounded inputs, and free of device-to-host syncs.
 
-Bounds: the conv computes in fp32 but its [128, 128] stage-2 product runs as a TF32 tl.dot (10-bit mantissa), 3e-3
-of the output scale (tests/ops/test_conv_kernel.py). QKNorm/RoPE rounds once to bf16 at the end: one bf16 ulp.
-The norm rounds twice (normalised row, then times the weight), against the fp32 result: two bf16 ulps. The router
-is fp32 end to end: 1e-5, and choices equal wherever the reference has no near-tie.
+Bounds: the conv computes in fp32, but in its heads form the [128, 128] stage-2 product runs as a TF32 tl.dot
+(10-bit mantissa), 3e-3 of the output scale; its columns form stays fp32, 1e-5 (tests/ops/test_conv_kernel.py).
+QKNorm/RoPE rounds once to bf16 at the end: one bf16 ulp. The norm rounds twice (normalised row, then times the
+weight), against the fp32 result: two bf16 ulps. The router is fp32 end to end: 1e-5, and choices equal wherever the
+reference has no near-tie.
 """
 from __future__ import annotations
 
@@ -26,12 +27,54 @@ HIDDEN, Q_HEADS, K_HEADS, HEAD_DIM, ROUTER, EXPERTS = 2048, 8, 2, 128, 256, 16
 WIDTHS = dict(q_heads=Q_HEADS, k_heads=K_HEADS, d=HEAD_DIM)
 
 
+@pytest.mark.parametrize("form", ["heads", "columns"])
 @pytest.mark.parametrize("rows", [
-    [(17 + 5 * i, 1, True) for i in range(64)],  # decode, B = 64, some tokens completing a page
+    [(15, 1, True)],  # decode, B = 1, completing a page
+    [(17 + 5 * i, 1, True) if i % 7 else (0, 1, False) for i in range(64)],  # decode, B = 64, fresh rows, pages
+    [(3, 5, True), (15, 1, True), (0, 2, False)],  # a small mixed step (the columns form up to 64 tokens)
     [(0, 700, False), (31, 1, True), (16, 300, True), (0, 1, False), (47, 2, True)],  # mixed
-], ids=["decode64", "mixed"])
-def test_conv_at_zaya1_8b_widths(rows):
-    run_conv_case(rows, torch.bfloat16, page_size=16, **WIDTHS)
+], ids=["decode1", "decode64", "mixed8", "mixed"])
+def test_conv_at_zaya1_8b_widths(rows, form):
+    run_conv_case(rows, torch.bfloat16, form, page_size=16, **WIDTHS)
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+def test_conv_columns_form_replays_from_a_cuda_graph(rows):
+    """The columns form captured once and replayed over a decode step's state equals eager calls bit for bit (fp32
+    sums in a fixed order, no float atomics): the arrival counters are back at zero after every replay, and the
+    last program of each head writes the new window after the others have read the old one."""
+    chunks = [ScheduledChunk([1], 15 + 4 * r, [r + 1] * (1 + (15 + 4 * r) // 16), r + 1, True, [0])
+              for r in range(rows)]
+    batch = build_forward_batch(chunks, 16, torch.device("cuda"), history_len=2)
+    channels, lag = (Q_HEADS + K_HEADS) * HEAD_DIM, K_HEADS * HEAD_DIM // 2
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, **bf16)
+
+    proj = randn(rows, channels + 2 * lag)
+    weights = (randn(channels, 1, 2), randn(channels), randn(channels, HEAD_DIM, 2) / HEAD_DIM ** 0.5,
+               randn(channels))
+    state = (randn(rows + 1, channels, 2), randn(rows + 1, lag))
+    footers = (torch.zeros(4 * rows + 8, channels, 2, **bf16), torch.zeros(4 * rows + 8, lag, **bf16))
+    args = (proj, *weights, weights[1][:lag], Q_HEADS, 0, batch, *state, *footers)
+    conv.cca_conv(*args, form="columns")  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = conv.cca_conv(*args, form="columns")
+    for _ in range(3):  # each replay advances the windows: a step's reads and writes in the right order
+        before = [t.clone() for t in (*state, *footers)]
+        proj.copy_(randn(rows, channels + 2 * lag))
+        graph.replay()
+        assert not conv._arrival_counters(proj.device).any()
+        assert not torch.equal(state[0], before[0])  # the windows moved on (rows resumed: all of them)
+        replayed = [t.clone() for t in (*captured, *state, *footers)]
+        for t, old in zip((*state, *footers), before):
+            t.copy_(old)
+        eager = conv.cca_conv(*args, form="columns")
+        for got, want in zip(replayed, (*eager, *state, *footers)):
+            assert torch.equal(got, want)
 
 
 def test_qk_norm_rope_at_zaya1_8b_widths():
@@ -109,7 +152,8 @@ def test_kernels_issue_no_device_to_host_sync():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        q, k, v = conv.cca_conv(proj, *weights, None, Q_HEADS, 0, batch, *state, *footers)
+        conv.cca_conv(proj, *weights, None, Q_HEADS, 0, batch, *state, *footers, form="heads")
+        q, k, v = conv.cca_conv(proj, *weights, None, Q_HEADS, 0, batch, *state, *footers)  # the columns form
         q = zaya_qk.qk_norm_rope_cache(q, k, v, torch.ones(K_HEADS, **bf16), inv_freq, batch.positions,
                                        batch.slot_mapping, *caches, torch.bfloat16)
         _, _, h32 = norm.residual_rms_norm(q.view(rows, -1).repeat(1, 2), norm_weight, 1e-5, residual,

@@ -97,9 +97,11 @@ def convert_to_legacy(native_dir: Path, legacy_dir: Path) -> Path:
             if native + src in tensors:
                 out[f"model.layers.{2 * k + 1}.{dst}"] = tensors[native + src]
         for field in ("hidden_states_scale", "hidden_states_bias", "residual_scale", "residual_bias"):
-            out[f"model.layers.{2 * k + 1}.res_scale.{field}"] = tensors[f"{native}post_attention_residual_scale.{field}"]
+            post_attention = tensors[f"{native}post_attention_residual_scale.{field}"]
+            out[f"model.layers.{2 * k + 1}.res_scale.{field}"] = post_attention
             post_mlp = tensors[f"{native}post_mlp_residual_scale.{field}"]
-            out[f"model.layers.{2 * k + 2}.res_scale.{field}" if k + 1 < layers else f"model.res_scale.{field}"] = post_mlp
+            after = f"model.layers.{2 * k + 2}.res_scale.{field}" if k + 1 < layers else f"model.res_scale.{field}"
+            out[after] = post_mlp
         for e, (fc1, fc2) in enumerate(zip(tensors[native + "mlp.experts.gate_up_proj"],
                                            tensors[native + "mlp.experts.down_proj"])):
             out[f"model.layers.{2 * k + 1}.zaya_block.experts.local_experts.{e}.linear_fc1.weight"] = fc1.clone()

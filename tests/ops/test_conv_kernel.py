@@ -1,12 +1,15 @@
-"""CCA conv + value lag kernel vs the reference (ops/reference/conv.py), over packed varlen rows.
+"""CCA conv + value lag kernel vs the reference (ops/reference/conv.py), over packed varlen rows, in both of the
+kernel's forms (heads: a tl.dot per head; columns: each head's output columns split over programs).
 
 Every case runs the reference in fp32 on the same (dtype-rounded) inputs. The kernel computes in fp32 from the
 raw inputs, so q/k agree to fp32 rounding (1e-5 of the output scale) in fp32 and through the interpreter; on the
-GPU 16-bit inputs take a TF32 tl.dot for the [D, D] stage-2 product (10-bit mantissa: 3e-3 of the output scale
-bounds its error over D = 16..128 terms). Values, the carried window, the lag and page footers are copies of
-input values, so they must match exactly.
+GPU the heads form takes a TF32 tl.dot for the [D, D] stage-2 product of 16-bit inputs (10-bit mantissa: 3e-3 of
+the output scale bounds its error over D = 16..128 terms), while the columns form stays fp32 (1e-5). Values, the
+carried window, the lag and page footers are copies of input values, so they must match exactly.
 """
 from __future__ import annotations
+
+from unittest import mock
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from tests.ops.conftest import DEVICE, KERNEL_DTYPES, ON_GPU
 
 P = 2  # cca_time0 = cca_time1 = 2
 POISON = float("nan")
+FORMS = ["heads", "columns"]
 
 
 def _weights(q_heads: int, k_heads: int, d: int, bias: bool, gen: torch.Generator):
@@ -42,10 +46,10 @@ def _batch(rows: list[tuple[int, int, bool]], page_size: int, device: torch.devi
     return build_forward_batch(chunks, page_size, device, history_len=P)
 
 
-def run_conv_case(rows, dtype, page_size=4, q_heads=4, k_heads=2, d=16, full_k_heads=None, kv_head_offset=0,
+def run_conv_case(rows, dtype, form, page_size=4, q_heads=4, k_heads=2, d=16, full_k_heads=None, kv_head_offset=0,
                   bias=True, footers=True, seed=0, verify=()):
-    """Kernel vs reference on `rows` (see _batch), with every slot and page of the pools not used by a row (and
-    every fresh row's slot) poisoned; returns the batch."""
+    """Kernel (in `form`, None: chosen by the token count) vs reference on `rows` (see _batch), with every slot and
+    page of the pools not used by a row (and every fresh row's slot) poisoned; returns the batch."""
     gen = torch.Generator().manual_seed(seed)
     slots = len(rows) + 3 + sum(rows[i][1] - 1 for i in verify)
     pages = sum(-(-(prefix + n) // page_size) for prefix, n, _ in rows) + 3
@@ -73,8 +77,9 @@ def run_conv_case(rows, dtype, page_size=4, q_heads=4, k_heads=2, d=16, full_k_h
                              _batch(rows, page_size, torch.device("cpu"), verify), *ref_state)
     dev = [None if t is None else t.to(DEVICE) for t in (conv, lag, conv_footer, lag_footer)]
     got = kernel.cca_conv(proj.to(DEVICE), *[w.to(DEVICE) for w in weights],
-                          None if lag_bias is None else lag_bias.to(DEVICE), q_heads, kv_head_offset, batch, *dev)
-    tol = 3e-3 if ON_GPU and dtype != torch.float32 else 1e-5
+                          None if lag_bias is None else lag_bias.to(DEVICE), q_heads, kv_head_offset, batch, *dev,
+                          form=form)
+    tol = 3e-3 if ON_GPU and dtype != torch.float32 and form != "columns" else 1e-5
     for name, want, have in zip(("query", "key"), ref[:2], got[:2]):
         scale = want.abs().max().item()
         assert (have.float().cpu() - want).abs().max().item() <= tol * scale, name
@@ -82,6 +87,7 @@ def run_conv_case(rows, dtype, page_size=4, q_heads=4, k_heads=2, d=16, full_k_h
     for name, want, have in zip(("conv", "lag", "conv footer", "lag footer"), ref_state, dev):
         if want is not None:  # untouched slots and pages keep their (poison / sentinel) contents, NaN included
             assert torch.equal(have.float().cpu().nan_to_num(123.0), want.nan_to_num(123.0)), name
+    assert not kernel._arrival_counters(DEVICE).any()  # back at zero for the next call (and graph replay)
     return batch
 
 
@@ -92,35 +98,81 @@ DECODE = [(3, 1, True), (15, 1, True), (0, 1, False), (8, 1, True), (31, 1, True
 MIXED = [(0, 5, False), (6, 1, True), (2, 2, True), (0, 1, False), (11, 19, True), (3, 1, True)]
 
 
+@pytest.fixture
+def few_programs(monkeypatch):
+    """Columns-form tiles for 8 programs instead of an H200's 128: at these narrow widths that means whole heads
+    and longer token blocks, far fewer programs for the interpreter (the tiling changes no result beyond fp32
+    summation order). The decode tests below keep the real constants, several programs per head."""
+    monkeypatch.setattr(kernel, "PROGRAMS", 8)
+
+
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("rows", [FRESH, RESUMED, DECODE, MIXED], ids=["fresh", "resumed", "decode", "mixed"])
-def test_conv_kernel_matches_reference(rows, dtype):
-    run_conv_case(rows, dtype)
+def test_conv_kernel_matches_reference(rows, dtype, form, few_programs):
+    run_conv_case(rows, dtype, form)
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("page_size", [4, 16])
-def test_footers_at_page_ends(page_size):
+def test_footers_at_page_ends(page_size, form, few_programs):
     """Pages completed by a row's first token (window partly from the old state), mid-chunk and at its end."""
     rows = [(page_size - 1, 1, True), (page_size - 2, page_size + 3, True), (0, 2 * page_size, False),
             (2 * page_size - 1, 2, True)]
-    batch = run_conv_case(rows, torch.float32, page_size=page_size)
+    batch = run_conv_case(rows, torch.float32, form, page_size=page_size)
     assert batch.page_end_tokens.numel() >= 4  # the case exercises several footers
 
 
-def test_tensor_parallel_rank_heads_and_no_bias():
+@pytest.mark.parametrize("form", FORMS)
+def test_tensor_parallel_rank_heads_and_no_bias(form, few_programs):
     """Rank 1 of 2: local q/k heads, the full replicated value projections, this rank's KV heads (2 of 4)."""
-    run_conv_case(MIXED, torch.float32, q_heads=2, k_heads=2, d=8, full_k_heads=4, kv_head_offset=2, bias=False)
+    run_conv_case(MIXED, torch.float32, form, q_heads=2, k_heads=2, d=8, full_k_heads=4, kv_head_offset=2,
+                  bias=False)
 
 
-def test_single_kv_head_group_of_one_without_footers():
-    run_conv_case(MIXED, torch.float32, q_heads=1, k_heads=1, d=12, footers=False)
+@pytest.mark.parametrize("form", FORMS)
+def test_single_kv_head_group_of_one_without_footers(form, few_programs):
+    run_conv_case(MIXED, torch.float32, form, q_heads=1, k_heads=1, d=12, footers=False)
 
 
-def test_blocks_of_many_rows_split_across_programs():
-    """More rows than one program's token block (15 tokens per program at small T): first tokens of rows land at
-    every block position, including the overlap column."""
+@pytest.mark.parametrize("form", FORMS)
+def test_blocks_of_many_rows_split_across_programs(form):
+    """More rows than one program's token block: first tokens of rows land at every block position, including the
+    overlap column; in the columns form each head's output columns span two programs (arrival counters with
+    overlapping token blocks)."""
     rows = [(i % 5, 1 + (i % 3), i % 4 != 0) for i in range(11)]
-    run_conv_case(rows, torch.float32)
+    run_conv_case(rows, torch.float32, form)
+
+
+def _decode_rows(count: int) -> list[tuple[int, int, bool]]:
+    """`count` one-token rows: resumed ones, every other one completing a page of 4, and every fifth fresh."""
+    return [(0, 1, False) if i % 5 == 2 else (3 + 2 * i, 1, True) for i in range(count)]
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("count", [1, 3, 16])
+def test_decode_steps(count, form):
+    """Decode steps at the real launch constants: the columns form splits each head over 4 programs (2 at 16 rows,
+    in token blocks of 2), the last to arrive writing the window and the footers; no token blocks overlap."""
+    batch = run_conv_case(_decode_rows(count), torch.float32, form)
+    assert batch.page_end_tokens.numel() == {1: 1, 3: 1, 16: 6}[count]  # rows 0, 4, 6, 8, 10, 14 complete a page
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_decode_tensor_parallel_rank(form):
+    run_conv_case(_decode_rows(5), torch.float32, form, q_heads=2, k_heads=2, d=8, full_k_heads=4,
+                  kv_head_offset=2)
+
+
+def test_form_chosen_by_token_count(monkeypatch):
+    monkeypatch.setattr(kernel, "COLUMNS_MAX_TOKENS", 2)
+    with mock.patch.object(kernel, "column_tiles", wraps=kernel.column_tiles) as tiles:
+        run_conv_case(_decode_rows(2), torch.float32, None)
+        assert tiles.call_count == 1
+        run_conv_case([(3, 1, True), (5, 2, True)], torch.float32, None)
+        assert tiles.call_count == 1
+    with pytest.raises(ValueError, match="form"):
+        run_conv_case(_decode_rows(1), torch.float32, "rows")
 
 
 # Verify rows (speculative decoding): the last token and 1..4 drafts, beside decode rows and a prefill chunk, with
@@ -128,9 +180,10 @@ def test_blocks_of_many_rows_split_across_programs():
 VERIFY = [(5, 3, True), (3, 1, True), (7, 5, True), (0, 6, False), (12, 2, True), (4, 4, True)]
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-def test_verify_rows_match_reference(dtype):
-    run_conv_case(VERIFY, dtype, verify={0, 2, 4, 5})
+def test_verify_rows_match_reference(dtype, form, few_programs):
+    run_conv_case(VERIFY, dtype, form, verify={0, 2, 4, 5})
 
 
 def test_verify_rows_store_the_state_after_each_token():

@@ -1,7 +1,8 @@
 """Fused MoE on CUDA: routed SwiGLU experts as two grouped GEMMs over expert-sorted (token, choice) pairs.
 
-1. Alignment (two small kernels, one for small batches; no host sync): the T*K pairs are ordered by expert (pair order kept inside an
-   expert), and each expert's run is padded to a multiple of BLOCK_M with the sentinel T*K. `block_expert[b]` is
+1. Alignment (two small kernels, one for small batches; no host sync): the T*K pairs are ordered by expert (pair
+   order kept inside an expert), and each expert's run is padded to a multiple of BLOCK_M with the sentinel T*K.
+   `block_expert[b]` is
    the expert of block b, -1 past the last used block. Sizes come from T, K, E and BLOCK_M only: at most
    `max_blocks = (T*K + min(E, T*K) * (BLOCK_M - 1)) // BLOCK_M` blocks. Grids are sized by that bound and
    programs of unused blocks return at once, so a decode batch never reads the weights of an expert nobody chose.
@@ -310,6 +311,20 @@ def _reduce_splits(partial: torch.Tensor, out: torch.Tensor, weights: torch.Tens
         BLOCK=block, SWIGLU=swiglu, num_warps=4)
 
 
+def expert_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                  topk_weights: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """(T, H, E, I, K) of a fused-experts call (both forms), or a clear error where the shapes disagree."""
+    tokens, hidden = x.shape
+    experts, inter = w13.shape[0], w13.shape[1] // 2
+    if w13.shape != (experts, 2 * inter, hidden) or w2.shape != (experts, hidden, inter):
+        raise ValueError(f"expert weights do not match: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "
+                         f"w2 {tuple(w2.shape)}")
+    if topk_weights.shape != topk_ids.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != tokens:
+        raise ValueError(f"topk ids {tuple(topk_ids.shape)} / weights {tuple(topk_weights.shape)} "
+                         f"do not match {tokens} tokens")
+    return tokens, hidden, experts, inter, topk_ids.shape[1]
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                   topk_weights: torch.Tensor, config: dict[str, int] | None = None,
                   reduce: bool = True) -> torch.Tensor:
@@ -319,15 +334,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     Every id must lie in [0, E) (not checked: that would need a sync; a pair with another id is dropped and its
     token's row left undefined). `config` overrides the table/heuristic choice (the tuner uses it).
     """
-    tokens, hidden = x.shape
-    experts, inter = w13.shape[0], w13.shape[1] // 2
-    top_k = topk_ids.shape[1]
-    if w13.shape != (experts, 2 * inter, hidden) or w2.shape != (experts, hidden, inter):
-        raise ValueError(f"expert weights do not match: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "
-                         f"w2 {tuple(w2.shape)}")
-    if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != tokens:
-        raise ValueError(f"topk ids {tuple(topk_ids.shape)} / weights {tuple(topk_weights.shape)} "
-                         f"do not match {tokens} tokens")
+    tokens, hidden, experts, inter, top_k = expert_shapes(x, w13, w2, topk_ids, topk_weights)
     if tokens == 0:
         out = torch.empty(0, hidden, dtype=x.dtype, device=x.device)
         return out if reduce else out.view(0, top_k, hidden)
