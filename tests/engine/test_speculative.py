@@ -15,6 +15,7 @@ import torch
 
 from hybridserve import SamplingParams
 from hybridserve.config import EngineConfig
+from hybridserve.demo import ensure_demo_checkpoint
 from hybridserve.engine.engine import LLMEngine
 from hybridserve.spec.drafts import ReplayDrafts
 from hybridserve.tokenizer import load_tokenizer
@@ -273,3 +274,24 @@ def test_sampled_token_distribution_matches_the_plain_runs(model):
         f1, f2 = (torch.bincount(t[:, position], minlength=128).float() / count for t in (plain, spec))
         pooled = (f1 + f2) / 2
         assert ((f1 - f2).abs() <= 5 * (pooled * (1 - pooled) * 2 / count).sqrt() + 1e-9).all(), position
+
+
+def test_grammar_requests_run_beside_speculative_ones_without_drafts():
+    """Structured output under speculative decoding: requests with a grammar get no drafts (one token a step, masked
+    as without speculation) and still match their grammars; the free requests beside them verify drafts and give
+    the plain engine's tokens."""
+    from tests.engine.test_structured_output import _check_grammars, _engine, _free, _mixed, _run
+
+    demo = ensure_demo_checkpoint()
+    engine = _engine(demo, speculative_config=_spec("ngram", 3))
+    proposals = []
+    propose = engine.scheduler.speculation.drafts.propose
+    engine.scheduler.speculation.drafts.propose = lambda request, limit: proposals.append(request) or \
+        propose(request, limit)
+    outputs = _run(engine, _mixed())
+    _check_grammars(outputs)
+    assert proposals and all(r.params.structured_output is None for r in proposals)
+    plain = _run(_engine(demo, disable_overlap_schedule=True), _free())
+    assert {k: [c.token_ids for c in o.outputs] for k, o in outputs.items() if k in plain} == \
+        {k: [c.token_ids for c in o.outputs] for k, o in plain.items()}
+    _assert_idle(engine)
