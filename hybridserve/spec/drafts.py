@@ -26,12 +26,11 @@ class DraftSource(Protocol):
 
 
 class NgramDrafts:
-    def __init__(self, k: int, n_min: int, n_max: int):
-        self.k, self.n_min, self.n_max = k, n_min, n_max
+    def __init__(self, n_min: int, n_max: int):
+        self.n_min, self.n_max = n_min, n_max
 
     def propose(self, request: Request, limit: int) -> list[int]:
-        tokens = request.prompt_token_ids + request.output_token_ids
-        return propose_ngram(tokens, min(self.k, limit), self.n_min, self.n_max)
+        return propose_ngram(request.prompt_token_ids + request.output_token_ids, limit, self.n_min, self.n_max)
 
 
 class ModelDrafts:
@@ -52,7 +51,7 @@ class ReplayDrafts:
 
 def draft_source(config: SpeculativeConfig) -> DraftSource:
     if config.method == "ngram":
-        return NgramDrafts(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+        return NgramDrafts(config.prompt_lookup_min, config.prompt_lookup_max)
     return ModelDrafts()
 
 
