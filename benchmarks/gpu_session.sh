@@ -3,7 +3,7 @@
 # poisons the whole process, so one faulting kernel must not hide the others' results), then the benchmarks.
 # Logs and JSON go to $OUT (default ./gpu-out); the per-file logs end up in one $OUT/logs.tgz, as the device tool
 # brings back at most 8 files. Usage, from the repository root on the GPU machine:
-#   bash benchmarks/gpu_session.sh [tests|bench|all|ling|agreement|profile|tune|serving|serving-ling|tp|structured]
+#   bash benchmarks/gpu_session.sh [tests|bench|all|ling|agreement|profile|tune|serving|serving-ling|tp|structured|spec]
 # (all = tests + bench; ling = 16 Ling-2.6-flash layers with dummy weights and the shared-expert overlap; agreement =
 # Ling decode agreement per lightning implementation; profile = the b1, b64 and prefill step profiles of the 40-layer
 # ZAYA1 run; tune = the fused-MoE tile tables, as $OUT/moe_configs.tgz: their names hold '=' and ',', which the
@@ -12,7 +12,8 @@
 # and the server's packages installed first from .whl and .whl-serving: see benchmarks/fetch_serving_wheels.sh;
 # tp = on nvidia-h200-x2: the TP=2 GPU test, 40-layer ZAYA1 at TP=2, and Ling-2.6-flash at full size at TP=2;
 # structured = the structured-output GPU test and the 40-layer ZAYA1 offline benchmark with and without a JSON
-# grammar on every request)
+# grammar on every request; spec = speculative decoding: its GPU test, then 40-layer ZAYA1 with n-gram drafts and
+# 16 Ling-2.6-flash layers with MTP drafts, plain vs speculative vs forced acceptance at batch 1 and 16, greedy)
 set -u
 OUT=${OUT:-gpu-out}
 what=${1:-all}
@@ -98,6 +99,20 @@ if [[ $what == structured ]]; then  # needs xgrammar: pip install --no-deps .whl
   timeout 400 python benchmarks/offline_throughput.py --layers 40 --load-format dummy --scenarios b1 b64 \
     --json-grammar --skip-hf --out "$OUT/offline_json.json" > "$OUT/logs/offline_json.log" 2>&1
   grep -A 6 "^scenario" "$OUT/logs/offline_json.log"
+fi
+
+if [[ $what == spec ]]; then
+  timeout 300 python -m pytest -s -p no:cacheprovider tests/gpu/test_speculative_gpu.py \
+    > "$OUT/logs/test_speculative_gpu.log" 2>&1
+  grep -E "largest|replays|passed|failed|skipped" "$OUT/logs/test_speculative_gpu.log"
+  timeout 400 python benchmarks/offline_throughput.py --layers 40 --load-format dummy --skip-hf --temperature 0 \
+    --scenarios b1 b16 --speculative-algorithm NGRAM --num-draft-tokens 4 --out "$OUT/spec_zaya40_ngram.json" \
+    > "$OUT/logs/spec_zaya.log" 2>&1
+  grep -A 3 "plain tok/s" "$OUT/logs/spec_zaya.log" || tail -n 20 "$OUT/logs/spec_zaya.log"
+  timeout 400 python benchmarks/offline_throughput.py --model-type ling --layers 16 --temperature 0 \
+    --scenarios b1 b16 --speculative-algorithm NEXTN --num-draft-tokens 3 --out "$OUT/spec_ling16_nextn.json" \
+    > "$OUT/logs/spec_ling.log" 2>&1
+  grep -A 3 "plain tok/s" "$OUT/logs/spec_ling.log" || tail -n 20 "$OUT/logs/spec_ling.log"
 fi
 
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"

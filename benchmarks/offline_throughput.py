@@ -3,6 +3,7 @@
 Scenarios (`--scenarios`, run in order on the same model; throughput = requested output tokens / wall time of one
 generate() call, prefill included, after a warm-up; temperature 0.6, ignore_eos):
   b1       1 request, prompt 512, 128 new tokens (batch-1 decode)
+  b16      16 requests, prompts uniform in [100, 512], 128 new tokens
   b64      64 requests, prompts uniform in [100, 512], 128 new tokens
   nano     nano-vllm's workload: 256 requests, prompt and output lengths uniform in [100, 1024]
   prefill  64 prompts x 512 tokens, 1 new token: reported as prefill (prompt) tok/s
@@ -19,9 +20,20 @@ class here (n/a). Results also go to --out as JSON. `--json-grammar` runs each o
 a JSON schema on every request (an array of at least 100000 short strings, so every draw stays masked to its last
 token) and reports both rates: with no grammar, structured output must cost nothing.
 
+Speculative decoding (`--speculative-algorithm NGRAM|NEXTN --num-draft-tokens K`; NEXTN gives the random Ling model
+its MTP layer): every decode scenario runs three engines on the same prompts, plain (overlap and CUDA graphs as
+usual), speculative (its acceptance rate and accepted length from the same run) and forced acceptance: drafts
+replayed from the plain run's outputs (keyed by prompt), which the target accepts in full (greedy, or any seeded
+sampling: verify positions draw what the plain run drew), so its rate is the upper bound speculation can reach,
+i.e. what verification costs (with NEXTN the MTP layer still drafts, as it would). Rows whose verify logits differ
+from the plain run's in the last bits (bf16) may leave the replay and are then rejected: the forced run reports
+its own acceptance rate.
+
     python benchmarks/offline_throughput.py --layers 40 --scenarios b1 b64 prefill --out results.json
     python benchmarks/offline_throughput.py --model-type ling --layers 16 --scenarios b1 b64 prefill
     python benchmarks/offline_throughput.py --layers 40 --scenarios b1 b64 --json-grammar --skip-hf
+    python benchmarks/offline_throughput.py --layers 40 --scenarios b1 b16 --temperature 0 --skip-hf \\
+        --speculative-algorithm NGRAM --num-draft-tokens 4
 """
 from __future__ import annotations
 
@@ -48,6 +60,7 @@ from hybridserve.demo import (  # noqa: E402
     write_random_checkpoint,
 )
 from hybridserve.models.ling_config import parse_ling_config  # noqa: E402
+from hybridserve.spec.drafts import ReplayDrafts  # noqa: E402
 from hybridserve.structured import StructuredOutputParams  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12  # H200 device-to-device copy bandwidth measured on the lent machines (KINDS.md)
@@ -63,7 +76,8 @@ class Scenario:
     prefill: bool = False  # rate = prompt tokens / s (else output tokens / s)
 
 
-SCENARIOS = {"b1": Scenario(1, 512, 512, 128, 128), "b64": Scenario(64, 100, 512, 128, 128),
+SCENARIOS = {"b1": Scenario(1, 512, 512, 128, 128), "b16": Scenario(16, 100, 512, 128, 128),
+             "b64": Scenario(64, 100, 512, 128, 128),
              "nano": Scenario(256, 100, 1024, 100, 1024), "prefill": Scenario(64, 512, 512, 1, 1, prefill=True),
              "smoke": Scenario(2, 16, 32, 4, 4)}
 DEMO_VOCAB, DEMO_EOS = 151680, [151645]  # the bundled tokenizer's (the demo checkpoints' widths)
@@ -82,17 +96,19 @@ def zaya1_8b_config(layers: int) -> dict:
     }
 
 
-def ling_flash_config(layers: int) -> dict:
+def ling_flash_config(layers: int, mtp: bool = False) -> dict:
     """Ling-2.6-flash: the widths of tests/reference/ling_naive.flash_config, its real vocabulary and layer groups
-    of 8 (MLA layers 7, 15, ...), `layers` main layers, no MTP layer (the forward does not run it)."""
+    of 8 (MLA layers 7, 15, ...), `layers` main layers, and its MTP layer only if `mtp` (the drafts of NEXTN)."""
     from tests.reference.ling_naive import flash_config
 
     return flash_config(num_hidden_layers=layers, layer_group_size=8, vocab_size=157184, torch_dtype="bfloat16",
-                        max_position_embeddings=131072, eos_token_id=[156892, 156895], pad_token_id=156892)
+                        max_position_embeddings=131072, eos_token_id=[156892, 156895], pad_token_id=156892,
+                        num_nextn_predict_layers=int(mtp))
 
 
-def model_config(model_type: str, width: str, layers: int | None) -> dict:
-    """The random model's config.json: full widths or the demo checkpoints' tiny ones, with `layers` layers."""
+def model_config(model_type: str, width: str, layers: int | None, mtp: bool = False) -> dict:
+    """The random model's config.json: full widths or the demo checkpoints' tiny ones, with `layers` layers (Ling:
+    and its MTP layer if `mtp`)."""
     if model_type == "zaya":
         layers = layers or 40
         if width == "full":
@@ -101,15 +117,15 @@ def model_config(model_type: str, width: str, layers: int | None) -> dict:
                                                          "layer_types": ["hybrid"] * layers}
     layers = layers or 32
     if width == "full":
-        return ling_flash_config(layers)
-    return demo_ling_config(DEMO_VOCAB, DEMO_EOS) | {"num_hidden_layers": layers, "num_nextn_predict_layers": 0}
+        return ling_flash_config(layers, mtp)
+    return demo_ling_config(DEMO_VOCAB, DEMO_EOS) | {"num_hidden_layers": layers, "num_nextn_predict_layers": int(mtp)}
 
 
-def make_random_model(model_type: str, width: str, layers: int | None, load_format: str) -> str:
+def make_random_model(model_type: str, width: str, layers: int | None, load_format: str, mtp: bool = False) -> str:
     """A temporary directory (the caller deletes it) with the random model of `model_config` and the bundled
     tokenizer: config.json alone for load_format dummy (the engine draws the weights), else a random checkpoint."""
     model_dir = tempfile.mkdtemp(prefix=f"{model_type}-bench-")
-    config = model_config(model_type, width, layers)
+    config = model_config(model_type, width, layers, mtp)
     if load_format == "dummy":
         (Path(model_dir) / "config.json").write_text(json.dumps(config, indent=2))
     else:
@@ -125,31 +141,50 @@ def workload(scenario: Scenario, seed: int) -> tuple[list[list[int]], list[int]]
     return prompts, [rng.randint(scenario.min_output, scenario.max_output) for _ in prompts]
 
 
-def run_ours(model_dir: str, workloads: dict, args) -> dict[str, float]:
-    """Our rate per scenario (and per `name+json` with --json-grammar)."""
+SPEC_STATS = ("spec_verify_rows", "spec_draft_tokens", "spec_accepted_tokens")
+
+
+def run_ours(model_dir: str, workloads: dict, args, speculative: dict | None = None,
+             forced: dict[str, list[list[int]]] | None = None) -> dict[str, dict]:
+    """Per scenario (and per `name+json` with --json-grammar, without speculation): tok/s, the generated tokens,
+    and with `speculative` the acceptance measured on the timed run. `forced` (per scenario, the outputs of a plain
+    run): drafts replayed from them, keyed by prompt."""
     llm = LLM(model_dir, use_tqdm=False, dtype=args.dtype, device=args.device, load_format=args.load_format,
               max_running_requests=args.max_running_requests, enforce_eager=args.enforce_eager, seed=args.seed,
-              tensor_parallel_size=args.tp)
-    rates = {}
+              tensor_parallel_size=args.tp, speculative_config=speculative)
+    kind = "" if speculative is None else " speculative" + (" forced" if forced else "")
+    results = {}
     for name, (prompts, outputs) in workloads.items():
-        for grammar in (None, BENCH_GRAMMAR) if args.json_grammar else (None,):
+        if forced is not None:
+            llm.engine.set_draft_source(ReplayDrafts({tuple(p): t for p, t in zip(prompts, forced[name])},
+                                                     key=lambda request: tuple(request.prompt_token_ids)))
+        for grammar in (None, BENCH_GRAMMAR) if args.json_grammar and speculative is None else (None,):
             params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True, seed=i,
                                      structured_output=grammar) for i, n in enumerate(outputs)]
             llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params[:2])  # warm-up (and compile)
+            before = llm.engine.stats()
             _sync(args.device)
             start = time.perf_counter()
-            results = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            generated = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
             _sync(args.device)
             elapsed = time.perf_counter() - start
-            assert [len(r.outputs[0].token_ids) for r in results] == outputs
+            tokens = [r.outputs[0].token_ids for r in generated]
+            assert [len(t) for t in tokens] == outputs
             label = name if grammar is None else f"{name}+json"
-            rates[label] = _tokens(name, prompts, outputs) / elapsed
-            print(f"hybridserve {label}: {rates[label]:.1f} {_unit(name)}", flush=True)
+            entry = results[label] = {"tok_s": _tokens(name, prompts, outputs) / elapsed, "tokens": tokens}
+            line = f"hybridserve{kind} {label}: {entry['tok_s']:.1f} {_unit(name)}"
+            if speculative is not None:
+                rows, drafts, accepted = (llm.engine.stats()[k] - before[k] for k in SPEC_STATS)
+                # Tokens a verifying request gains per step (accepted drafts + the bonus); None: nothing verified.
+                entry["acceptance_rate"] = accepted / drafts if drafts else None
+                entry["mean_accept_length"] = (accepted + rows) / rows if rows else None
+                line += f", acceptance {_ratio(entry['acceptance_rate'])}, {rows} verifying request-steps"
+            print(line, flush=True)
     llm.shutdown()
     del llm
     gc.collect()
     torch.cuda.empty_cache() if args.device.startswith("cuda") else None
-    return rates
+    return results
 
 
 def run_hf(model_dir: str, workloads: dict, args) -> dict[str, float]:
@@ -179,6 +214,14 @@ def run_hf(model_dir: str, workloads: dict, args) -> dict[str, float]:
 
 def _tokens(name: str, prompts: list[list[int]], outputs: list[int]) -> int:
     return sum(map(len, prompts)) if SCENARIOS[name].prefill else sum(outputs)
+
+
+def _ratio(value: float | None, width: int = 0) -> str:
+    return f"{'-' if value is None else f'{value:.1%}':>{width}}"
+
+
+def _length(value: float | None, width: int = 0) -> str:
+    return f"{'-' if value is None else f'{value:.2f}':>{width}}"
 
 
 def _unit(name: str) -> str:
@@ -265,13 +308,20 @@ def main() -> None:
                         help="our engine's tensor-parallel size (the floor is then that of --tp GPUs)")
     parser.add_argument("--json-grammar", action="store_true",
                         help="also run each scenario with a JSON grammar on every request (structured output)")
+    parser.add_argument("--speculative-algorithm", type=str.upper, default=None, choices=["NGRAM", "NEXTN"],
+                        help="also run speculative decoding (and its forced-acceptance bound) beside the plain run")
+    parser.add_argument("--num-draft-tokens", type=int, default=4, help="draft tokens per verify step")
     parser.add_argument("--out", default=None, help="write the results here as JSON")
     args = parser.parse_args()
     args.load_format = args.load_format or ("dummy" if args.model_type == "ling" else "auto")
+    speculative = None
+    if args.speculative_algorithm is not None:
+        speculative = {"method": "mtp" if args.speculative_algorithm == "NEXTN" else "ngram",
+                       "num_speculative_tokens": args.num_draft_tokens}
 
     temporary = args.model is None
-    model_dir = make_random_model(args.model_type, args.width, args.layers, args.load_format) if temporary \
-        else args.model
+    model_dir = make_random_model(args.model_type, args.width, args.layers, args.load_format,
+                                  mtp=args.speculative_algorithm == "NEXTN") if temporary else args.model
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
         zaya = config["model_type"] == "zaya"
@@ -282,9 +332,22 @@ def main() -> None:
                   "scenarios": {name: {"requests": len(p), "input_tokens": sum(map(len, p)),
                                        "output_tokens": sum(o), "unit": _unit(name)}
                                 for name, (p, o) in workloads.items()}}
-        for label, rate in run_ours(model_dir, workloads, args).items():
+        plain = run_ours(model_dir, workloads, args)
+        if speculative is not None:
+            result["speculative"] = speculative
+            decode = {name: w for name, w in workloads.items() if not SCENARIOS[name].prefill}
+            spec = run_ours(model_dir, decode, args, speculative)
+            forced = run_ours(model_dir, decode, args, speculative, {n: plain[n]["tokens"] for n in decode})
+            for name in decode:
+                result["scenarios"][name].update(
+                    spec_tok_s=spec[name]["tok_s"], spec_acceptance_rate=spec[name]["acceptance_rate"],
+                    spec_mean_accept_length=spec[name]["mean_accept_length"], forced_tok_s=forced[name]["tok_s"],
+                    forced_acceptance_rate=forced[name]["acceptance_rate"],
+                    forced_mean_accept_length=forced[name]["mean_accept_length"])
+        for label, run in plain.items():
             name, _, grammar = label.partition("+")
             entry = result["scenarios"][name]
+            rate = run["tok_s"]
             if grammar:  # --json-grammar: the same scenario with a JSON grammar on every request
                 entry["ours_json_tok_s"], entry["json_cost"] = rate, 1 - rate / entry["ours_tok_s"]
                 continue
@@ -312,6 +375,15 @@ def main() -> None:
             if "ours_json_tok_s" in e:
                 print(f"{name + '+json':<9} {e['ours_json_tok_s']:>11.1f}  (every request under a JSON grammar: "
                       f"{e['json_cost']:.1%} slower)")
+        if speculative is not None:
+            print(f"{'scenario':<9} {'plain tok/s':>12} {'spec tok/s':>11} {'accepted':>9} {'tok/verify':>11} "
+                  f"{'forced tok/s':>13} {'accepted':>9} {'tok/verify':>11}")
+            for name, e in result["scenarios"].items():
+                if "spec_tok_s" in e:
+                    print(f"{name:<9} {e['ours_tok_s']:>12.1f} {e['spec_tok_s']:>11.1f} "
+                          f"{_ratio(e['spec_acceptance_rate'], 9)} {_length(e['spec_mean_accept_length'], 11)} "
+                          f"{e['forced_tok_s']:>13.1f} {_ratio(e['forced_acceptance_rate'], 9)} "
+                          f"{_length(e['forced_mean_accept_length'], 11)}")
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=2))
     finally:

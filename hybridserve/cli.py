@@ -78,9 +78,43 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernel-backend", default="auto", choices=["auto", "triton", "torch"],
                         help="auto: Triton kernels on CUDA, the pure-torch references elsewhere; torch: references "
                              "everywhere (debugging); triton: fail unless the kernels can run")
+    spec = parser.add_argument_group("speculative decoding")
+    spec.add_argument("--speculative-algorithm", type=str.upper, choices=sorted(_SPECULATIVE_METHODS),
+                      default=None, help="NEXTN: the model's MTP layer drafts (Ling-2.6); NGRAM: prompt lookup over "
+                                         "the request's own tokens (any model). Off by default")
+    spec.add_argument("--speculative-num-draft-tokens", type=int, default=None, metavar="K",
+                      help="draft tokens verified per step and request (needs --speculative-algorithm)")
+    spec.add_argument("--speculative-ngram-min-match-window-size", type=int, default=None, metavar="N",
+                      help="NGRAM: shortest suffix n-gram looked up (default 2)")
+    spec.add_argument("--speculative-ngram-max-match-window-size", type=int, default=None, metavar="N",
+                      help="NGRAM: longest suffix n-gram looked up, tried first (default 4)")
     parser.add_argument("--skip-warmup", action="store_true",
                         help="start serving without first compiling every Triton kernel variant (they then compile "
                              "inside the first requests' steps, seconds each)")
+
+
+_SPECULATIVE_METHODS = {"NEXTN": "mtp", "NGRAM": "ngram"}
+
+
+def _speculative_config(args: argparse.Namespace) -> dict | None:
+    """EngineConfig.speculative_config from the --speculative-* options."""
+    ngram = {"prompt_lookup_min": args.speculative_ngram_min_match_window_size,
+             "prompt_lookup_max": args.speculative_ngram_max_match_window_size}
+    if args.speculative_algorithm is None:
+        given = [name for name, value in (("--speculative-num-draft-tokens", args.speculative_num_draft_tokens),
+                                          *zip(("--speculative-ngram-min-match-window-size",
+                                                "--speculative-ngram-max-match-window-size"), ngram.values()))
+                 if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} need(s) --speculative-algorithm (NEXTN or NGRAM)")
+        return None
+    if args.speculative_num_draft_tokens is None:
+        raise ValueError("--speculative-algorithm needs --speculative-num-draft-tokens K (drafts per step)")
+    method = _SPECULATIVE_METHODS[args.speculative_algorithm]
+    config = {"method": method, "num_speculative_tokens": args.speculative_num_draft_tokens}
+    if method != "ngram" and any(v is not None for v in ngram.values()):
+        raise ValueError("the --speculative-ngram-* options apply to --speculative-algorithm NGRAM only")
+    return config | {k: v for k, v in ngram.items() if v is not None}
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -99,7 +133,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 kernel_backend=args.kernel_backend, skip_warmup=args.skip_warmup, enforce_eager=args.enforce_eager,
                 cuda_graph_max_bs=args.cuda_graph_max_bs, load_format=args.load_format,
                 disable_overlap_schedule=args.disable_overlap_schedule, tensor_parallel_size=args.tp,
-                nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr)
+                nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr,
+                speculative_config=_speculative_config(args))
 
 
 def _model_dir(args: argparse.Namespace) -> str:

@@ -6,6 +6,60 @@ from dataclasses import dataclass, field
 import torch
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+SPECULATIVE_METHODS = ("ngram", "mtp")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: a draft source proposes up to `num_speculative_tokens` tokens per step and the target
+    verifies them in one forward (spec/ package). `method`: "ngram" (prompt lookup: the tokens that followed the
+    latest earlier occurrence of the longest suffix n-gram, n from prompt_lookup_max down to prompt_lookup_min) or
+    "mtp" (the model's own multi-token-prediction layer, Ling-2.6's NEXTN; chained, top-1)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int | None = None  # ngram only (default 2)
+    prompt_lookup_max: int | None = None  # ngram only (default 4)
+
+    def __post_init__(self) -> None:
+        def fail(name: str, why: str) -> None:
+            raise ValueError(f"invalid speculative_config {name}={getattr(self, name)!r}: {why}")
+
+        if self.method not in SPECULATIVE_METHODS:
+            fail("method", f"must be one of {', '.join(SPECULATIVE_METHODS)}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            fail("num_speculative_tokens", f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}]")
+        if self.method != "ngram":
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                if getattr(self, name) is not None:
+                    fail(name, "applies to method 'ngram' only")
+            return
+        object.__setattr__(self, "prompt_lookup_min", 2 if self.prompt_lookup_min is None else self.prompt_lookup_min)
+        object.__setattr__(self, "prompt_lookup_max", max(4, self.prompt_lookup_min) if self.prompt_lookup_max is None
+                           else self.prompt_lookup_max)
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                fail(name, "must be an integer >= 1")
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            fail("prompt_lookup_max", f"must be >= prompt_lookup_min ({self.prompt_lookup_min})")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict) -> SpeculativeConfig:
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict or SpeculativeConfig, not {type(value).__name__}")
+        unknown = set(value) - {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}; known: method, "
+                             "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max")
+        for key in ("method", "num_speculative_tokens"):
+            if key not in value:
+                raise ValueError(f"speculative_config needs {key!r}")
+        return cls(**value)
 
 
 @dataclass
@@ -28,7 +82,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     state_checkpoint_interval: int = 256  # sparse-state models: checkpoint every N tokens (a multiple of page_size)
     checkpoint_slots_per_request: int = 2  # sparse-state models: slot headroom per running request for checkpoints
-    num_speculative_tokens: int = 0  # draft tokens whose intermediate states the planner reserves
+    # Speculative decoding ({"method": "ngram" | "mtp", "num_speculative_tokens": k, ...}, see SpeculativeConfig);
+    # None: off. The planner reserves k intermediate states per running request.
+    speculative_config: SpeculativeConfig | dict | None = None
     kernel_backend: str = "auto"  # auto (Triton kernels on CUDA) | triton | torch (the pure-torch references)
     enforce_eager: bool = False  # run decode op by op: no CUDA graphs
     cuda_graph_max_bs: int | None = None  # largest decode batch replayed from a graph (default min(256, running cap))
@@ -65,8 +121,8 @@ class EngineConfig:
             fail("state_checkpoint_interval", f"must be a positive multiple of page_size ({self.page_size})")
         if self.checkpoint_slots_per_request < 0:
             fail("checkpoint_slots_per_request", "must be >= 0")
-        if self.num_speculative_tokens < 0:
-            fail("num_speculative_tokens", "must be >= 0")
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.max_model_len is not None and self.max_model_len < 2:
             fail("max_model_len", "must be >= 2")
         if self.tensor_parallel_size < 1:
@@ -85,6 +141,11 @@ class EngineConfig:
             fail("load_format", f"must be one of {', '.join(LOAD_FORMATS)}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             fail("device", "must be auto, cpu, cuda or cuda:N")
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Draft tokens per verify row (0: no speculative decoding)."""
+        return self.speculative_config.num_speculative_tokens if self.speculative_config is not None else 0
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

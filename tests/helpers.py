@@ -1,4 +1,5 @@
-"""Shared test helpers: tokenizer files for tiny checkpoints, and running a model on a hand-built batch."""
+"""Shared test helpers: tokenizer files for tiny checkpoints, running a model on a hand-built batch, and an engine
+to completion."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -48,3 +49,14 @@ class CacheHarness:
         batch = self.batch(chunks)
         hidden = self.model(batch)
         return self.model.compute_logits(hidden[batch.logits_indices])
+
+
+def finish_all(engine, check_resources: bool = False) -> dict:
+    """Step `engine` until it has no work; {request id: its finished RequestOutput} (resources recounted after every
+    step when asked)."""
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({out.request_id: out for out in engine.step() if out.finished})
+        if check_resources:
+            engine.scheduler.check_resources()
+    return done

@@ -35,6 +35,17 @@ class ScheduledChunk:
     # host yet. token_ids holds FUTURE_TOKEN there, and the runner reads the token on the device from that step's
     # draws at this index (plan order).
     future_token: int | None = None
+    # Speculative decoding: a verify row runs [its last drawn token, d_1 .. d_k] (drafts to check). The state after
+    # its first token goes to `state_slot` (that token is already accepted), the state after draft j to
+    # draft_slots[j - 1] (the row's intermediate slots); the slot never sees a draft's state. Empty: not a verify row.
+    draft_slots: list[int] = field(default_factory=list)
+    # The known token after the chunk (a chunk that stops short of its prompt's end), which a draft layer reading
+    # each position's next token needs (Ling's MTP). None: the chunk draws it, or it is not known.
+    next_token_id: int | None = None
+
+    @property
+    def num_drafts(self) -> int:
+        return len(self.draft_slots)
 
 
 FUTURE_TOKEN = -1  # a token id in ScheduledChunk.token_ids that the step before is still drawing
@@ -54,6 +65,21 @@ class TokenHistory:
     token_index: torch.Tensor  # [T]
     history_index: torch.Tensor  # [B, length]: where the carried rows go
     final_index: torch.Tensor  # [B, length]: the last `length` rows after the chunk (the new carried state)
+
+
+@dataclass
+class VerifyLayout:
+    """The verify rows of a batch (speculative decoding): where the recurrent state after each of their tokens goes.
+
+    A verify row's state after its token j is written to `token_slots` of that token (its working slot for j = 0,
+    an intermediate slot for each draft), and its state after the whole row is *not* written to its working slot;
+    the committed state is chosen after acceptance (`spec.verify.commit_states`). Every other row is unaffected.
+    """
+
+    rows: list[int]  # host: the batch rows that verify drafts
+    row_index: torch.Tensor  # [R] the same rows on the device
+    token_slots: torch.Tensor  # [T] per token: the slot for the state after it, -1 outside verify rows
+    tokens: torch.Tensor  # [N] packed indices of the verify rows' tokens, row after row
 
 
 @dataclass
@@ -84,6 +110,7 @@ class ForwardBatch:
     # The window group's page table and KV rows (models with sliding-window layers; None without a window group).
     window_page_table: torch.Tensor | None = None  # [B, W] like page_table, 0 before each row's window
     window_slot_mapping: torch.Tensor | None = None  # [T]
+    verify: VerifyLayout | None = None  # speculative verify rows, if the batch has any
     _window_view: ForwardBatch | None = field(default=None, init=False, repr=False)
 
     @property
@@ -157,6 +184,11 @@ class GroupTable:
     def reset(self, row: int) -> None:
         self._synced[row] = self._cleared[row] = 0
 
+    def truncate(self, row: int, pages: int) -> None:
+        """The row's sequence gave back its pages from column `pages` on: later pages there are new entries."""
+        self._synced[row] = min(self._synced[row], pages)
+        self._cleared[row] = min(self._cleared[row], pages)
+
     def updates(self, row: int, page_ids: list[int], cols: list[int], pages: list[int]) -> None:
         """Append to (cols, pages) the entries of `row` to write for `page_ids`."""
         if len(page_ids) > self.pages.shape[1]:
@@ -200,6 +232,13 @@ class PageTables:
             for group in (self.full, self.window):
                 if group is not None:
                     group.reset(row)
+
+    def truncate(self, rows: list[tuple[int, int]]) -> None:
+        """(row, pages kept) of sequences that gave back their last pages (`GroupTable.truncate`)."""
+        for row, pages in rows:
+            for group in (self.full, self.window):
+                if group is not None:
+                    group.truncate(row, pages)
 
     def pack_updates(self, chunks: list[ScheduledChunk], pack: HostPack) -> None:
         """Add this step's changed entries and the chunks' table rows to `pack`, for `apply`."""
@@ -258,12 +297,28 @@ def kv_row(page_ids: list[int], pos: int, page_size: int) -> int:
     return page_ids[pos // page_size] * page_size + pos % page_size
 
 
-def decode_token_history(rows: int, length: int, device: torch.device) -> TokenHistory:
-    """The TokenHistory of `rows` one-token rows (it depends on nothing else: CUDA-graph decode batches)."""
+def decode_token_history(rows: int, length: int, device: torch.device, row_tokens: int = 1) -> TokenHistory:
+    """The TokenHistory of `rows` rows of `row_tokens` tokens each (it depends on nothing else: CUDA-graph decode
+    and verify batches)."""
     total_rows, token_index, history_index, final_index = _token_history_rows(
-        [ScheduledChunk([0], 0, [], 0, False)] * rows, length)
+        [ScheduledChunk([0] * row_tokens, 0, [], 0, False)] * rows, length)
     return TokenHistory(length, total_rows, *(torch.tensor(index, device=device)
                                               for index in (token_index, history_index, final_index)))
+
+
+def verify_token_slots(chunks: list[ScheduledChunk]) -> list[int]:
+    """Per packed token: the slot its state goes to in a verify row (the working slot, then the draft slots), -1 in
+    other rows."""
+    slots = []
+    for chunk in chunks:
+        if chunk.draft_slots:
+            if len(chunk.token_ids) != 1 + chunk.num_drafts:
+                raise ValueError(f"a verify row runs its last token and {chunk.num_drafts} drafts, not "
+                                 f"{len(chunk.token_ids)} tokens")
+            slots += [chunk.state_slot, *chunk.draft_slots]
+        else:
+            slots += [-1] * len(chunk.token_ids)
+    return slots
 
 
 def future_inputs(chunks: list[ScheduledChunk], starts: list[int]) -> tuple[list[int], list[int]]:
@@ -306,6 +361,7 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_size: int, device: to
     kv_lens = [c.prefix_len + len(c.token_ids) for c in chunks]
     window = chunks[0].window_page_ids is not None
     window_slots = []
+    verify_rows = [row for row, c in enumerate(chunks) if c.draft_slots]
     for chunk, start in zip(chunks, query_starts):
         end = chunk.prefix_len + len(chunk.token_ids)
         if len(chunk.page_ids) * page_size < end:
@@ -336,6 +392,11 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_size: int, device: to
     pack.add("page_end_pages", page_end_pages)
     if window:
         pack.add("window_slot_mapping", window_slots)
+    if verify_rows:
+        pack.add("verify_rows", verify_rows)
+        pack.add("verify_token_slots", verify_token_slots(chunks))
+        pack.add("verify_tokens", [t for row in verify_rows
+                                   for t in range(query_starts[row], query_starts[row] + query_lens[row])])
     if tables is None:
         pack.add("page_table", [c.page_ids + [0] * (width - len(c.page_ids)) for c in chunks])
         if window:
@@ -392,4 +453,6 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_size: int, device: to
         token_history=history,
         window_page_table=window_table,
         window_slot_mapping=t.get("window_slot_mapping"),
+        verify=VerifyLayout(verify_rows, t["verify_rows"], t["verify_token_slots"],
+                                                       t["verify_tokens"]) if verify_rows else None,
     )

@@ -20,10 +20,16 @@ class SamplingRow:
     # The index of the token drawn (the seeded uniform number's step). None: len(output_token_ids); with overlapped
     # scheduling the previous token may still be on its way to the host, so the scheduler counts it in.
     token_index: int | None = None
+    # A speculative verify position: the drafts before it, which count as output for penalties and min_tokens
+    # here but are not the sequence's yet (the draw is not counted on the device either: it may be rejected; the
+    # host lists bring the kept counts up to date). None: an ordinary draw.
+    draft_prefix: list[int] | None = None
 
     @property
     def index(self) -> int:
-        return len(self.output_token_ids) if self.token_index is None else self.token_index
+        if self.token_index is not None:
+            return self.token_index
+        return len(self.output_token_ids) + len(self.draft_prefix or ())
 
 
 @dataclass
@@ -56,6 +62,8 @@ class StepPlan:
     page_restores: list[tuple[int, int]] = field(default_factory=list)  # (page footer -> working slot)
     snapshots: list[tuple[int, int]] = field(default_factory=list)  # (working slot -> checkpoint slot)
     table_resets: list[int] = field(default_factory=list)  # device-table rows given to a new sequence
+    # (row, pages kept): rows whose sequence gave back its last pages (rejected drafts' pages) since the last step
+    table_truncations: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -63,3 +71,4 @@ class ChunkResult:
     sampled: list[SampledToken] = field(default_factory=list)  # one per SamplingRow of the chunk
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)  # per scored token: {id: logprob}
     error: Exception | None = None  # this chunk's sampling or scoring failed (the rest of the step did not)
+    drafts: list[int] = field(default_factory=list)  # a draft layer's proposals to verify next (speculative, MTP)

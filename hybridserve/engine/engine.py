@@ -17,12 +17,14 @@ from hybridserve.core.step import ChunkResult, SampledToken
 from hybridserve.engine.request import Request
 from hybridserve.engine.scheduler import ScheduledStep, Scheduler
 from hybridserve.loader import read_config
-from hybridserve.models.registry import check_tensor_parallel
+from hybridserve.models.registry import check_speculative, check_tensor_parallel
 from hybridserve.ops.backends import any_triton
 from hybridserve.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from hybridserve.runtime.model_runner import ModelRunner, StepHandle
 from hybridserve.runtime.tensor_parallel import rank_config, start_workers, stop_workers
 from hybridserve.sampling import SamplingParams
+from hybridserve.spec.drafts import DraftSource, Speculation, draft_source
+from hybridserve.spec.verify import accepted_length
 from hybridserve.structured.bitmask import TokenMask
 from hybridserve.structured.compiler import shared_compiler
 from hybridserve.structured.matcher import GrammarState
@@ -80,7 +82,9 @@ class LLMEngine:
         self.config = config
         model_dir = config.model
         self.model_dir = model_dir
-        check_tensor_parallel(read_config(model_dir, config.hf_overrides), config.tensor_parallel_size)
+        raw = read_config(model_dir, config.hf_overrides)
+        check_tensor_parallel(raw, config.tensor_parallel_size)
+        check_speculative(raw, config.speculative_config)
         self.workers, channel = start_workers(config) if config.tensor_parallel_size > 1 else ([], None)
         self.runner = ModelRunner(rank_config(config, 0), model_dir, channel)
         self.tokenizer = load_tokenizer(config.tokenizer or model_dir)
@@ -105,15 +109,27 @@ class LLMEngine:
         if config.enable_prefix_caching:
             cache = HybridPrefixCache(config.page_size, pages, slots, per_page_state=self.runner.page_footers,
                                       window_pages=window_pages, sliding_window=window)
+        speculation = None
+        if config.speculative_config is not None:
+            speculation = Speculation(draft_source(config.speculative_config), self.runner.intermediate_slots,
+                                      self.runner.draft_lookahead)
         self.scheduler = Scheduler(pages, slots, config.page_size, plan.max_running_requests,
                                    config.max_num_batched_tokens, config.chunked_prefill_size, cache,
-                                   config.state_checkpoint_interval, window_pages, window, self.max_model_len)
+                                   config.state_checkpoint_interval, window_pages, window, self.max_model_len,
+                                   speculation)
         self._seeds = random.Random(config.seed)
         self._groups: dict[str, _Group] = {}
         self._sequences: dict[str, tuple[_Group, _Sequence]] = {}  # by the scheduler's request id
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-        self.overlap = not config.disable_overlap_schedule
+        self.num_verify_rows = 0  # speculative decoding: rows that verified drafts, drafts proposed, accepted
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        # Speculative steps run serially: the next step's drafts depend on this step's acceptance.
+        self.overlap = not config.disable_overlap_schedule and config.speculative_config is None
+        if config.speculative_config is not None and not config.disable_overlap_schedule:
+            logger.info("overlapped scheduling is off with speculative decoding (each step's drafts depend on the "
+                        "step before's accepted tokens)")
         self._in_flight: tuple[ScheduledStep, StepHandle] | None = None  # the launched step not yet processed
 
     def shutdown(self) -> None:
@@ -201,6 +217,13 @@ class LLMEngine:
                 self.scheduler.finish(sequence.request, "abort")
         self._settle_discarded()
 
+    def set_draft_source(self, source: DraftSource) -> None:
+        """Replace where drafts come from (speculative decoding must be on): benchmarks and tests feed chosen drafts
+        (`spec.drafts.ReplayDrafts`) to measure verification alone or pin acceptance."""
+        if self.scheduler.speculation is None:
+            raise ValueError("speculative decoding is off; start the engine with a speculative_config")
+        self.scheduler.speculation.drafts = source
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None
 
@@ -217,6 +240,8 @@ class LLMEngine:
             "prefix_cache_kv_match_tokens": self.scheduler.prefix_kv_match_tokens,
             "prompt_tokens": self.num_prompt_tokens, "generation_tokens": self.num_generation_tokens,
             "preemptions": self.scheduler.num_preemptions,
+            "spec_verify_rows": self.num_verify_rows, "spec_draft_tokens": self.num_draft_tokens,
+            "spec_accepted_tokens": self.num_accepted_tokens,
         } | {f"kv_{key}": counts[key] for key in ("window_pages_total", "window_pages_free", "window_pages_cached")
              if key in counts}  # the window group's pool (models with sliding-window layers)
 
@@ -296,9 +321,10 @@ class LLMEngine:
 
     def _process(self, scheduled: ScheduledStep, results: list[ChunkResult]) -> list[RequestOutput]:
         """Append a finished step's tokens (stop checks, forks, failures) and build the outputs it produced."""
+        accepted = self._accept_drafts(scheduled, results)
         self.scheduler.after_step(scheduled)
         progressed: dict[str, _Group] = {}
-        for request, result in zip(scheduled.requests, results):
+        for request, result, chunk in zip(scheduled.requests, results, scheduled.plan.chunks):
             tracked = self._sequences.get(request.request_id)
             if tracked is None or request.finished:
                 continue  # aborted, or finished by the step before while this one ran: its work is discarded
@@ -311,6 +337,15 @@ class LLMEngine:
                 if result.prompt_logprobs:
                     group.prompt_logprobs.extend(result.prompt_logprobs)
                 if result.sampled:
+                    request.draft_token_ids = result.drafts
+                if chunk.num_drafts and result.sampled:  # the drawn tokens as far as they confirm the drafts
+                    request.num_pending -= 1
+                    for sampled in result.sampled[:accepted[request.serial] + 1]:
+                        self._append_token(sequence, sampled)
+                        if request.finished:
+                            break  # a stop inside the accepted run: the rest is dropped
+                    progressed[group.request_id] = group
+                elif result.sampled:
                     first, *forks = result.sampled
                     for sampled in forks:  # fork before the parent can finish and free what the children copy
                         self._append_token(self._fork(group, request), sampled)
@@ -324,6 +359,21 @@ class LLMEngine:
                 self._fail(group, err)
                 progressed[group.request_id] = group
         return self._outputs(list(progressed.values()))
+
+    def _accept_drafts(self, scheduled: ScheduledStep, results: list[ChunkResult]) -> dict[int, int]:
+        """Count each live verify row's accepted drafts (the same count the runner committed its state by) and roll
+        its computed length and pages back to them, before the step's pages are cached. {request serial: count}"""
+        accepted = {}
+        for request, result, chunk in zip(scheduled.requests, results, scheduled.plan.chunks):
+            if not chunk.num_drafts or request.finished or result.error is not None:
+                continue
+            drafts = chunk.token_ids[1:]
+            accepted[request.serial] = n = accepted_length([s.token_id for s in result.sampled], drafts)
+            self.scheduler.accept_drafts(request, chunk.prefix_len, n)
+            self.num_verify_rows += 1
+            self.num_draft_tokens += len(drafts)
+            self.num_accepted_tokens += n
+        return accepted
 
     def _outputs(self, progressed: list[_Group]) -> list[RequestOutput]:
         """The outputs of groups that progressed; finished groups are forgotten."""

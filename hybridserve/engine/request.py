@@ -49,6 +49,8 @@ class Request:
     # draws. The scheduler counts them (lengths, pages, positions) before their values reach the host.
     num_pending: int = 0
     pending_draw: int = 0
+    # Speculative decoding with a model draft layer (MTP): the tokens it proposed in this request's last step.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_output_tokens(self) -> int:
@@ -90,9 +92,10 @@ class Request:
             return True
         return not self.params.ignore_eos and token_id in self.eos_token_ids
 
-    def banned_token_ids(self) -> list[int]:
-        """Tokens that may not be sampled yet: everything that would stop the request before min_tokens."""
-        if self.num_output_tokens >= self.params.min_tokens:
+    def banned_token_ids(self, ahead: int = 0) -> list[int]:
+        """Tokens that may not be sampled yet: everything that would stop the request before min_tokens (for the
+        draw `ahead` tokens later: a speculative verify position)."""
+        if self.num_output_tokens + ahead >= self.params.min_tokens:
             return []
         eos = [] if self.params.ignore_eos else list(self.eos_token_ids)
         return sorted(set(eos) | set(self.params.stop_token_ids))

@@ -12,6 +12,13 @@ snapshots taken at the end of the prompt (the last page boundary before it), eve
 at branch points. When pages or slots run out, unlocked cache entries are evicted first; then the most recently
 admitted running request is preempted (everything it holds is freed and it is recomputed later).
 
+Speculative decoding (`speculation`): a running request's decode row also carries the drafts its draft source
+proposes (a verify row: its last drawn token, then up to k drafts, with a draw at every position; the row's
+intermediate state slots receive the states after the drafts). Drafts never reach past max_tokens or the context
+length, and never past a sparse snapshot position (a checkpoint is only ever taken from a verified state). Once the
+step is processed, `accept_drafts` sets the row's computed length to the accepted tokens and returns the pages
+only the rejected drafts used.
+
 Sliding-window layers (a window KV group): a request holds window pages, column for column beside its full pages,
 only where a current or future query can still see them. Both groups' pages for new tokens are allocated together;
 after a step that leaves kv_len tokens, window pages before `window_first_page(kv_len)` are released (after the
@@ -28,6 +35,7 @@ from hybridserve.cache.state_pool import SlotAllocator
 from hybridserve.core.batch import FUTURE_TOKEN, ScheduledChunk
 from hybridserve.core.step import PromptLogprobTargets, SamplingRow, StepPlan
 from hybridserve.engine.request import Request, RequestStatus
+from hybridserve.spec.drafts import Speculation
 
 # Prompt-logprob chunks produce [tokens, vocab] fp32 logits; this bounds them per step, across all requests.
 PROMPT_LOGPROB_TOKENS_PER_STEP = 512
@@ -50,7 +58,8 @@ class Scheduler:
                  max_num_batched_tokens: int, chunked_prefill_size: int | None = None,
                  prefix_cache: HybridPrefixCache | None = None, checkpoint_interval: int | None = None,
                  window_pages: PageAllocator | None = None, sliding_window: int | None = None,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None,
+                 speculation: Speculation | None = None):
         if (window_pages is None) != (sliding_window is None):
             raise ValueError("a window group needs both its page allocator and the sliding window")
         self.pages = pages
@@ -66,6 +75,7 @@ class Scheduler:
         self.sparse = prefix_cache is not None and not prefix_cache.per_page_state
         self.checkpoint_interval = checkpoint_interval
         self.max_model_len = max_model_len if max_model_len is not None else float("inf")
+        self.speculation = speculation
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -78,6 +88,7 @@ class Scheduler:
         self._pending_window_copies: list[tuple[int, int]] = []
         self._pending_restores: list[tuple[int, int]] = []
         self._pending_row_resets: list[int] = []
+        self._pending_truncations: list[tuple[int, int]] = []
         self._free_rows = list(range(max_running_requests - 1, -1, -1))  # running sequences <= max_running
         self._unsettled_checkpoints: set[int] = set()  # snapshot slots of scheduled steps not yet processed
 
@@ -166,8 +177,9 @@ class Scheduler:
                                       page_copies=self._pending_page_copies, restores=self._pending_restores,
                                       table_resets=self._pending_row_resets), [], scoring_left=self.scoring_per_step)
         step.plan.window_page_copies = self._pending_window_copies
+        step.plan.table_truncations = self._pending_truncations
         self._pending_page_copies, self._pending_restores, self._pending_row_resets = [], [], []
-        self._pending_window_copies = []
+        self._pending_window_copies, self._pending_truncations = [], []
         budget = self.max_tokens
         for request in list(self.running):
             if budget == 0:
@@ -175,19 +187,24 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING or self._ends_with_pending(request):
                 continue  # preempted earlier in this loop, or its token in flight is its last
             count = self._chunk_length(request, budget, step)
-            if count == 0 or not self._reserve_pages(request, count, preempt=True):
+            drafts = self._propose(request, budget) if count == 1 else []
+            if count == 0 or not self._reserve_pages(request, count + len(drafts), preempt=True):
                 continue  # (0: a prompt to score, and this step's scoring budget is spent)
-            budget -= self._add_chunk(step, request, count, budget)
+            self._reserve_lookahead(request, count + len(drafts))
+            budget -= self._add_chunk(step, request, count, budget, drafts)
         while self.waiting and budget > 0 and len(self.running) + step.fork_draws < self.max_running:
             if not self._admit(step, self.waiting[0], budget):
                 break
             request = self.waiting.popleft()
-            budget -= self._add_chunk(step, request, self._chunk_length(request, budget, step), budget)
+            count = self._chunk_length(request, budget, step)
+            self._reserve_lookahead(request, count)
+            budget -= self._add_chunk(step, request, count, budget)
         if not step.requests:
             # Nothing to run, so nothing can overwrite a fork's source yet: keep its copies for the next plan.
             self._pending_page_copies, self._pending_restores = step.plan.page_copies, step.plan.restores
             self._pending_window_copies = step.plan.window_page_copies
             self._pending_row_resets = step.plan.table_resets
+            self._pending_truncations = step.plan.table_truncations
             return None
         return step
 
@@ -197,6 +214,58 @@ class Scheduler:
         max_tokens = request.params.max_tokens
         return request.num_pending > 0 and ((max_tokens is not None and request.num_output_tokens >= max_tokens)
                                             or request.num_tokens >= self.max_model_len)
+
+    def _propose(self, request: Request, budget: int) -> list[int]:
+        """Drafts for a decode row (speculative decoding): within the step's budget, max_tokens and the context
+        length, and short of the next sparse snapshot position unless that is the row's first token (the working
+        slot holds the state after it, a verified state; a later position would be a draft's state). A request
+        under a grammar (structured output) gets none: its mask at a verify position would need the grammar
+        advanced through the drafts before it, so it decodes one token a step."""
+        spec = self.speculation
+        if spec is None or not request.output_token_ids or request.num_computed_tokens != request.num_tokens - 1 \
+                or request.params.structured_output is not None:
+            return []
+        limit = min(spec.slots.per_row, budget - 1, self.max_model_len - request.num_tokens - 1)
+        if request.params.max_tokens is not None:
+            limit = min(limit, request.params.max_tokens - request.num_output_tokens - 1)
+        if self.sparse:
+            snapshot = self._next_snapshot(request, request.num_computed_tokens)
+            if snapshot is not None and snapshot > request.num_computed_tokens + 1:
+                limit = min(limit, snapshot - request.num_computed_tokens - 2)
+        return spec.drafts.propose(request, limit) if limit > 0 else []
+
+    def _reserve_lookahead(self, request: Request, count: int) -> None:
+        """Speculative decoding: pages past a drawing row's `count` tokens, if free ones are left (never by
+        preemption or eviction): for the draft layer's chain (`Speculation.lookahead`) and, for a decode row, up to
+        1 + k positions, which a CUDA-graph verify step pads every row to. Without them the chain's KV writes go to
+        the dummy page (only those drafts suffer) and the step runs eagerly."""
+        spec = self.speculation
+        start = request.num_computed_tokens
+        end = start + count
+        if spec is None or end < request.num_tokens:  # not a drawing row
+            return
+        target = end + spec.lookahead
+        if start == request.num_tokens - 1 and request.output_token_ids:
+            target = max(target, start + 1 + spec.slots.per_row)
+        needed = self._pages_needed(request, min(target, self.max_model_len) - start)
+        if needed and needed <= self.pages.num_free and (self.window_pages is None or
+                                                         needed <= self.window_pages.num_free):
+            pages, window = self._allocate_pages(needed)
+            request.page_ids.extend(pages)
+            request.window_page_ids.extend(window)
+
+    def accept_drafts(self, request: Request, start: int, accepted: int) -> None:
+        """A verify row that started at `start` kept its first token and `accepted` drafts: only their positions
+        count as computed, and the pages (both groups) beyond them go back, with the rejected drafts' KV."""
+        request.num_computed_tokens = start + 1 + accepted
+        keep = -(-request.num_computed_tokens // self.page_size)
+        if keep < len(request.page_ids):
+            self._pending_truncations.append((request.table_row, keep))
+        self.pages.release(request.page_ids[keep:])
+        del request.page_ids[keep:]
+        if self.window_pages is not None:
+            self.window_pages.release([p for p in request.window_page_ids[keep:] if p])
+            del request.window_page_ids[keep:]
 
     def _next_snapshot(self, request: Request, done: int) -> int | None:
         """The first position after `done` where a sparse checkpoint must be taken, if any."""
@@ -285,8 +354,12 @@ class Scheduler:
         self.running.append(request)
         return True
 
-    def _add_chunk(self, step: ScheduledStep, request: Request, count: int, budget: int) -> int:
-        """Schedule `count` tokens of the request; return the budget they take (with the draws of forks)."""
+    def _add_chunk(self, step: ScheduledStep, request: Request, count: int, budget: int,
+                   drafts: list[int] | None = None) -> int:
+        """Schedule `count` tokens of the request (and the drafts after them: a verify row); return the budget
+        they take (with the draws of forks)."""
+        if drafts:
+            return self._add_verify_chunk(step, request, drafts)
         plan = step.plan
         step.requests.append(request)
         start = request.num_computed_tokens
@@ -314,6 +387,7 @@ class Scheduler:
             table_row=request.table_row,
             window_page_ids=request.window_page_ids if self.window_pages is not None else None,
             future_token=request.pending_draw if end > known else None,
+            next_token_id=request.token_ids(end, end + 1)[0] if end < request.num_known_tokens else None,
         ))
         if draws:  # the request's own draw, counted from now on (appended when the step is processed)
             request.num_pending += 1
@@ -323,12 +397,45 @@ class Scheduler:
         plan.prompt_logprobs.append(targets)
         request.num_computed_tokens = end
         if self.sparse and end == self._next_snapshot(request, start):
-            checkpoint = self._allocate_slot()
-            if checkpoint is not None:
-                plan.snapshots.append((request.state_slot, checkpoint))
-                step.snapshots.append((request, end, checkpoint))
-                self._unsettled_checkpoints.add(checkpoint)
+            self._snapshot(step, request, end)
         return count + forks
+
+    def _snapshot(self, step: ScheduledStep, request: Request, position: int) -> None:
+        """Copy the working slot (the state at `position`) into a checkpoint slot after the forward, if one is free."""
+        checkpoint = self._allocate_slot()
+        if checkpoint is not None:
+            step.plan.snapshots.append((request.state_slot, checkpoint))
+            step.snapshots.append((request, position, checkpoint))
+            self._unsettled_checkpoints.add(checkpoint)
+
+    def _add_verify_chunk(self, step: ScheduledStep, request: Request, drafts: list[int]) -> int:
+        """The row's last drawn token and its drafts, with a draw at every position (`spec.verify`)."""
+        start = request.num_computed_tokens
+        step.requests.append(request)
+        step.plan.chunks.append(ScheduledChunk(
+            token_ids=request.token_ids(start, start + 1) + drafts,
+            prefix_len=start,
+            page_ids=request.page_ids,
+            state_slot=request.state_slot,
+            has_initial_state=True,
+            logits_offsets=list(range(1 + len(drafts))),
+            table_row=request.table_row,
+            window_page_ids=request.window_page_ids if self.window_pages is not None else None,
+            draft_slots=self.speculation.slots.of(request.table_row, len(drafts)),
+        ))
+        step.plan.samples.append([
+            SamplingRow(params=request.params, seed=request.seed, output_token_ids=request.output_token_ids,
+                        prompt_token_ids=request.prompt_token_ids, banned_token_ids=request.banned_token_ids(i),
+                        key=request.serial, token_index=request.num_output_tokens + i, draft_prefix=drafts[:i])
+            for i in range(1 + len(drafts))])
+        step.plan.prompt_logprobs.append(None)
+        request.num_pending += 1  # the first draw: the others land only as far as the drafts are accepted
+        request.pending_draw = step.num_draws
+        step.num_draws += 1 + len(drafts)
+        request.num_computed_tokens = start + 1 + len(drafts)  # until accept_drafts
+        if self.sparse and start + 1 == self._next_snapshot(request, start):
+            self._snapshot(step, request, start + 1)
+        return 1 + len(drafts)
 
     @staticmethod
     def _prompt_targets(request: Request, start: int, end: int) -> tuple[PromptLogprobTargets | None, list[int]]:

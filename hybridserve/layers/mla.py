@@ -94,8 +94,10 @@ class MultiLatentAttention(nn.Module):
         return self.dense(out.flatten(1))
 
     def _absorbed(self, batch: ForwardBatch, device: torch.device) -> bool:
-        """The absorbed form for decode; otherwise the CPU reference (unabsorbed), or the cheaper form on kernels."""
-        if batch.is_decode:
+        """The absorbed form for decode and for batches of verify rows only (speculative decoding: a few tokens per
+        row over their context; CUDA-graph verify steps capture it, their host lengths being placeholders);
+        otherwise the CPU reference (unabsorbed), or the cheaper form on kernels."""
+        if batch.is_decode or (batch.verify is not None and len(batch.verify.rows) == batch.num_seqs):
             return True
         if not backends.use_triton("attention", device):
             return False

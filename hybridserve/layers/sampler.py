@@ -134,7 +134,7 @@ class PenaltyCounts:
         for row in rows:
             entry = self._rows.get(row.key) if row.key is not None else None
             if entry is None and row.key is not None and free:
-                if row.index != len(row.output_token_ids):
+                if row.index != len(row.output_token_ids) + len(row.draft_prefix or ()):
                     raise RuntimeError("a sequence with a token in flight has no penalty counts to hold it")
                 entry = self._rows[row.key] = [free.pop(), 0]
                 cleared.append(entry[0])
@@ -252,11 +252,15 @@ class Sampler:
             seen[index] = self.penalties.seen[state_index]
         for j, i in enumerate(idx):  # rows without kept state (forks' first draws, tests): from their lists
             if state[j] is None:
-                if rows[i].index != len(rows[i].output_token_ids):
+                if rows[i].index != len(rows[i].output_token_ids) + len(rows[i].draft_prefix or ()):
                     raise RuntimeError("a penalised draw with a token still in flight needs its kept counts")
                 out_ids = torch.tensor(rows[i].output_token_ids, dtype=torch.long, device=device)
                 counts[j].index_add_(0, out_ids, torch.ones_like(out_ids, dtype=counts.dtype))
                 seen[j, torch.tensor(rows[i].prompt_token_ids, dtype=torch.long, device=device)] = True
+        drafted = [(j, t) for j, i in enumerate(idx) for t in rows[i].draft_prefix or ()]
+        if drafted:  # verify positions: the drafts before them count as output
+            counts.index_put_(tuple(_upload(list(zip(*drafted)), device, torch.long)),
+                              torch.tensor(1.0, device=device), accumulate=True)
         seen |= counts > 0
 
         def column(name: str) -> torch.Tensor:
@@ -266,7 +270,7 @@ class Sampler:
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
         sub = sub - column("frequency_penalty") * counts - column("presence_penalty") * (counts > 0)
         logits[idx] = sub
-        return logits, [(idx[j], state[j]) for j in kept]
+        return logits, [(idx[j], state[j]) for j in kept if rows[idx[j]].draft_prefix is None]
 
     @staticmethod
     def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -5,7 +5,9 @@ shared/spec/ling2_6.md.
 Per-request state: each lightning layer keeps an fp32 state [H_local, d, d] (K-major) in the state pool field
 "lightning". Only MLA layers own KV pages: one latent row [1, kv_lora_rank + qk_rope_head_dim] per token in the
 field "latent" (see layers/mla.py). The MTP layer (`model.layers.{num_hidden_layers}` in checkpoints) is loaded
-into `model.mtp` for speculative decoding and not run by the main forward.
+into `model.mtp` and drafts for speculative decoding (`draft_hidden`, driven by spec/mtp.py); the main forward
+does not run it. Its MLA layer gets its own KV layer in the same paged pool (a KV layer after the main MLA layers,
+sharing the sequence's pages).
 """
 from __future__ import annotations
 
@@ -223,7 +225,7 @@ class LingDecoderLayer(nn.Module):
 
 class LingMTPLayer(LingDecoderLayer):
     """The next-token draft block (spec §6): MLA + MoE plus the norms and projection that mix the next token's
-    embedding with the target's final hidden state. Kept for speculative decoding; the main forward skips it."""
+    embedding with the target's final hidden state. Drafts for speculative decoding; the main forward skips it."""
 
     def __init__(self, config: LingConfig, layer_idx: int):
         super().__init__(config, layer_idx, mla=True, dense=False)
@@ -231,6 +233,14 @@ class LingMTPLayer(LingDecoderLayer):
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.eh_proj = ReplicatedLinear(2 * config.hidden_size, config.hidden_size)
         self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def draft(self, embeds: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """embeds [T, H]: the embedding of the token after each position; hidden [T, H]: the final (normed) hidden
+        state there (the target's, or this layer's own output one position before when drafting a chain) ->
+        the block's output after `final_layernorm` [T, H], whose logits predict the token after next."""
+        z = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        x, addend, residual = super().forward(z, None, None, batch)
+        return self.final_layernorm(x, residual, addend)[0]
 
 
 class LingModel(nn.Module):
@@ -291,15 +301,26 @@ class LingForCausalLM(nn.Module):
 
     def bind_caches(self, kv_layers: list[dict[str, torch.Tensor]], state_layers: list[dict[str, torch.Tensor]],
                     page_state_layers: list[dict[str, torch.Tensor]] | None = None):
-        """KV layer j is the j-th MLA layer, state layer j the j-th lightning layer."""
+        """KV layer j is the j-th MLA layer, state layer j the j-th lightning layer; KV layers beyond the main MLA
+        layers (given when the MTP layer drafts) belong to the MTP layers."""
         if page_state_layers is not None:
             raise ValueError("Ling checkpoints its state sparsely; it has no per-page state footers")
+        if len(kv_layers) not in (len(self.config.mla_layers), len(self.config.mla_layers) + len(self.model.mtp)):
+            raise ValueError(f"{len(kv_layers)} KV layers for {len(self.config.mla_layers)} MLA layers and "
+                             f"{len(self.model.mtp)} MTP layers")
         kv, state = iter(kv_layers), iter(state_layers)
         for layer in self.model.layers:
             if isinstance(layer.attention, MultiLatentAttention):
                 layer.attention.kv = next(kv)
             else:
                 layer.attention.state = next(state)
+        for layer in self.model.mtp:
+            layer.attention.kv = next(kv, {})
+
+    def draft_hidden(self, token_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The MTP layer's output (spec §6) at each position of `batch`, given the token after it and the final
+        hidden state at it; its logits (`compute_logits`) are the draft distribution of the token after that."""
+        return self.model.mtp[0].draft(self.model.word_embeddings(token_ids), hidden, batch)
 
     # --- forward -----------------------------------------------------------------------------------------
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from hybridserve.config import SpeculativeConfig
+
 from hybridserve.models.ling import LingForCausalLM
 from hybridserve.models.ling_config import parse_ling_config
 from hybridserve.models.zaya import ZayaForCausalLM
@@ -19,6 +21,8 @@ class ModelFamily:
     model_class: Callable[[object], nn.Module]
     # The config dimensions every tensor-parallel size must divide (heads are split, never replicated).
     tp_split: Callable[[object], dict[str, int]]
+    # Multi-token-prediction (draft) layers the checkpoint ships: speculative decoding with method "mtp" needs one.
+    mtp_layers: Callable[[object], int] = lambda c: 0
 
 
 def _zaya_split(c) -> dict[str, int]:
@@ -38,7 +42,8 @@ def _ling_split(c) -> dict[str, int]:
 
 _FAMILIES: dict[str, ModelFamily] = {
     "zaya": ModelFamily(parse_zaya_config, ZayaForCausalLM, _zaya_split),
-    "bailing_hybrid": ModelFamily(parse_ling_config, LingForCausalLM, _ling_split),
+    "bailing_hybrid": ModelFamily(parse_ling_config, LingForCausalLM, _ling_split,
+                                  lambda c: c.num_nextn_predict_layers),
 }
 
 
@@ -55,6 +60,17 @@ def check_tensor_parallel(config: dict, size: int) -> None:
                          + ", ".join(f"{name} = {value}" for name, value in bad.items())
                          + f" is not divisible by it (heads are split across ranks, never replicated); sizes "
                            f"that work: {', '.join(map(str, sizes))}; to use more GPUs, run several replicas")
+
+
+def check_speculative(config: dict, speculative: SpeculativeConfig | None) -> None:
+    """Refuse, before loading anything, a draft method the model cannot run."""
+    if speculative is None or speculative.method != "mtp":
+        return
+    family = model_family(config)
+    if family.mtp_layers(family.parse_config(config)) < 1:
+        raise ValueError(f"speculative method 'mtp' (NEXTN) needs the model's multi-token-prediction layer, and this "
+                         f"{config.get('model_type')} checkpoint has none (num_nextn_predict_layers = 0 or not a "
+                         "model with one: ZAYA1 has none); use method 'ngram' (NGRAM) instead")
 
 
 def model_family(config: dict) -> ModelFamily:

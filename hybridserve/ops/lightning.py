@@ -26,5 +26,7 @@ def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_d
             return kernel.lightning_decode(q, k, v, log_decay, state_pool, batch, norm_rope=norm_rope)
         if norm_rope is not None:
             q, k = qk_norm_rope(torch.stack((q, k), dim=1), *norm_rope).unbind(1)
+        if batch.verify is not None:
+            return kernel.lightning_verify(q, k, v, log_decay, state_pool, batch)
         return kernel.lightning_prefill(q, k, v, log_decay, state_pool, batch)
     return reference.lightning_attention(q, k, v, log_decay, state_pool, batch, norm_rope)

@@ -1,6 +1,7 @@
 """ModelRunner: owns the model and the cache pools on one device, and executes StepPlans."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -10,7 +11,7 @@ from hybridserve.cache.kv_pool import KVPool
 from hybridserve.cache.memory import GiB, MemoryPlan, plan_memory
 from hybridserve.cache.state_pool import StatePool
 from hybridserve.config import EngineConfig
-from hybridserve.core.batch import PageTables, ScheduledChunk, build_forward_batch
+from hybridserve.core.batch import ForwardBatch, PageTables, ScheduledChunk, build_forward_batch
 from hybridserve.core.parallel import tp_rank
 from hybridserve.core.step import ChunkResult, StepPlan
 from hybridserve.layers.sampler import Draws, Sampler, logprob_dicts, penalty_rows
@@ -20,21 +21,39 @@ from hybridserve.runtime.cuda_graphs import DecodeGraphs, capture_sizes
 from hybridserve.runtime.model_loader import build_model, resolve_dtype
 from hybridserve.runtime.tensor_parallel import ControlChannel
 from hybridserve.runtime.warmup import DUMMY_PAGE, DUMMY_SLOT, warmup_batches
+from hybridserve.spec.mtp import MtpDrafter
+from hybridserve.spec.verify import IntermediateSlots, commit_states
 from hybridserve.structured.bitmask import TokenMask
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
+class DraftWork:
+    """What the draft layer (MTP) needs from a launched step once its draws are made: the eager batch and hidden
+    states, or the graphs that ran the step; the chunks and where each one's draws start (None: no draw)."""
+
+    chunks: list[ScheduledChunk]
+    first_draws: list[int | None]
+    batch: ForwardBatch | None = None
+    hidden: torch.Tensor | None = None
+    graphs: DecodeGraphs | None = None
+
+
+@dataclass
 class StepHandle:
     """A launched step: its chunks' results (filled by `collect`), the draws still on their way to the host, and
-    how many of them (in plan order) each result takes. A step with grammar rows keeps its logits and sampling
-    rows (`pending`) until `draw_masked` gives the masks."""
+    how many of them (in plan order) each result takes. A step with grammar rows keeps its logits, sampling rows
+    and verify rows (`pending`) until `draw_masked` gives the masks; a step with a draft layer drafts after its
+    draws (`draft_work`)."""
 
     results: list[ChunkResult]
     draws: list[Draws] = field(default_factory=list)
     draw_counts: list[tuple[ChunkResult, int]] = field(default_factory=list)
-    pending: tuple[torch.Tensor, list[tuple[ChunkResult, list, int]]] | None = None
+    pending: tuple[torch.Tensor, list[tuple[ChunkResult, list, list[int]]], list] | None = None
+    draft_work: DraftWork | None = None
+    drafts: torch.Tensor | None = None  # [R, k] the draft layer's proposals (MTP)
+    draft_results: list[ChunkResult | None] = field(default_factory=list)  # whose each row is (None: nobody's)
 
     @property
     def awaits_mask(self) -> bool:
@@ -62,6 +81,12 @@ class ModelRunner:
         self.page_footers = caching and self.model.state_checkpoints == "per_page"
         self.sparse_checkpoints = caching and self.model.state_checkpoints == "sparse"
         self.kv_spec, state_spec = self.model.kv_cache_spec(self.dtype), self.model.state_spec(self.dtype)
+        speculative = config.speculative_config
+        self.drafter = None
+        if speculative is not None and speculative.method == "mtp":
+            # The MTP layer's MLA gets a KV layer of its own after the main ones (same fields, same pages).
+            self.kv_spec = dataclasses.replace(self.kv_spec, num_layers=self.kv_spec.num_layers + 1)
+            self.drafter = MtpDrafter(self.model, speculative.num_speculative_tokens, config.page_size)
         full_spec, window_spec = self.kv_spec.groups()
         self.sliding_window = self.kv_spec.sliding_window if window_spec is not None else None
         page_bytes = full_spec.bytes_per_token() * config.page_size
@@ -80,14 +105,25 @@ class ModelRunner:
         self.kv_pool = KVPool(full_spec, self.memory.num_pages + 1, config.page_size, self.device)
         self.window_pool = KVPool(window_spec, self.memory.num_window_pages + 1, config.page_size, self.device) \
             if window_spec is not None else None
-        self.state_pool = StatePool(state_spec, self.memory.num_state_slots, self.device)
+        # Speculative decoding: k intermediate states per running request, after the allocator's slots.
+        k = config.num_speculative_tokens
+        self.intermediate_slots = IntermediateSlots(self.memory.num_state_slots + 1, k) if k else None
+        if k:
+            logger.info("speculative decoding: %s, %d draft tokens; %d intermediate states of %.2f MiB reserved "
+                        "(%d per running request, %d running)", config.speculative_config.method, k,
+                        k * self.memory.max_running_requests, state_spec.bytes_per_slot() / 2**20, k,
+                        self.memory.max_running_requests)
+        self.state_pool = StatePool(state_spec, self.memory.num_state_slots + k * self.memory.max_running_requests,
+                                    self.device)
         self.footer_pool = StatePool(state_spec, self.memory.num_pages, self.device) if self.page_footers else None
         self._bind(self.kv_pool, self.window_pool, self.state_pool, self.footer_pool)
         self.sampler = Sampler(config.max_running_requests)
         self.tables: PageTables | None = None
         self.graphs: DecodeGraphs | None = None
-        self._drawn_tokens: torch.Tensor | None = None  # the last launched step's draws, in plan order
+        self.verify_graphs: DecodeGraphs | None = None  # speculative decoding: rows of 1 + k tokens
         self._awaiting_mask: StepHandle | None = None  # the launched step whose draws wait for grammar masks
+        self._no_draws = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._drawn_tokens: torch.Tensor | None = None  # the last launched step's draws, in plan order
 
     def _graphs_possible(self) -> bool:
         """CUDA graphs for decode: on CUDA, with every op on its kernel (the references may sync), unless eager."""
@@ -98,6 +134,11 @@ class ModelRunner:
                         self.config.kernel_backend)
             return False
         return True
+
+    @property
+    def draft_lookahead(self) -> int:
+        """Positions after a drawing row whose KV the draft layer writes in the same step (its chain)."""
+        return self.drafter.k - 1 if self.drafter is not None else 0
 
     def graph_rows(self) -> int:
         """Rows of the largest decode graph: --cuda-graph-max-bs, else 256 or the running cap, whichever is less."""
@@ -117,16 +158,26 @@ class ModelRunner:
     def create_tables(self, max_rows: int, max_model_len: int) -> None:
         """The persistent device page/slot tables: one row per running sequence, wide enough for max_model_len."""
         self._tell_workers("create_tables", max_rows, max_model_len)
-        self.tables = PageTables(max_rows, -(-max_model_len // self.config.page_size) + 1, self.device,
-                                 window=self.window_pool is not None)
+        # Speculative rows reach up to 2k positions past their last token (verify padding, an MTP chain).
+        width = -(-(max_model_len + 2 * self.config.num_speculative_tokens) // self.config.page_size) + 1
+        self.tables = PageTables(max_rows, width, self.device, window=self.window_pool is not None)
 
     def capture_graphs(self, max_rows: int, max_model_len: int) -> None:
-        """Capture the decode graphs (after `create_tables`; the caches are bound for good by then)."""
+        """Capture the decode graphs and, with speculative decoding, the verify graphs (after `create_tables`; the
+        caches are bound for good by then). Verify graphs cover as many tokens as the largest decode graph; with
+        a draft layer they replace the decode graphs (every decode step drafts)."""
         self._tell_workers("capture_graphs", max_rows, max_model_len)
-        if self.use_graphs:
-            sizes = capture_sizes(min(self.graph_rows(), max_rows))
-            self.graphs = DecodeGraphs(self.model, self.tables, self.config.page_size, max_model_len, sizes,
-                                       self.device, capture=True)
+        if not self.use_graphs:
+            return
+        rows, k = min(self.graph_rows(), max_rows), self.config.num_speculative_tokens
+        pool = torch.cuda.graph_pool_handle()
+        if k:
+            self.verify_graphs = DecodeGraphs(self.model, self.tables, self.config.page_size, max_model_len,
+                                              capture_sizes(max(1, rows // (k + 1))), self.device, capture=True,
+                                              row_tokens=k + 1, drafter=self.drafter, pool=pool)
+        if self.drafter is None:
+            self.graphs = DecodeGraphs(self.model, self.tables, self.config.page_size, max_model_len,
+                                       capture_sizes(rows), self.device, capture=True, pool=pool)
 
     def _with_window_pages(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
         """Chunks that run outside the scheduler (warm-up, profiling) use the same page ids in the window group.
@@ -140,12 +191,20 @@ class ModelRunner:
     def warm_up(self, max_rows: int, max_model_len: int) -> int:
         """Run the warm-up steps (runtime/warmup.py) on the dummy page and slot, then zero both. Returns the steps."""
         self._tell_workers("warm_up", max_rows, max_model_len)
-        steps = warmup_batches(self.config.max_num_batched_tokens, max_rows, max_model_len, self.config.page_size)
+        steps = warmup_batches(self.config.max_num_batched_tokens, max_rows, max_model_len, self.config.page_size,
+                               self.config.num_speculative_tokens)
         for chunks in steps:
             batch = build_forward_batch(self._with_window_pages(chunks), self.config.page_size, self.device,
                                         self.model.history_len)
             hidden = self.model(batch)
             self.model.compute_logits(hidden[batch.logits_indices])
+            if self.drafter is not None:  # every row drafts from token 0s (the chain's KV on the dummy page)
+                counts = [1 + c.num_drafts for c in chunks]
+                drawn = torch.zeros(sum(counts), dtype=torch.long, device=self.device)
+                verify = sum(1 for c in chunks if c.num_drafts)
+                inputs = self.drafter.inputs(batch, chunks, [sum(counts[:i]) for i in range(len(chunks))], drawn,
+                                             drawn[:verify] if verify else None, self.tables.full.pages)
+                self.drafter.run(batch, hidden, inputs)
         self.kv_pool.clear_page(DUMMY_PAGE)
         if self.window_pool is not None:
             self.window_pool.clear_page(DUMMY_PAGE)
@@ -180,10 +239,17 @@ class ModelRunner:
             rows = self.graph_rows()
             # The pool's segments are whole allocator blocks (2 MiB for small tensors, 20 MiB and up for large
             # ones), hence the headroom over the peak of live tensors.
-            self.graph_reserve = _GRAPH_POOL_HEADROOM + self._profile_activations(
-                [ScheduledChunk([0], 0, [], 1, True, [0]) for _ in range(rows)], rows)
-            logger.info("memory plan: %.0f MiB reserved for the CUDA graphs' pool (the forward of %d decode rows)",
-                        self.graph_reserve / 2**20, rows)
+            graph_peak = self._profile_activations([ScheduledChunk([0], 0, [], 1, True, [0]) for _ in range(rows)],
+                                                   rows)
+            k = self.config.num_speculative_tokens
+            if k:  # verify graphs: as many tokens in rows of 1 + k (their states into the profile pool's slot 1)
+                verify = max(1, rows // (k + 1))
+                graph_peak = max(graph_peak, self._profile_activations(
+                    [ScheduledChunk([0] * (k + 1), 0, [], 1, True, list(range(k + 1)), draft_slots=[1] * k)
+                     for _ in range(verify)], verify * (k + 1)))
+            self.graph_reserve = _GRAPH_POOL_HEADROOM + graph_peak
+            logger.info("memory plan: %.0f MiB reserved for the CUDA graphs' pool (the forward of %d decode rows%s)",
+                        self.graph_reserve / 2**20, rows, f" or of {rows // (k + 1)} verify rows" if k else "")
             peak += self.graph_reserve
         # The sampler's penalty counts (fp32 count + bool flag per vocabulary entry and penalty row), allocated
         # when a request first uses a penalty.
@@ -235,11 +301,11 @@ class ModelRunner:
             raise RuntimeError("create_tables must be called before the first step")
         self._tell_workers("launch", plan)
         self.tables.reset(plan.table_resets)
+        self.tables.truncate(plan.table_truncations)
         chunks = plan.chunks
-        replay = self.graphs is not None and all(len(c.token_ids) == 1 for c in chunks) and \
-            self.graphs.size_for(len(chunks)) is not None
+        graphs = self._graphs_for(chunks)
         previous = self._drawn_tokens
-        if replay:
+        if graphs is not None:
             self.tables.upload_updates(chunks)
         else:
             batch = build_forward_batch(chunks, self.config.page_size, self.device, self.model.history_len,
@@ -252,36 +318,28 @@ class ModelRunner:
         self._copy_slots(plan.page_restores, self.footer_pool)
         handle = StepHandle([ChunkResult() for _ in chunks])
         self._drawn_tokens = None
-        # Logits rows come chunk by chunk: the scored prompt positions, then the last token when it samples.
-        if replay:
-            logits = self.graphs.run(chunks, previous)  # every row's; keep those of chunks that want logits
-            wanted = [i for i, c in enumerate(chunks) if c.logits_offsets]
-            logits = logits if len(wanted) == len(chunks) else logits[torch.tensor(wanted, device=self.device)]
+        # Logits rows come chunk by chunk: the scored prompt positions, then the positions that sample.
+        if graphs is not None:
+            logits = graphs.run(chunks, previous)  # every token's; keep those of positions that want logits
+            n = graphs.row_tokens
+            wanted = [i * n + j for i, c in enumerate(chunks) for j in c.logits_offsets]
+            if len(wanted) != logits.shape[0]:
+                logits = logits[torch.tensor(wanted, device=self.device)]
             self._copy_slots(plan.snapshots, self.state_pool)
         else:
             hidden = self.model(batch)
             self._copy_slots(plan.snapshots, self.state_pool)
-            if batch.logits_indices.numel() == 0:
-                return handle
             logits = self.model.compute_logits(hidden[batch.logits_indices])
-        if logits.shape[0] == 0:
-            return handle
-        row, sampling = 0, []
-        for result, targets, rows in zip(handle.results, plan.prompt_logprobs, plan.samples):
-            if targets is not None:
-                try:
-                    scored = torch.log_softmax(logits[row:row + len(targets.token_ids)], dim=-1)
-                    result.prompt_logprobs = logprob_dicts(scored, targets.token_ids, targets.top_k)
-                except Exception as err:  # stays with this request; the engine aborts it alone
-                    result.error = err
-                row += len(targets.token_ids)
-            if rows:
-                sampling.append((result, rows, row))
-                row += 1
+        sampling, verify, first_draws = self._score(plan, handle, logits)
+        if self.drafter is not None:
+            handle.draft_work = DraftWork(chunks, first_draws, graphs=graphs) if graphs is not None else \
+                DraftWork(chunks, first_draws, batch, hidden)
         if not sampling:
-            self.sampler.end_step()
+            self._draft(handle, None)
+            if logits.shape[0]:
+                self.sampler.end_step()
             return handle
-        handle.pending = (logits, sampling)
+        handle.pending = (logits, sampling, verify)
         if any(row.params.structured_output is not None for _, rows, _ in sampling for row in rows):
             self._awaiting_mask = handle  # the engine fills the masks while the forward runs: draw_masked
         else:
@@ -300,15 +358,71 @@ class ModelRunner:
         self._draw(handle, mask.to(self.device) if mask is not None else None)
 
     def _draw(self, handle: StepHandle, mask: TokenMask | None) -> None:
-        logits, sampling = handle.pending
+        """The step's draws, then (speculative decoding) the verify rows' commit and the draft layer's drafts."""
+        logits, sampling, verify = handle.pending
         handle.pending = None
         handle.draws = self._sample(logits, sampling, mask)
         handle.draw_counts = [(result, len(rows)) for result, rows, _ in sampling]
         tokens = [draws.tokens for draws in handle.draws]
         self._drawn_tokens = tokens[0] if len(tokens) == 1 else torch.cat(tokens)
+        accepted = commit_states(self.state_pool, self._drawn_tokens, verify) if verify else None
+        self._draft(handle, accepted)
         for draws in handle.draws:
             draws.start_copy()
         self.sampler.end_step()
+
+    def _draft(self, handle: StepHandle, accepted: torch.Tensor | None) -> None:
+        """The draft layer's work after the draws and the commit (MTP), on the device: its KV over the step, and
+        the drafts of the rows that drew."""
+        work, handle.draft_work = handle.draft_work, None
+        if work is None:
+            return
+        drawn = self._drawn_tokens if self._drawn_tokens is not None else self._no_draws
+        if work.graphs is not None:
+            handle.drafts = work.graphs.draft(work.chunks, work.first_draws, drawn, accepted)
+            handle.draft_results = [r if first is not None else None
+                                    for r, first in zip(handle.results, work.first_draws)]
+        else:
+            inputs = self.drafter.inputs(work.batch, work.chunks, work.first_draws, drawn, accepted,
+                                         self.tables.full.pages)
+            handle.drafts = self.drafter.run(work.batch, work.hidden, inputs)
+            handle.draft_results = [r for r, first in zip(handle.results, work.first_draws) if first is not None]
+
+    def _graphs_for(self, chunks: list[ScheduledChunk]) -> DecodeGraphs | None:
+        """The graphs a step replays: decode graphs when every row runs one token (no draft layer); verify graphs
+        when some row verifies drafts (or a draft layer drafts) and every row fits them; else None (eager)."""
+        if self.graphs is not None and all(len(c.token_ids) == 1 for c in chunks) and \
+                self.graphs.size_for(len(chunks)) is not None:
+            return self.graphs
+        verify = self.verify_graphs
+        if verify is not None and (self.drafter is not None or any(c.num_drafts for c in chunks)) and \
+                verify.fits(chunks):
+            return verify
+        return None
+
+    def _score(self, plan: StepPlan, handle: StepHandle, logits: torch.Tensor) -> tuple[list, list, list]:
+        """Prompt logprobs from `logits` (the wanted rows, in plan order), and the step's draws to make ->
+        (sampling entries (result, rows, logits rows), verify entries (chunk, its first draw), each chunk's first
+        draw in the step's draws or None)."""
+        row, sampling, verify, first_draw, first_draws = 0, [], [], 0, []
+        for chunk, result, targets, rows in zip(plan.chunks, handle.results, plan.prompt_logprobs, plan.samples):
+            first_draws.append(first_draw if rows else None)
+            if targets is not None:
+                try:
+                    scored = torch.log_softmax(logits[row:row + len(targets.token_ids)], dim=-1)
+                    result.prompt_logprobs = logprob_dicts(scored, targets.token_ids, targets.top_k)
+                except Exception as err:  # stays with this request; the engine aborts it alone
+                    result.error = err
+                row += len(targets.token_ids)
+            if rows:
+                # Forks draw from the prompt's last logits row; a verify row draws at each of its positions.
+                span = len(rows) if chunk.num_drafts else 1
+                sampling.append((result, rows, list(range(row, row + span)) if span > 1 else [row] * len(rows)))
+                if chunk.num_drafts:
+                    verify.append((chunk, first_draw))
+                row += span
+                first_draw += len(rows)
+        return sampling, verify, first_draws
 
     def collect(self, handle: StepHandle) -> list[ChunkResult]:
         """Wait for a launched step's sampled tokens and hand them to each chunk's result."""
@@ -317,16 +431,20 @@ class ModelRunner:
         tokens = iter([token for draws in handle.draws for token in draws.result()])
         for result, count in handle.draw_counts:
             result.sampled = [next(tokens) for _ in range(count)]
+        if handle.drafts is not None:
+            for result, drafts in zip(handle.draft_results, handle.drafts.tolist()):
+                if result is not None:
+                    result.drafts = drafts
         return handle.results
 
-    def _sample(self, logits: torch.Tensor, sampling: list[tuple[ChunkResult, list, int]],
+    def _sample(self, logits: torch.Tensor, sampling: list[tuple[ChunkResult, list, list[int]]],
                 mask: TokenMask | None) -> list[Draws]:
         """All draws of the step in one sampler call, in plan order (the order `future_token` indexes). If that
         fails, chunk by chunk: a failure then stays with the request that caused it (its result's `error`; its
         draws are placeholder tokens 0, which the engine discards) and every other request still gets its tokens
         (draws depend only on their own row, so they are the same either way)."""
-        def draw(entries: list[tuple[ChunkResult, list, int]], entry_mask: TokenMask | None) -> list[Draws]:
-            draw_rows = [row for _, rows, row in entries for _ in rows]
+        def draw(entries: list[tuple[ChunkResult, list, list[int]]], entry_mask: TokenMask | None) -> list[Draws]:
+            draw_rows = [row for _, _, logits_rows in entries for row in logits_rows]
             contiguous = draw_rows == list(range(draw_rows[0], draw_rows[0] + len(draw_rows)))
             picked = logits[draw_rows[0]:draw_rows[0] + len(draw_rows)] if contiguous else \
                 logits[torch.tensor(draw_rows, device=logits.device)]

@@ -37,6 +37,9 @@ _COUNTERS = [
     ("generation_tokens", "generation_tokens", "Generated tokens."),
     ("prefix_cache_queries", "prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache."),
     ("num_preemptions", "preemptions", "Requests preempted (to be recomputed) for lack of pages or slots."),
+    ("spec_decode_num_drafts", "spec_verify_rows", "Speculative decoding: request-steps that verified drafts."),
+    ("spec_decode_num_draft_tokens", "spec_draft_tokens", "Speculative decoding: draft tokens verified."),
+    ("spec_decode_num_accepted_tokens", "spec_accepted_tokens", "Speculative decoding: draft tokens accepted."),
 ]
 # (metric name, used key, total key, help)
 _USAGE = [
@@ -60,6 +63,14 @@ class _EngineStats(Collector):
         for name, key, doc in _COUNTERS:
             if key in stats:
                 yield CounterMetricFamily(PREFIX + name, doc, value=stats[key])
+        if stats.get("spec_verify_rows"):
+            rows, drafts, accepted = (stats[k] for k in ("spec_verify_rows", "spec_draft_tokens",
+                                                         "spec_accepted_tokens"))
+            yield GaugeMetricFamily(PREFIX + "spec_decode_acceptance_rate", "Speculative decoding: accepted / "
+                                    "verified draft tokens, since start.", value=accepted / max(drafts, 1))
+            yield GaugeMetricFamily(PREFIX + "spec_decode_mean_accept_length", "Speculative decoding: tokens a "
+                                    "verifying request gains per step (accepted drafts + the bonus token), since "
+                                    "start.", value=(accepted + rows) / rows)
         if "prefix_cache_hit_tokens" in stats:
             hits = CounterMetricFamily(PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache, by "
                                        "layer kind: attention = KV matched; state = also restorable (usable hit).",

@@ -61,3 +61,48 @@ def test_static_padded_decode_matches_eager_steps(model: str, zaya_dir, ling_dir
     # A second run reuses the same buffers and the prefix cache (Ling): still the eager steps' tokens.
     again = graphed.generate(inputs, params)
     assert [[o.token_ids for o in r.outputs] for r in again] == [[o.token_ids for o in r.outputs] for r in expected]
+
+
+@pytest.mark.parametrize("model, method", [("zaya", "ngram"), ("ling", "mtp")])
+def test_static_verify_steps_match_eager_speculation(model: str, method: str, zaya_dir, ling_dir) -> None:
+    """Speculative decoding through the verify graphs' static path (rows padded to 1 + k tokens, padding rows up
+    to the size; with MTP the draft graph too) gives the eager speculative run's tokens and logprobs, which equal
+    the plain run's. ZAYA1 n-gram beside its decode graphs (steps without drafts), prefix caching off as above;
+    Ling with its MTP layer drafting, which replaces the decode graphs."""
+    directory = zaya_dir if model == "zaya" else ling_dir
+    k = 3
+    spec = {"method": method, "num_speculative_tokens": k}
+    if method == "ngram":
+        spec |= {"prompt_lookup_min": 1}
+    options = {"enable_prefix_caching": model == "ling", "speculative_config": spec}
+    plain, eager, graphed = _llm(directory, enable_prefix_caching=False), _llm(directory, **options), \
+        _llm(directory, **options)
+    runner, engine = graphed.engine.runner, graphed.engine
+    runner.verify_graphs = DecodeGraphs(runner.model, runner.tables, engine.config.page_size, engine.max_model_len,
+                                        capture_sizes(4), runner.device, capture=False, row_tokens=k + 1,
+                                        drafter=runner.drafter)
+    if runner.drafter is None:
+        runner.graphs = DecodeGraphs(runner.model, runner.tables, engine.config.page_size, engine.max_model_len,
+                                     capture_sizes(4), runner.device, capture=False)
+    replayed = {"decode": 0, "verify": 0}
+    for name, graphs in (("decode", runner.graphs), ("verify", runner.verify_graphs)):
+        if graphs is not None:
+            graphs.run = (lambda run, name: lambda *a: (replayed.__setitem__(name, replayed[name] + 1), run(*a))[1])(
+                graphs.run, name)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [{"prompt_token_ids": (torch.randint(3, 12, (n,), generator=gen).tolist() * 3)[:n]}
+               for n in (3, 9, 4, 17, 6)]
+    params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, logprobs=1, ignore_eos=True) for i in range(5)]
+    params[2] = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=13, logprobs=1, ignore_eos=True)
+    expected, want, got = plain.generate(prompts, params), eager.generate(prompts, params), \
+        graphed.generate(prompts, params)
+    for name, run in (("eager", want), ("graphs", got)):
+        for a, b in zip(expected, run):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids, name
+            for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+                assert x.keys() == y.keys() and all(abs(x[t] - y[t]) <= 1e-5 for t in x), (x, y)
+    assert replayed["verify"] > 3 and (replayed["decode"] > 0 or runner.drafter is not None)
+    stats = engine.stats()
+    assert stats["spec_draft_tokens"] > 0
+    if method == "mtp":  # every drafting row's drafts come from the draft graph: the same as the eager run's
+        assert stats == eager.engine.stats() | {k: v for k, v in stats.items() if not k.startswith("spec_")}

@@ -15,15 +15,15 @@ from tests.helpers import add_tokenizer
 LOGPROB_TOL = 1e-5  # fp32: the shards' partial sums are added in another order than TP=1's full products
 
 
-def _engine(directory, tp: int) -> LLMEngine:
+def _engine(directory, tp: int, speculative: dict | None = None) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(directory), device="cpu", dtype="float32", page_size=4,
                                   tensor_parallel_size=tp, max_num_batched_tokens=20, state_checkpoint_interval=8,
-                                  use_tqdm=False))
+                                  use_tqdm=False, speculative_config=speculative))
 
 
-def _generate(directory, tp: int) -> dict[str, object]:
+def _generate(directory, tp: int, speculative: dict | None = None) -> dict[str, object]:
     """8 prompts of mixed lengths (chunked at 20 tokens a step), then 4 that share their prefixes (cache hits)."""
-    engine = _engine(directory, tp)
+    engine = _engine(directory, tp, speculative)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 120, (n,), generator=gen).tolist() for n in (5, 17, 9, 30, 12, 3, 25, 8)]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
@@ -37,6 +37,7 @@ def _generate(directory, tp: int) -> dict[str, object]:
                     if out.finished:
                         done[out.request_id] = out
         assert engine.scheduler.prefix_hit_tokens > 0
+        assert speculative is None or engine.stats()["spec_draft_tokens"] > 0
     finally:
         engine.shutdown()
     return done
@@ -67,6 +68,15 @@ def ling4_dir(tmp_path_factory):
 def test_tp2_equals_tp1(kind, zaya_dir, ling_dir):
     directory = zaya_dir if kind == "zaya" else ling_dir
     _assert_same(_generate(directory, 1), _generate(directory, 2))
+
+
+@pytest.mark.parametrize("kind, method", [("zaya", "ngram"), ("ling", "mtp")])
+def test_tp2_speculative_equals_tp1_plain(kind, method, zaya_dir, ling_dir):
+    """Speculative decoding under TP=2: every rank verifies, commits and (MTP) drafts on its shard from the same
+    draws; the tokens are the plain TP=1 run's."""
+    directory = zaya_dir if kind == "zaya" else ling_dir
+    spec = {"method": method, "num_speculative_tokens": 3} | ({"prompt_lookup_min": 1} if method == "ngram" else {})
+    _assert_same(_generate(directory, 1), _generate(directory, 2, spec))
 
 
 def test_tp4_equals_tp1(ling4_dir):

@@ -1,5 +1,6 @@
 """The start-up warm-up leaves nothing to compile: after `LLM(...)` returns, a run with prompts of many lengths,
-several batch sizes, chunked prefill, prefix hits and decode adds no compiled variant to any Triton kernel of ours.
+several batch sizes, chunked prefill, prefix hits and decode (also speculative: verify steps, MTP drafting) adds no
+compiled variant to any Triton kernel of ours.
 
 Each `triton.jit` function keeps its compiled variants per device (`device_caches[device][0]`, triton 3.x); the test
 counts them over every kernel in `hybridserve.ops.triton` before and after the run and names any new one.
@@ -46,15 +47,19 @@ def _why(fn, key: tuple, known: set) -> str:
     return ", ".join(min((differences(old) for old in known), key=len)) if known else "no variant at start-up"
 
 
-@pytest.mark.parametrize("model", ["zaya", "ling"])
-def test_no_kernel_compiles_after_start_up(model: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("model, speculative", [
+    ("zaya", None), ("ling", None),
+    ("zaya", {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}),
+    ("ling", {"method": "mtp", "num_speculative_tokens": 3}),
+], ids=["zaya", "ling", "zaya-ngram", "ling-mtp"])
+def test_no_kernel_compiles_after_start_up(model: str, speculative: dict | None, tmp_path: Path) -> None:
     if model == "zaya":
         write_random_checkpoint(tmp_path, ZAYA1_8B_SHAPED | {"num_hidden_layers": 2})
     else:
         write_checkpoint(tmp_path, FLASH, {n: t.bfloat16() for n, t in random_ling_checkpoint(FLASH, 0).items()})
     add_tokenizer(tmp_path)
     llm = LLM(str(tmp_path), dtype="bfloat16", device="cuda", max_num_batched_tokens=512, max_running_requests=24,
-              max_model_len=2048, gpu_memory_utilization=0.2, use_tqdm=False)
+              max_model_len=2048, gpu_memory_utilization=0.2, use_tqdm=False, speculative_config=speculative)
     before = _compiled_variants()
     assert any(keys for _, keys in before.values())  # the warm-up compiled something
     gen = torch.Generator().manual_seed(0)

@@ -33,27 +33,30 @@ def _weights(q_heads: int, k_heads: int, d: int, bias: bool, gen: torch.Generato
     return w0, b0, w1, b1
 
 
-def _batch(rows: list[tuple[int, int, bool]], page_size: int, device: torch.device = DEVICE):
-    """rows: (prefix_len, new tokens, has_initial_state); slots 1.., pages handed out in order from 1."""
-    chunks, next_page = [], 1
+def _batch(rows: list[tuple[int, int, bool]], page_size: int, device: torch.device = DEVICE, verify=()):
+    """rows: (prefix_len, new tokens, has_initial_state); slots 1.., pages handed out in order from 1. Rows listed
+    in `verify` are verify rows (speculative decoding): their drafts' states go to slots after the rows' slots."""
+    chunks, next_page, next_draft_slot = [], 1, len(rows) + 1
     for slot, (prefix, length, init) in enumerate(rows, start=1):
         pages = list(range(next_page, next_page + -(-(prefix + length) // page_size)))
         next_page += len(pages)
-        chunks.append(ScheduledChunk([0] * length, prefix, pages, slot, init, []))
+        drafts = list(range(next_draft_slot, next_draft_slot + length - 1)) if slot - 1 in verify else []
+        next_draft_slot += len(drafts)
+        chunks.append(ScheduledChunk([0] * length, prefix, pages, slot, init, [], draft_slots=drafts))
     return build_forward_batch(chunks, page_size, device, history_len=P)
 
 
 def run_conv_case(rows, dtype, form, page_size=4, q_heads=4, k_heads=2, d=16, full_k_heads=None, kv_head_offset=0,
-                  bias=True, footers=True, seed=0):
+                  bias=True, footers=True, seed=0, verify=()):
     """Kernel (in `form`, None: chosen by the token count) vs reference on `rows` (see _batch), with every slot and
     page of the pools not used by a row (and every fresh row's slot) poisoned; returns the batch."""
     gen = torch.Generator().manual_seed(seed)
-    slots = len(rows) + 3
+    slots = len(rows) + 3 + sum(rows[i][1] - 1 for i in verify)
     pages = sum(-(-(prefix + n) // page_size) for prefix, n, _ in rows) + 3
     full_k_heads = full_k_heads or k_heads
     lag_width = full_k_heads * d // 2
     c = (q_heads + k_heads) * d
-    batch = _batch(rows, page_size)
+    batch = _batch(rows, page_size, verify=verify)
     tokens = sum(n for _, n, _ in rows)
     proj = torch.randn(tokens, c + 2 * lag_width, generator=gen).to(dtype)
     weights = [w.to(dtype) for w in _weights(q_heads, k_heads, d, bias, gen)]
@@ -71,7 +74,7 @@ def run_conv_case(rows, dtype, form, page_size=4, q_heads=4, k_heads=2, d=16, fu
 
     ref_state = [f32(conv), f32(lag), f32(conv_footer), f32(lag_footer)]
     ref = reference.cca_conv(proj.float(), *[w.float() for w in weights], f32(lag_bias), q_heads, kv_head_offset,
-                             _batch(rows, page_size, torch.device("cpu")), *ref_state)
+                             _batch(rows, page_size, torch.device("cpu"), verify), *ref_state)
     dev = [None if t is None else t.to(DEVICE) for t in (conv, lag, conv_footer, lag_footer)]
     got = kernel.cca_conv(proj.to(DEVICE), *[w.to(DEVICE) for w in weights],
                           None if lag_bias is None else lag_bias.to(DEVICE), q_heads, kv_head_offset, batch, *dev,
@@ -170,3 +173,40 @@ def test_form_chosen_by_token_count(monkeypatch):
         assert tiles.call_count == 1
     with pytest.raises(ValueError, match="form"):
         run_conv_case(_decode_rows(1), torch.float32, "rows")
+
+
+# Verify rows (speculative decoding): the last token and 1..4 drafts, beside decode rows and a prefill chunk, with
+# rows starting at every offset in a page (footers of pages that drafts complete).
+VERIFY = [(5, 3, True), (3, 1, True), (7, 5, True), (0, 6, False), (12, 2, True), (4, 4, True)]
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_verify_rows_match_reference(dtype, form, few_programs):
+    run_conv_case(VERIFY, dtype, form, verify={0, 2, 4, 5})
+
+
+def test_verify_rows_store_the_state_after_each_token():
+    """The reference's per-token states are what a plain chunk ending at that token leaves in its slot (both the
+    window and the lag), and the working slot holds the state after the row's first token."""
+    gen = torch.Generator().manual_seed(3)
+    q_heads, k_heads, d, page_size = 2, 1, 8, 4
+    c, lag_width = (q_heads + k_heads) * d, k_heads * d // 2
+    weights = _weights(q_heads, k_heads, d, True, gen)
+    prefix, length = 6, 4
+    proj = torch.randn(length, c + 2 * lag_width, generator=gen)
+    conv0, lag0 = torch.randn(1, c, P, generator=gen), torch.randn(1, lag_width, generator=gen)
+
+    def run(rows_proj, verify):
+        conv = torch.zeros(2 + length, c, P)
+        lag = torch.zeros(2 + length, lag_width)
+        conv[1], lag[1] = conv0[0], lag0[0]
+        batch = _batch([(prefix, rows_proj.shape[0], True)], page_size, torch.device("cpu"), verify)
+        reference.cca_conv(rows_proj, *weights, None, q_heads, 0, batch, conv, lag)
+        return conv, lag
+
+    conv, lag = run(proj, verify={0})
+    for j in range(length):
+        want_conv, want_lag = run(proj[:j + 1], verify=())
+        slot = 1 if j == 0 else 1 + j  # the working slot, then the draft slots 2, 3, ...
+        assert torch.equal(conv[slot], want_conv[1]) and torch.equal(lag[slot], want_lag[1]), j

@@ -182,3 +182,37 @@ def test_bad_layouts_are_refused() -> None:
         kernel.lightning_attention(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, LOG_DECAY, pool, batch)
     with pytest.raises(ValueError, match="precision"):
         kernel.lightning_prefill(q, k, v, LOG_DECAY, pool, batch, precision="bf16")
+
+
+def verify_batch(rows: list[tuple[int, int, bool]], first_draft_slot: int = 5, prefix: int = 3, page: int = PAGE):
+    """rows: (tokens, slot, verify), each after `prefix` tokens; a verify row's drafts get slots first_draft_slot,
+    ... in order, its first token its own slot (speculative decoding's verify layout)."""
+    chunks, draft_slot = [], first_draft_slot
+    for n, slot, verify in rows:
+        drafts = list(range(draft_slot, draft_slot + n - 1)) if verify else []
+        draft_slot += len(drafts)
+        chunks.append(ScheduledChunk([0] * n, prefix, list(range(1, 2 + (prefix + n) // page)), slot, True,
+                                     draft_slots=drafts))
+    return build_forward_batch(chunks, page, DEVICE)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("rows", [
+    [(3, 2, True), (4, 4, True), (2, 1, True)],  # every row verifies: the verify kernel alone
+    [(2, 3, True), (40, 1, False), (1, 2, False), (3, 4, True)],  # beside a prefill chunk and a decode row
+], ids=["verify", "mixed"])
+def test_verify_rows_store_each_tokens_state(dtype: torch.dtype, rows) -> None:
+    """Verify rows: outputs, the state after each token in its slot (first token: the row's own slot), no other
+    slot touched; the reference is checked against the plain recurrence in tests/unit/test_lightning_ops.py."""
+    gen = torch.Generator(device=DEVICE).manual_seed(6)
+    batch = verify_batch(rows)
+    lengths = [n for n, _, _ in rows]
+    q, k, v = _qkv(sum(lengths), dtype, gen)
+    before = _pool([], [], gen)
+    got_pool, ref_pool = before.clone(), before.clone()
+    out = kernel.lightning_attention(q, k, v, LOG_DECAY, got_pool, batch)
+    expected = reference.lightning_attention(q, k, v, LOG_DECAY, ref_pool, batch)
+    _check_rows(out, expected, batch.query_starts, lengths)
+    written = sorted({s for _, s, _ in rows} | set(batch.verify.token_slots[batch.verify.tokens].tolist()))
+    assert written[-1] <= NUM_SLOTS
+    _check_pools(got_pool, ref_pool, before, written)

@@ -476,7 +476,7 @@ class NaiveLing:
     """Ling-2.6 causal LM evaluated naively, straight from the spec.
 
     Built from a config dict and a dict of checkpoint tensors (HF names). Missing, misshaped or
-    unknown tensors raise. The MTP layer tensors are kept in `mtp_tensors` but never run.
+    unknown tensors raise. The MTP layer (§6) runs only through `mtp_step`.
     """
 
     def __init__(self, config: dict, tensors: dict[str, Tensor], dtype: torch.dtype = torch.float32):
@@ -532,6 +532,10 @@ class NaiveLing:
 
     def step(self, seq: SequenceState, token_ids: list[int]) -> Tensor:
         """Append `token_ids` to the sequence (updating `seq` in place); return their logits [len, V]."""
+        return self.step_hidden(seq, token_ids) @ self._lm_head().T
+
+    def step_hidden(self, seq: SequenceState, token_ids: list[int]) -> Tensor:
+        """`step`, returning the final normed hidden states [len, D] instead of the logits."""
         if len(token_ids) == 0:
             raise ValueError("step needs at least one token")
         positions = torch.arange(seq.position, seq.position + len(token_ids))
@@ -539,8 +543,30 @@ class NaiveLing:
         for i in range(self.num_layers):
             hidden = self._decoder_layer(i, hidden, positions, seq)
         seq.position += len(token_ids)
-        hidden = rms_norm(hidden, self.weights["model.norm.weight"], self.eps)
-        return hidden @ self._lm_head().T
+        return rms_norm(hidden, self.weights["model.norm.weight"], self.eps)
+
+    def new_mtp_sequence(self) -> SequenceState:
+        """The MTP layer's own (empty) MLA history: it has no recurrent state (§6)."""
+        state, layer = SequenceState(), self.num_layers
+        state.mla_latent[layer] = torch.zeros(0, self.config["kv_lora_rank"], dtype=self.dtype)
+        state.mla_k_rope[layer] = torch.zeros(0, self.config["qk_rope_head_dim"], dtype=self.dtype)
+        return state
+
+    def mtp_step(self, seq: SequenceState, next_token_ids: list[int], hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """§6 at the next positions of `seq`: each position's next token and the final hidden state there ->
+        (the block's output after final_layernorm [len, D], its logits [len, V]: the token after next)."""
+        layer, w = self.num_layers, self.weights
+        positions = torch.arange(seq.position, seq.position + len(next_token_ids))
+        embeds = w["model.word_embeddings.weight"][torch.tensor(next_token_ids)]
+        x = torch.cat([rms_norm(embeds, self._w(layer, "enorm.weight"), self.eps),
+                       rms_norm(hidden, self._w(layer, "hnorm.weight"), self.eps)], dim=-1)
+        x = x @ self._w(layer, "eh_proj.weight").T
+        x = x + self._mla_attention(layer, rms_norm(x, self._w(layer, "input_layernorm.weight"), self.eps),
+                                    positions, seq)
+        x = x + self._moe(layer, rms_norm(x, self._w(layer, "post_attention_layernorm.weight"), self.eps))
+        seq.position += len(next_token_ids)
+        out = rms_norm(x, self._w(layer, "final_layernorm.weight"), self.eps)
+        return out, out @ self._lm_head().T
 
     def forward(self, token_ids: list[int]) -> Tensor:
         """Logits [T, V] of a fresh sequence at positions 0..T-1."""

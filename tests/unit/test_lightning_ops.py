@@ -7,10 +7,12 @@ import torch
 
 from hybridserve.core.batch import ScheduledChunk, build_forward_batch
 from hybridserve.layers.norm import GroupRMSNorm
+from hybridserve.ops.reference import lightning as reference
 from hybridserve.ops.reference.lightning import lightning_decode, lightning_prefill
 from tests.reference.ling_naive import group_rms_norm, lightning_recurrence
 
 PAGE = 16
+CPU_DEVICE = torch.device("cpu")
 HEADS, DK, DV = 3, 8, 6  # d_v != d_k on purpose
 # A fast head (a^64 ~ 1e-25), a middling one and an almost non-decaying one.
 LOG_DECAY = torch.tensor([-0.9, -0.05, -1e-3])
@@ -102,3 +104,26 @@ def test_group_rms_norm_matches_per_group_formula() -> None:
     x[:, :8] *= 10.0  # groups of very different scale, so a whole-row norm would differ
     expected = group_rms_norm(x, norm.weight.data, 3, 1e-6)
     assert (norm(x) - expected).abs().max().item() <= 1e-6
+
+
+def test_verify_rows_keep_the_state_after_each_token() -> None:
+    """A verify row (speculative decoding) writes, for each token j, the state a plain chunk ending at j leaves
+    (the first token's into the row's slot, the drafts' into their own slots), with the plain chunk's outputs."""
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(5, 2, 8, generator=gen) for _ in range(3))
+    log_decay = torch.tensor([-0.9, -0.05])
+    initial = torch.randn(2, 8, 8, generator=gen)
+
+    def run(n: int, drafts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        pool = torch.zeros(10, 2, 8, 8)
+        pool[1] = initial
+        chunk = ScheduledChunk([0] * n, 4, [1, 2, 3], 1, True, draft_slots=drafts)
+        out = reference.lightning_attention(q[:n], k[:n], v[:n], log_decay, pool, build_forward_batch([chunk], 4,
+                                                                                                        CPU_DEVICE))
+        return out, pool
+
+    out, pool = run(5, [6, 7, 8, 9])
+    for j in range(5):
+        plain_out, plain_pool = run(j + 1, [])
+        assert torch.allclose(out[:j + 1], plain_out, rtol=1e-5, atol=1e-6)
+        assert torch.allclose(pool[1 if j == 0 else 5 + j], plain_pool[1], rtol=1e-5, atol=1e-6), j

@@ -32,6 +32,21 @@ def test_smoke_run_on_cpu_writes_the_results(tmp_path, model_type):
     assert ("hf_tok_s" not in smoke) if model_type == "zaya" else smoke["hf_tok_s"] == "n/a"
 
 
+def test_speculative_smoke_run_reports_plain_speculative_and_forced_acceptance(tmp_path):
+    """NEXTN on the demo-width Ling (the script gives it its MTP layer): the forced run accepts every draft."""
+    out = tmp_path / "result.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "offline_throughput.py"), "--device", "cpu",
+                    "--width", "demo", "--layers", "2", "--model-type", "ling", "--load-format", "dummy",
+                    "--scenarios", "smoke", "--temperature", "0", "--dtype", "float32", "--out", str(out),
+                    "--speculative-algorithm", "NEXTN", "--num-draft-tokens", "2"],
+                   check=True, timeout=180, capture_output=True)
+    result = json.loads(out.read_text())
+    smoke = result["scenarios"]["smoke"]
+    assert result["speculative"] == {"method": "mtp", "num_speculative_tokens": 2}
+    assert smoke["spec_tok_s"] > 0 and smoke["forced_tok_s"] > 0 and smoke["spec_mean_accept_length"] >= 1
+    assert smoke["forced_acceptance_rate"] == 1.0 and smoke["forced_mean_accept_length"] == 3.0
+
+
 def test_ling_floor_weights_are_the_model_parameters_when_every_expert_is_touched():
     config = ling_flash_config(16)
     family = model_family(config)

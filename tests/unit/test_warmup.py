@@ -38,14 +38,36 @@ def test_decode_rows_never_exceed_the_token_budget() -> None:
     assert max(len(rows) for rows in steps) == 24
 
 
-@pytest.mark.parametrize("model", ["zaya_dir", "ling_dir"])
-def test_warm_up_leaves_every_cache_as_it_found_it(model: str, request: pytest.FixtureRequest) -> None:
+def test_speculative_steps_add_verify_rows() -> None:
+    steps = warmup_batches(max_tokens=40, max_rows=8, max_model_len=70, page_size=PAGE, draft_tokens=3)
+    plain = warmup_batches(max_tokens=40, max_rows=8, max_model_len=70, page_size=PAGE)
+    verify = [rows for rows in steps if any(r.draft_slots for r in rows)]
+    assert len(steps) == len(plain) + len(verify)
+    for rows in verify:
+        assert all(r.draft_slots == [DUMMY_SLOT] * 3 and len(r.token_ids) == 4 and r.has_initial_state
+                   for r in rows if r.draft_slots)
+        assert sum(len(r.token_ids) for r in rows) <= 40
+        assert all(len(r.page_ids) * PAGE >= r.prefix_len + len(r.token_ids) and r.prefix_len + len(r.token_ids)
+                   <= 70 for r in rows)
+    decode = [rows for rows in verify if all(r.draft_slots for r in rows)]  # at both contexts, <= 40 / 4 rows
+    assert sorted(len(rows) for rows in decode) == [1, 1, 2, 2, 4, 4, 8, 8]
+    mixed = [rows for rows in verify if not rows[0].draft_slots]  # beside T - 4 fresh tokens, T >= 5
+    assert sorted(len(rows[0].token_ids) + 4 for rows in mixed) == [8, 16, 31, 32, 40]
+
+
+@pytest.mark.parametrize("model, spec", [("zaya_dir", None), ("ling_dir", None), ("zaya_dir", "ngram"),
+                                         ("ling_dir", "mtp")])
+def test_warm_up_leaves_every_cache_as_it_found_it(model: str, spec: str | None,
+                                                   request: pytest.FixtureRequest) -> None:
     """The pools start zeroed; warm-up writes only the dummy page and slot (and the dummy page's footer) and zeroes
-    them again, so every buffer is zero afterwards. Prefix caching on: ZAYA1 then keeps per-page state footers."""
+    them again, so every buffer is zero afterwards. Prefix caching on: ZAYA1 then keeps per-page state footers.
+    With speculative decoding also its verify rows, and Ling's MTP layer drafting after every step."""
     directory = str(request.getfixturevalue(model))
     config = EngineConfig(model=directory, device="cpu", dtype="float32", max_num_batched_tokens=40,
-                          max_running_requests=8, kv_cache_memory_bytes=1 << 24)
+                          max_running_requests=8, kv_cache_memory_bytes=1 << 24,
+                          speculative_config={"method": spec, "num_speculative_tokens": 3} if spec else None)
     runner = ModelRunner(config, directory)
+    runner.create_tables(8, 70)
     pools = [runner.kv_pool, runner.state_pool] + ([runner.footer_pool] if runner.footer_pool else [])
     forwards, dirty = [], []
     runner.model.register_forward_hook(lambda module, args, output: forwards.append(1))
@@ -57,7 +79,7 @@ def test_warm_up_leaves_every_cache_as_it_found_it(model: str, request: pytest.F
             clear(index)
         setattr(pool, name, checked)
     steps = runner.warm_up(max_rows=8, max_model_len=70)
-    assert steps == len(forwards) == len(warmup_batches(40, 8, 70, config.page_size))
+    assert steps == len(forwards) == len(warmup_batches(40, 8, 70, config.page_size, 3 if spec else 0))
     assert dirty == [True] * len(pools)
     for pool in pools:
         for name, buffer in pool.buffers.items():

@@ -14,6 +14,8 @@ or v_delayed(0) = its bias for a fresh row); this rank keeps its KV heads.
 Rows are laid out by `batch.token_history`: each sequence's P carried rows in front of its new tokens, so
 `row - j` is a token's j-th predecessor wherever it lies. The carried window and lag are overwritten with the
 state after each row's last token, and page footers (the state after a page's last token) are written when given.
+Verify rows of speculative decoding (`batch.verify`) instead write the state after each of their tokens to that
+token's slot (the working slot gets the state after the row's first token).
 """
 from __future__ import annotations
 
@@ -35,8 +37,12 @@ def _conv(qk: torch.Tensor, batch: ForwardBatch, weight0: torch.Tensor, bias0: t
     rows[layout.history_index.flatten()] = carried.reshape(-1, qk.shape[1])
     rows[layout.token_index] = qk
     conv_state[batch.state_slots] = rows[layout.final_index].transpose(1, 2)
+    after = torch.arange(1 - history, 1, device=qk.device)  # the window after a token: its last P raw rows
+    if batch.verify is not None:
+        tokens = batch.verify.tokens
+        conv_state[batch.verify.token_slots[tokens]] = rows[layout.token_index[tokens][:, None] + after].transpose(1, 2)
     if conv_footer is not None:
-        window = layout.token_index[batch.page_end_tokens][:, None] + torch.arange(1 - history, 1, device=qk.device)
+        window = layout.token_index[batch.page_end_tokens][:, None] + after
         conv_footer[batch.page_end_pages] = rows[window].transpose(1, 2)
     stage1 = F.conv1d(rows.t()[None], weight0, bias0, groups=qk.shape[1])
     stage2 = F.conv1d(stage1, weight1, bias1, groups=qk.shape[1] // weight1.shape[1])
@@ -55,6 +61,9 @@ def _lagged(delayed: torch.Tensor, batch: ForwardBatch, lag_bias: torch.Tensor |
     rows[layout.history_index[:, -1]] = previous
     rows[layout.token_index] = delayed
     lag_state[batch.state_slots] = rows[layout.final_index[:, -1]]
+    if batch.verify is not None:
+        tokens = batch.verify.tokens
+        lag_state[batch.verify.token_slots[tokens]] = rows[layout.token_index[tokens]]
     if lag_footer is not None:
         lag_footer[batch.page_end_pages] = rows[layout.token_index[batch.page_end_tokens]]
     return rows[layout.token_index - 1]

@@ -7,8 +7,10 @@ log space, between chunks the state. Decode is the recurrence itself, one vector
 
 Each row's state lives in the state pool at `batch.state_slots[row]`; it is read only where
 `batch.has_initial_state` says it holds the state after the row's prefix (otherwise the row starts from zero,
-whatever the slot contains) and is overwritten with the state after the row's tokens. Shapes come from the
-host-side lengths only, so nothing here reads a device value back.
+whatever the slot contains) and is overwritten with the state after the row's tokens. Verify rows of speculative
+decoding (`batch.verify`) run the recurrence token by token instead and write the state after each token to that
+token's slot (`VerifyLayout`). Shapes come from the host-side lengths only, so nothing here reads a device value
+back.
 """
 from __future__ import annotations
 
@@ -55,33 +57,49 @@ def _chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.T
     return out, state
 
 
+def _step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
+          state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of each row: q, k [B, H, d_k], v [B, H, d_v], state [B, H, d_k, d_v] -> (o [B, H, d_v], new state)."""
+    decay = torch.exp(log_decay.float())[None, :, None, None]
+    state = decay * state + k.float()[..., :, None] * v.float()[..., None, :]
+    return q.shape[-1] ** -0.5 * torch.einsum("bhk,bhkv->bhv", q.float(), state), state
+
+
 def lightning_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
                       state_pool: torch.Tensor, batch: ForwardBatch, chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
     """Packed rows q, k [T, H, d_k], v [T, H, d_v] -> o [T, H, d_v] (fp32); row states updated in the pool."""
+    verify = set(batch.verify.rows) if batch.verify is not None else set()
     scale = q.shape[-1] ** -0.5
-    q, k, v = (t.float().transpose(0, 1) for t in (q, k, v))  # [H, T, d]
-    log_decay = log_decay.float()
-    out = torch.empty_like(v)
     states = initial_states(state_pool, batch)
-    finals = []
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    finals, token_states = [], []
     for row, (start, length) in enumerate(zip(batch.query_starts, batch.query_lens)):
         state = states[row]
-        for first in range(start, start + length, chunk_size):
-            end = min(first + chunk_size, start + length)
-            out[:, first:end], state = _chunk(q[:, first:end], k[:, first:end], v[:, first:end], log_decay, state,
-                                              scale)
+        if row in verify:  # token by token (the decode step), keeping the state after each token
+            for t in range(start, start + length):
+                o, state = _step(q[t:t + 1], k[t:t + 1], v[t:t + 1], log_decay, state[None])
+                out[t], state = o[0], state[0]
+                token_states.append(state)
+            finals.append(states[row])  # rewritten below by the state after the row's first token
+            continue
+        qt, kt, vt = (x[start:start + length].float().transpose(0, 1) for x in (q, k, v))  # [H, n, d]
+        for first in range(0, length, chunk_size):
+            end = min(first + chunk_size, length)
+            o, state = _chunk(qt[:, first:end], kt[:, first:end], vt[:, first:end], log_decay.float(), state, scale)
+            out[start + first:start + end] = o.transpose(0, 1)
         finals.append(state)
     state_pool[batch.state_slots] = torch.stack(finals)
-    return out.transpose(0, 1)
+    if verify:
+        state_pool[batch.verify.token_slots[batch.verify.tokens]] = torch.stack(token_states)
+    return out
 
 
 def lightning_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
                      state_pool: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
     """One token per row: q, k [B, H, d_k], v [B, H, d_v] -> o [B, H, d_v] (fp32); row states updated in the pool."""
-    decay = torch.exp(log_decay.float())[None, :, None, None]
-    state = decay * initial_states(state_pool, batch) + k.float()[..., :, None] * v.float()[..., None, :]
+    out, state = _step(q, k, v, log_decay, initial_states(state_pool, batch))
     state_pool[batch.state_slots] = state
-    return q.shape[-1] ** -0.5 * torch.einsum("bhk,bhkv->bhv", q.float(), state)
+    return out
 
 
 def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,

@@ -24,6 +24,11 @@ several programs read the head's window, so each bumps the (token block, head) a
 next call (and every CUDA-graph replay) starts from zero. The counters are one persistent int32 buffer per device:
 calls on one device must not overlap in time (one forward stream, as the engine runs). Page footers are stored
 from values loaded before the new window is written.
+
+Verify rows (speculative decoding, `batch.verify`): each token stores the window and lag after it in its own slot
+(`token_slots`: the row's working slot for its first token, intermediate slots for its drafts), and the row's
+final window and lag are not stored. Only the first token targets the working slot; its window is stored by the
+program that writes the windows (after every read of the old one), like a row's new window.
 """
 from __future__ import annotations
 
@@ -134,11 +139,13 @@ def _head_mix(proj_ptr, proj_s0, tok, g, cols, ok2, HQ: tl.constexpr, HK: tl.con
 
 
 @triton.jit
-def _write_windows(g, tok, local, start, seq, mine, starter, slot, init, proj_ptr, proj_s0, conv_ptr, cs0, cs1,
-                   cs2, cfoot_ptr, cf0, cf1, cf2, qsl_ptr, pos_ptr, pt_ptr, pt_s0, page_size, D: tl.constexpr,
-                   P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, HAS_FOOTER: tl.constexpr):
-    """Head g's page footers (the window after each page's last token) and the new window of every row whose
-    first token is in this block; all reads of the old window come before the first store to it."""
+def _write_windows(g, tok, local, start, seq, mine, starter, out_slot, keep_final, slot, init, proj_ptr, proj_s0,
+                   conv_ptr, cs0, cs1, cs2, cfoot_ptr, cf0, cf1, cf2, qsl_ptr, pos_ptr, pt_ptr, pt_s0, page_size,
+                   D: tl.constexpr, P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+                   HAS_FOOTER: tl.constexpr, HAS_VERIFY: tl.constexpr):
+    """Head g's page footers (the window after each page's last token), the new window of every row whose first
+    token is in this block (verify rows: the window after each token, into its slot instead); all reads of the old
+    window come before the first store to it."""
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
     # 3-D views: tokens x window columns x channels.
@@ -146,16 +153,19 @@ def _write_windows(g, tok, local, start, seq, mine, starter, slot, init, proj_pt
     p_ok = p < P
     start3, slot3, init3 = start[:, None, None], slot[:, None, None], init[:, None, None]
     ch3, ok3 = (g * D + d)[None, None, :], d_ok[None, None, :]
-    if HAS_FOOTER:
-        # The window after a page's last token t: raw rows t - P + 1 .. t (column p = row t - (P - 1 - p)).
+    # The window after token t: raw rows t - P + 1 .. t (column p = row t - (P - 1 - p)).
+    after = local[:, None, None] - (P - 1 - p)
+    if HAS_FOOTER:  # after a page's last token
         pos = tl.load(pos_ptr + tok, mask=mine, other=0)
         is_end = mine & ((pos + 1) % page_size == 0)
         page = tl.load(pt_ptr + seq * pt_s0 + pos // page_size, mask=is_end, other=0)
-        back = local[:, None, None] - (P - 1 - p)
-        footer = _raw(proj_ptr, proj_s0, conv_ptr, cs0, cs1, cs2, start3, back, slot3, init3,
+        footer = _raw(proj_ptr, proj_s0, conv_ptr, cs0, cs1, cs2, start3, after, slot3, init3,
                       is_end[:, None, None] & p_ok, ch3, ok3, P)
         tl.store(cfoot_ptr + page[:, None, None] * cf0 + ch3 * cf1 + p * cf2, footer.to(cfoot_ptr.dtype.element_ty),
                  mask=is_end[:, None, None] & p_ok & ok3)
+    if HAS_VERIFY:  # after each token of a verify row, for its own slot
+        has_out = (mine & (out_slot >= 0))[:, None, None] & p_ok
+        each = _raw(proj_ptr, proj_s0, conv_ptr, cs0, cs1, cs2, start3, after, slot3, init3, has_out, ch3, ok3, P)
     # The row's new window: raw rows S - P .. S - 1 of the chunk (older ones from the old window).
     length = tl.load(qsl_ptr + seq + 1, mask=starter, other=0) - start
     back = length[:, None, None] - P + p
@@ -163,17 +173,20 @@ def _write_windows(g, tok, local, start, seq, mine, starter, slot, init, proj_pt
                   starter[:, None, None] & p_ok, ch3, ok3, P)
     tl.debug_barrier()  # every read of the old window above happens before it is overwritten below
     tl.store(conv_ptr + slot3 * cs0 + ch3 * cs1 + p * cs2, window.to(conv_ptr.dtype.element_ty),
-             mask=starter[:, None, None] & p_ok & ok3)
+             mask=(starter & keep_final)[:, None, None] & p_ok & ok3)
+    if HAS_VERIFY:
+        tl.store(conv_ptr + out_slot[:, None, None] * cs0 + ch3 * cs1 + p * cs2, each.to(conv_ptr.dtype.element_ty),
+                 mask=has_out & ok3)
 
 
 @triton.jit
-def _conv_head(g, cb, tok, local, start, seq, mine, starter, proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr, b1_ptr,
-               qk_out_ptr, conv_ptr, cs0, cs1, cs2, cfoot_ptr, cf0, cf1, cf2, slots_ptr, init_ptr, qsl_ptr,
-               pos_ptr, pt_ptr, pt_s0, page_size, counter_ptr,
+def _conv_head(g, cb, tok, local, start, seq, mine, starter, out_slot, keep_final, proj_ptr, proj_s0, w0_ptr,
+               b0_ptr, w1_ptr, b1_ptr, qk_out_ptr, conv_ptr, cs0, cs1, cs2, cfoot_ptr, cf0, cf1, cf2, slots_ptr,
+               init_ptr, qsl_ptr, pos_ptr, pt_ptr, pt_s0, page_size, counter_ptr,
                HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, K0: tl.constexpr, K1: tl.constexpr,
                P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
                COLUMNS: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-               HAS_FOOTER: tl.constexpr, PRECISION: tl.constexpr):
+               HAS_FOOTER: tl.constexpr, HAS_VERIFY: tl.constexpr, PRECISION: tl.constexpr):
     """Head g's output columns of column block cb (all of them in the heads form), then its state."""
     slot = tl.load(slots_ptr + seq, mask=mine, other=0)
     init = tl.load(init_ptr + seq, mask=mine, other=0) != 0
@@ -198,22 +211,22 @@ def _conv_head(g, cb, tok, local, start, seq, mine, starter, proj_ptr, proj_s0, 
         counter = counter_ptr + tl.program_id(0) * (HQ + HK) + g
         arrived = tl.atomic_add(counter, 1, sem="acq_rel")
         if arrived == (D + BLOCK_O - 1) // BLOCK_O - 1:  # the head's other column blocks are done with the old window
-            _write_windows(g, tok, local, start, seq, mine, starter, slot, init, proj_ptr, proj_s0, conv_ptr, cs0,
-                           cs1, cs2, cfoot_ptr, cf0, cf1, cf2, qsl_ptr, pos_ptr, pt_ptr, pt_s0, page_size, D, P,
-                           BLOCK_D, BLOCK_P, HAS_FOOTER)
+            _write_windows(g, tok, local, start, seq, mine, starter, out_slot, keep_final, slot, init, proj_ptr,
+                           proj_s0, conv_ptr, cs0, cs1, cs2, cfoot_ptr, cf0, cf1, cf2, qsl_ptr, pos_ptr, pt_ptr, pt_s0,
+                           page_size, D, P, BLOCK_D, BLOCK_P, HAS_FOOTER, HAS_VERIFY)
             tl.store(counter, 0)
     else:
-        _write_windows(g, tok, local, start, seq, mine, starter, slot, init, proj_ptr, proj_s0, conv_ptr, cs0, cs1,
-                       cs2, cfoot_ptr, cf0, cf1, cf2, qsl_ptr, pos_ptr, pt_ptr, pt_s0, page_size, D, P, BLOCK_D,
-                       BLOCK_P, HAS_FOOTER)
+        _write_windows(g, tok, local, start, seq, mine, starter, out_slot, keep_final, slot, init, proj_ptr, proj_s0,
+                       conv_ptr, cs0, cs1, cs2, cfoot_ptr, cf0, cf1, cf2, qsl_ptr, pos_ptr, pt_ptr, pt_s0, page_size,
+                       D, P, BLOCK_D, BLOCK_P, HAS_FOOTER, HAS_VERIFY)
 
 
 @triton.jit
-def _value_block(vb, tok, local, start, seq, mine, starter, proj_ptr, proj_s0, lag_bias_ptr, v_out_ptr,
-                 lag_ptr, lag_s0, lfoot_ptr, lf0, slots_ptr, init_ptr, qsl_ptr, pos_ptr, pt_ptr, pt_s0, page_size,
-                 kv_head_offset,
+def _value_block(vb, tok, local, start, seq, mine, starter, out_slot, keep_final, proj_ptr, proj_s0, lag_bias_ptr,
+                 v_out_ptr, lag_ptr, lag_s0, lfoot_ptr, lf0, slots_ptr, init_ptr, qsl_ptr, pos_ptr, pt_ptr, pt_s0,
+                 page_size, kv_head_offset,
                  HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, VH: tl.constexpr, BLOCK_D: tl.constexpr,
-                 HAS_LAG_BIAS: tl.constexpr, HAS_FOOTER: tl.constexpr):
+                 HAS_LAG_BIAS: tl.constexpr, HAS_FOOTER: tl.constexpr, HAS_VERIFY: tl.constexpr):
     c = vb * BLOCK_D + tl.arange(0, BLOCK_D)
     c_ok = c < VH
     current_col = (HQ + HK) * D + c
@@ -248,24 +261,30 @@ def _value_block(vb, tok, local, start, seq, mine, starter, proj_ptr, proj_s0, l
         page = tl.load(pt_ptr + seq * pt_s0 + pos // page_size, mask=is_end, other=0)
         own = tl.load(row + delayed_col[None, :], mask=is_end[:, None] & ok2, other=0.0)
         tl.store(lfoot_ptr + page[:, None] * lf0 + c2, own.to(lfoot_ptr.dtype.element_ty), mask=is_end[:, None] & ok2)
-    # The new lag: v_delayed of the row's last token.
+    # The new lag: v_delayed of the row's last token (verify rows: of each token, into the token's own slot).
     last = tl.load(qsl_ptr + seq + 1, mask=starter, other=1) - 1
     newest = tl.load(proj_ptr + last[:, None] * proj_s0 + delayed_col[None, :], mask=starter[:, None] & ok2,
                      other=0.0)
+    if HAS_VERIFY:
+        has_out = (mine & (out_slot >= 0))[:, None] & ok2
+        each = tl.load(row + delayed_col[None, :], mask=has_out, other=0.0)
     tl.debug_barrier()  # the old lag was read above
-    tl.store(lag_ptr + slot[:, None] * lag_s0 + c2, newest.to(lag_ptr.dtype.element_ty), mask=starter[:, None] & ok2)
+    tl.store(lag_ptr + slot[:, None] * lag_s0 + c2, newest.to(lag_ptr.dtype.element_ty),
+             mask=(starter & keep_final)[:, None] & ok2)
+    if HAS_VERIFY:
+        tl.store(lag_ptr + out_slot[:, None] * lag_s0 + c2, each.to(lag_ptr.dtype.element_ty), mask=has_out)
 
 
 @triton.jit(do_not_specialize=["pt_s0", "num_tokens"])  # per-step integers: one variant for all steps
 def _cca_conv_kernel(proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr, b1_ptr, lag_bias_ptr, qk_out_ptr, v_out_ptr,
                      conv_ptr, cs0, cs1, cs2, lag_ptr, lag_s0, cfoot_ptr, cf0, cf1, cf2, lfoot_ptr, lf0,
-                     seq_ids_ptr, qsl_ptr, slots_ptr, init_ptr, pos_ptr, pt_ptr, pt_s0, page_size,
+                     seq_ids_ptr, qsl_ptr, slots_ptr, init_ptr, pos_ptr, pt_ptr, pt_s0, page_size, token_slots_ptr,
                      num_tokens, kv_head_offset, counter_ptr,
                      HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, VH: tl.constexpr, K0: tl.constexpr,
                      K1: tl.constexpr, P: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_T: tl.constexpr,
                      BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, COLUMNS: tl.constexpr, BLOCK_O: tl.constexpr,
                      BLOCK_K: tl.constexpr, STAGES: tl.constexpr, HAS_LAG_BIAS: tl.constexpr,
-                     HAS_FOOTER: tl.constexpr, PRECISION: tl.constexpr):
+                     HAS_FOOTER: tl.constexpr, HAS_VERIFY: tl.constexpr, PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     item = tl.program_id(1)
     STRIDE: tl.constexpr = BLOCK_T - OVERLAP
@@ -276,16 +295,24 @@ def _cca_conv_kernel(proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr, b1_ptr, lag_bias
     local = tok - start
     mine = valid & ((tok - tl.minimum(local, OVERLAP)) // STRIDE == pid)
     starter = mine & (local == 0)
+    if HAS_VERIFY:  # a verify row's tokens each have a slot; its first token's slot is set, so no final state
+        out_slot = tl.load(token_slots_ptr + tok, mask=mine, other=-1)
+        keep_final = tl.load(token_slots_ptr + start, mask=starter, other=-1) < 0
+    else:
+        out_slot = tl.full([BLOCK_T], -1, tl.int64)
+        keep_final = starter
     BLOCKS: tl.constexpr = (D + BLOCK_O - 1) // BLOCK_O  # column blocks per head (1 in the heads form)
     if item < (HQ + HK) * BLOCKS:
-        _conv_head(item // BLOCKS, item % BLOCKS, tok, local, start, seq, mine, starter, proj_ptr, proj_s0, w0_ptr,
-                   b0_ptr, w1_ptr, b1_ptr, qk_out_ptr, conv_ptr, cs0, cs1, cs2, cfoot_ptr, cf0, cf1, cf2, slots_ptr,
-                   init_ptr, qsl_ptr, pos_ptr, pt_ptr, pt_s0, page_size, counter_ptr, HQ, HK, D, K0, K1, P, BLOCK_T,
-                   BLOCK_D, BLOCK_P, COLUMNS, BLOCK_O, BLOCK_K, STAGES, HAS_FOOTER, PRECISION)
+        _conv_head(item // BLOCKS, item % BLOCKS, tok, local, start, seq, mine, starter, out_slot, keep_final,
+                   proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr, b1_ptr, qk_out_ptr, conv_ptr, cs0, cs1, cs2, cfoot_ptr,
+                   cf0, cf1, cf2, slots_ptr, init_ptr, qsl_ptr, pos_ptr, pt_ptr, pt_s0, page_size, counter_ptr, HQ,
+                   HK, D, K0, K1, P, BLOCK_T, BLOCK_D, BLOCK_P, COLUMNS, BLOCK_O, BLOCK_K, STAGES, HAS_FOOTER,
+                   HAS_VERIFY, PRECISION)
     else:
-        _value_block(item - (HQ + HK) * BLOCKS, tok, local, start, seq, mine, starter, proj_ptr, proj_s0,
-                     lag_bias_ptr, v_out_ptr, lag_ptr, lag_s0, lfoot_ptr, lf0, slots_ptr, init_ptr, qsl_ptr, pos_ptr,
-                     pt_ptr, pt_s0, page_size, kv_head_offset, HQ, HK, D, VH, BLOCK_D, HAS_LAG_BIAS, HAS_FOOTER)
+        _value_block(item - (HQ + HK) * BLOCKS, tok, local, start, seq, mine, starter, out_slot, keep_final,
+                     proj_ptr, proj_s0, lag_bias_ptr, v_out_ptr, lag_ptr, lag_s0, lfoot_ptr, lf0, slots_ptr, init_ptr,
+                     qsl_ptr, pos_ptr, pt_ptr, pt_s0, page_size, kv_head_offset, HQ, HK, D, VH, BLOCK_D,
+                     HAS_LAG_BIAS, HAS_FOOTER, HAS_VERIFY)
 
 
 _counters: dict[torch.device, torch.Tensor] = {}
@@ -366,9 +393,10 @@ def cca_conv(proj: torch.Tensor, weight0: torch.Tensor, bias0: torch.Tensor, wei
         proj, proj.stride(0), weight0, bias0, weight1, bias1, lag_bias if lag_bias is not None else bias0,
         qk, value, conv_state, *conv_state.stride(), lag_state, lag_state.stride(0), cfoot, *cfoot.stride(),
         lfoot, lfoot.stride(0), batch.seq_ids, batch.query_start_loc, batch.state_slots, batch.has_initial_state,
-        batch.positions, batch.page_table, batch.page_table.stride(0), batch.page_size, tokens, kv_head_offset,
+        batch.positions, batch.page_table, batch.page_table.stride(0), batch.page_size,
+        batch.verify.token_slots if batch.verify is not None else batch.positions, tokens, kv_head_offset,
         _arrival_counters(proj.device) if columns else qk,
         HQ=q_heads, HK=k_heads, D=d, VH=lag_width, K0=k0, K1=k1, P=history, OVERLAP=overlap, BLOCK_T=block_t,
         BLOCK_D=block_d, BLOCK_P=triton.next_power_of_2(max(history, 1)), HAS_LAG_BIAS=lag_bias is not None,
-        HAS_FOOTER=has_footer, **launch)
+        HAS_FOOTER=has_footer, HAS_VERIFY=batch.verify is not None, **launch)
     return qk[:, :q_heads], qk[:, q_heads:], value

@@ -11,6 +11,11 @@ a negative slot (CUDA-graph padding) is neither read nor written.
   state block in registers: o = c * [((q k^T) * M) v + a^(i+1) * (q S)], then S = a^b S + (k * a^(b-1-j))^T v,
   M_ij = a^(i-j) for j <= i built in log space. The grid covers rows x heads x v-blocks, so one 8k-token row at
   Ling-2.6-flash widths (32 heads x 128, BLOCK_V 64) is 64 programs of 128 sequential chunks each.
+- Verify rows (speculative decoding, `batch.verify`: a row's last token and its drafts): one program per (verify
+  row, head, v-block) runs the decode step token by token and stores the state after each token in that token's
+  slot (the working slot after the first, intermediate slots after the drafts), never the row's final state. In a
+  batch that also has other rows, the prefill kernel runs first with the verify rows' slots masked out (negative:
+  neither read nor written), and the verify kernel then writes those rows' outputs.
 
 Precision: the state and every accumulator are fp32. q k^T runs in the input dtype (bf16 products are exact in the
 fp32 accumulator); the dots with an fp32 operand (the decay-weighted scores, the state, the decayed keys) run with
@@ -19,6 +24,8 @@ fp32 accumulator); the dots with an fp32 operand (the decay-weighted scores, the
 the new contribution of a chunk goes through a dot.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
@@ -148,6 +155,32 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, state_ptr, starts_ptr, slots_ptr
     tl.store(state_ptrs, state, mask=store_mask)
 
 
+@triton.jit
+def _verify_kernel(q_ptr, k_ptr, v_ptr, o_ptr, state_ptr, rows_ptr, starts_ptr, slots_ptr, has_state_ptr,
+                   token_slots_ptr, log_decay_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                   stride_ot, stride_oh, stride_slot, stride_sh, stride_sk, scale,
+                   DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    row = tl.load(rows_ptr + tl.program_id(0))
+    head, vblock = tl.program_id(1), tl.program_id(2)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = vblock * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_k, mask_v = offs_k < DK, offs_v < DV
+    state, _, mask = _load_state(state_ptr, slots_ptr, has_state_ptr, row, head, offs_k, offs_v, mask_k, mask_v,
+                                 stride_slot, stride_sh, stride_sk)
+    decay = tl.exp(tl.load(log_decay_ptr + head))
+    start = tl.load(starts_ptr + row)
+    for t in range(start, tl.load(starts_ptr + row + 1)):
+        q = tl.load(q_ptr + t * stride_qt + head * stride_qh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + t * stride_kt + head * stride_kh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + t * stride_vt + head * stride_vh + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+        state = decay * state + k[:, None] * v[None, :]
+        tl.store(o_ptr + t * stride_ot + head * stride_oh + offs_v, tl.sum(q[:, None] * state, axis=0) * scale,
+                 mask=mask_v)
+        slot = tl.load(token_slots_ptr + t)
+        tl.store(state_ptr + slot * stride_slot + head * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :],
+                 state, mask=mask)
+
+
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state_pool: torch.Tensor) -> None:
     """Host-side layout checks (strides only: no device value is read)."""
     if q.shape != k.shape or q.shape[:2] != v.shape[:2]:
@@ -225,8 +258,33 @@ def lightning_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_dec
     return out
 
 
+def lightning_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
+                     state_pool: torch.Tensor, batch: ForwardBatch, block_v: int = 32) -> torch.Tensor:
+    """A batch with verify rows (`batch.verify`; q and k already normed and roped): o [T, H, d_v] fp32. The verify
+    rows' states go to their tokens' slots; any other rows run the prefill kernel."""
+    _check(q, k, v, state_pool)
+    verify = batch.verify
+    if len(verify.rows) == batch.num_seqs:
+        out = torch.empty(v.shape, device=q.device, dtype=torch.float32)
+    else:  # the other rows; the verify rows' slots masked out (their outputs are overwritten below)
+        others = dataclasses.replace(batch, state_slots=batch.state_slots.index_fill(0, verify.row_index, -1))
+        out = lightning_prefill(q, k, v, log_decay, state_pool, others)
+    heads, dk, dv = q.shape[1], q.shape[2], v.shape[2]
+    block_v = min(block_v, _block(dv))
+    grid = (len(verify.rows), heads, triton.cdiv(dv, block_v))
+    _verify_kernel[grid](q, k, v, out, state_pool, verify.row_index, batch.query_start_loc, batch.state_slots,
+                         batch.has_initial_state, verify.token_slots, log_decay.float().contiguous(),
+                         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                         out.stride(0), out.stride(1), state_pool.stride(0), state_pool.stride(1),
+                         state_pool.stride(2), dk ** -0.5, DK=dk, DV=dv, BLOCK_K=_block(dk), BLOCK_V=block_v,
+                         num_warps=4)
+    return out
+
+
 def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
                         state_pool: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    if batch.verify is not None:
+        return lightning_verify(q, k, v, log_decay, state_pool, batch)
     if batch.is_decode:
         return lightning_decode(q, k, v, log_decay, state_pool, batch)
     return lightning_prefill(q, k, v, log_decay, state_pool, batch)
