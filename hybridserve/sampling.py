@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field
 
 from hybridserve.outputs import RequestOutputKind
+from hybridserve.structured.params import StructuredOutputParams
 
 MAX_LOGPROBS = 20
 MAX_N = 128  # sequences per prompt: each runs with its own state slot
@@ -59,6 +60,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what each engine step hands back
+    structured_output: StructuredOutputParams | None = None  # the language the output must match (a grammar)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -108,6 +110,12 @@ class SamplingParams:
             fail("seed", "must be a 64-bit signed integer")
         if not isinstance(self.output_kind, RequestOutputKind):
             fail("output_kind", "must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
+        if self.structured_output is not None:
+            if not isinstance(self.structured_output, StructuredOutputParams):
+                fail("structured_output", "must be a StructuredOutputParams (or None)")
+            if self.min_tokens:
+                fail("min_tokens", "cannot be combined with structured output: the grammar decides where the "
+                                   "output may end")
         if len(self.stop) > MAX_STOP_STRINGS or any(
                 not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop):
             fail("stop", f"must be at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_STRING_CHARS} "

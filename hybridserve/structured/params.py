@@ -1,0 +1,109 @@
+"""StructuredOutputParams: what a request's output must match (a JSON schema, any JSON object, a regex, one of some
+strings, an EBNF grammar or an xgrammar structural tag), checked for its form on construction.
+
+The grammar itself is checked when it is compiled against the model's vocabulary (`structured.compiler`), which
+`LLMEngine.add_request` does before anything is queued and the server does before it answers: a schema, regex or
+grammar that cannot be compiled is an error naming the field, never a failure inside a step.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+# The kinds, in the order the fields are declared; exactly one is given.
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+MAX_CHOICES = 1024
+
+
+class StructuredOutputError(ValueError):
+    """An invalid structured-output field; `param` names it (e.g. "json"), `why` says what is allowed."""
+
+    def __init__(self, param: str, value, why: str):
+        super().__init__(f"invalid structured output {param}={_short(value)}: {why}")
+        self.param, self.value, self.why = param, value, why
+
+
+def _short(value, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+@dataclass
+class StructuredOutputParams:
+    """Constrain generated text to a language (exactly one field besides `strict`). Tokens the language does not
+    allow next are masked before sampling; when the language is complete only EOS is allowed, and the request
+    finishes (finish reason "stop") once the grammar has accepted it.
+
+    - `json`: a JSON Schema (a dict, or its JSON text). Output is compact JSON (", " and ": " separators, no
+      other whitespace between values), so a model cannot spend its budget on whitespace. `strict` (default
+      True): objects have only the properties the schema declares unless it allows more (`additionalProperties`);
+      False follows JSON Schema's defaults, where undeclared properties are allowed.
+    - `json_object`: True for any JSON object (compact, as above).
+    - `regex`: the whole output matches this regular expression (xgrammar's dialect: no lookaround).
+    - `choice`: the output is exactly one of these strings.
+    - `grammar`: an EBNF grammar in xgrammar's dialect (GBNF-like: `root ::= "a" rule`; the start rule is `root`).
+      The tool-calling layer enforces `tool_choice="required"` or a named function by giving such a grammar.
+    - `structural_tag`: an xgrammar structural tag (a dict, or its JSON text), e.g.
+      `{"type": "structural_tag", "format": {"type": "triggered_tags", ...}}`: free text with tagged regions
+      whose contents follow a schema (tool calls inside `<tool_call>...</tool_call>` and the like).
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: dict | str | None = None
+    strict: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
+        given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise StructuredOutputError(
+                "structured_output", {k: getattr(self, k) for k in given},
+                f"give exactly one of {', '.join(KINDS)} (got {len(given)}: {', '.join(given) or 'none'})")
+        self._check(given[0])
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in KINDS if getattr(self, kind) not in (None, False))
+
+    def _check(self, kind: str) -> None:
+        value = getattr(self, kind)
+
+        def fail(why: str) -> None:
+            raise StructuredOutputError(kind, value, why)
+
+        if kind in ("json", "structural_tag"):
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as err:
+                    fail(f"is not valid JSON text ({err})")
+            if not isinstance(value, dict):
+                fail("must be a JSON object (a dict, or its JSON text)")
+        elif kind == "json_object":
+            if value is not True:
+                fail("must be True (or left False when another field is given)")
+        elif kind in ("regex", "grammar"):
+            if not isinstance(value, str) or not value:
+                fail("must be a non-empty string")
+        elif kind == "choice":
+            if not isinstance(value, list) or not 0 < len(value) <= MAX_CHOICES or not all(
+                    isinstance(c, str) and c for c in value):
+                fail(f"must be a list of 1 to {MAX_CHOICES} non-empty strings")
+        if not isinstance(self.strict, bool):
+            raise StructuredOutputError("strict", self.strict, "must be a bool")
+
+    def spec_text(self) -> str:
+        """The language, as the text the compiled-grammar cache keys on (with `kind` and `strict`): JSON values
+        canonicalised (sorted keys), so equal schemas given as dicts or text share one compiled grammar."""
+        value = getattr(self, self.kind)
+        if self.kind in ("json", "structural_tag"):
+            value = json.loads(value) if isinstance(value, str) else value
+            return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+        if self.kind == "choice":
+            return json.dumps(value, ensure_ascii=False)
+        return "" if self.kind == "json_object" else value
