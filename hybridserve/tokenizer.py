@@ -94,14 +94,21 @@ class StopStringMatcher:
         return new
 
 
-def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], template_options: dict | None = None,
-                    add_special_tokens: bool = False) -> list[int]:
-    """Token ids of a conversation rendered with the chat template (the model's, or `template_options`'
-    `chat_template`), by default ready for the assistant's turn; `template_options` are further keyword arguments of
-    apply_chat_template (template variables such as enable_thinking, add_generation_prompt)."""
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict], template_options: dict | None = None,
+                tools: list[dict] | None = None) -> str:
+    """A conversation rendered with the chat template (the model's, or `template_options`' `chat_template`), by
+    default ready for the assistant's turn; `template_options` are further keyword arguments of
+    apply_chat_template (template variables such as enable_thinking, add_generation_prompt); `tools` are the
+    functions offered (OpenAI's {"type": "function", "function": {...}} form)."""
     options = {"add_generation_prompt": True, **(template_options or {})}
     if tokenizer.chat_template is None and options.get("chat_template") is None:
         raise ValueError("this model's tokenizer has no chat template; use completions with a plain prompt")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, **options)
-    # The template already wrote the special tokens it wants (BOS included); by default do not add them twice.
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **options)
+
+
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], template_options: dict | None = None,
+                    add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
+    """Token ids of `render_chat`. The template already wrote the special tokens it wants (BOS included), so by
+    default none are added."""
+    return tokenizer.encode(render_chat(tokenizer, messages, template_options, tools),
+                            add_special_tokens=add_special_tokens)

@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from hybridserve.config import EngineConfig
 from hybridserve.engine.engine import LLMEngine
+from hybridserve.loader import read_config
 from hybridserve.outputs import RequestOutput, RequestOutputKind
 from hybridserve.sampling import SamplingParams
 from hybridserve.tokenizer import load_tokenizer
@@ -31,6 +32,7 @@ class EngineInfo:
     """What the API layer needs to know about the loaded model."""
 
     model_dir: str
+    model_type: str  # config.json's (picks the default tool-call parser)
     max_model_len: int
     vocab_size: int
     tokenizer: PreTrainedTokenizerBase  # a second instance, used only on the event-loop thread
@@ -171,7 +173,8 @@ class AsyncEngine:
         if self.chat_template is not None:
             tokenizer.chat_template = self.chat_template
         self._stats = engine.stats()
-        self.info = EngineInfo(engine.model_dir, engine.max_model_len, engine.vocab_size, tokenizer)
+        self.info = EngineInfo(engine.model_dir, read_config(engine.model_dir)["model_type"], engine.max_model_len,
+                               engine.vocab_size, tokenizer)
         runner = engine.runner
         logger.info("model ready in %.1f s: %s (%s), device %s, dtype %s, max_model_len %d",
                     time.monotonic() - start, engine.model_dir, type(runner.model).__name__, runner.device,

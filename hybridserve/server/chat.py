@@ -1,27 +1,43 @@
-"""POST /v1/chat/completions: messages rendered with the model's chat template, chat logprobs, SSE streaming."""
+"""POST /v1/chat/completions: messages (and tools) rendered with the model's chat template, chat logprobs, SSE
+streaming; each choice's text parsed into reasoning_content, content and tool_calls (server/assistant.py)."""
 from __future__ import annotations
 
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import Response
 from transformers import PreTrainedTokenizerBase
 
+from hybridserve.parsers.tool_calls import ToolCall
+from hybridserve.sampling import SamplingParamError
+from hybridserve.server.assistant import AssistantDelta, AssistantParser, OutputParsing
+from hybridserve.server.errors import APIError
 from hybridserve.server.generation import Delta, Generation, respond
 from hybridserve.server.logprobs import TokenText, chat_logprobs
 from hybridserve.server.prompts import chat_prompt, check_context
-from hybridserve.server.protocol import ChatCompletionRequest, warn_unknown
+from hybridserve.server.protocol import ChatCompletionRequest, invalid_field, warn_unknown
 from hybridserve.server.state import ServerState
+from hybridserve.server.tool_choice import select_tools
+
+
+def tool_call_json(call: ToolCall, index: int | None = None) -> dict:
+    """A call as chat messages carry it (with its `index` in streamed deltas)."""
+    entry = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return entry if index is None else {"index": index, **entry}
 
 
 class _ChatView:
-    def __init__(self, body: ChatCompletionRequest, tokenizer: PreTrainedTokenizerBase, call_id: str, model: str):
-        self.body = body
+    def __init__(self, body: ChatCompletionRequest, tokenizer: PreTrainedTokenizerBase, call_id: str, model: str,
+                 parsing: OutputParsing):
+        self.body, self.parsing = body, parsing
         self.token_text = TokenText(tokenizer)
         self.created = int(time.time())
         self.call_id, self.model = call_id, model
+        self.parsers: dict[int, AssistantParser] = {}  # streamed choices' parsers, by choice index
+        self.calls_sent: dict[int, int] = {}  # streamed choices' tool calls so far
 
     def _header(self, obj: str) -> dict:
         return {"id": self.call_id, "object": obj, "created": self.created, "model": self.model}
@@ -34,22 +50,52 @@ class _ChatView:
     def _chunk(self, choice: dict) -> dict:
         return {**self._header("chat.completion.chunk"), "choices": [choice]}
 
+    @staticmethod
+    def _finish_reason(delta: Delta, parser: AssistantParser) -> str | None:
+        return "tool_calls" if delta.finish_reason == "stop" and parser.called else delta.finish_reason
+
+    def _stream_delta(self, delta: Delta) -> tuple[dict, AssistantParser]:
+        parser = self.parsers.setdefault(delta.index, self.parsing.parser())
+        parsed = parser.feed(delta.text, len(delta.token_ids))
+        if delta.finish_reason is not None:
+            parsed += parser.finish()
+        message = {"content": parsed.content}  # content is always a string, possibly ""
+        if parsed.reasoning:
+            message["reasoning_content"] = parsed.reasoning
+        if parsed.tool_calls:
+            first = self.calls_sent.get(delta.index, 0)
+            message["tool_calls"] = [tool_call_json(call, first + i) for i, call in enumerate(parsed.tool_calls)]
+            self.calls_sent[delta.index] = first + len(parsed.tool_calls)
+        return message, parser
+
     async def chunks(self, generation: Generation) -> AsyncIterator[dict]:
         for index in range(len(generation.requests) * generation.n):  # the role comes first, before any token
             yield self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                "finish_reason": None})
         async for prompt_index, output in generation:
-            for delta in generation.deltas(prompt_index, output):  # content is always a string, possibly ""
-                yield self._chunk({"index": delta.index, "delta": {"content": delta.text},
-                                   "logprobs": self._logprobs(delta), "finish_reason": delta.finish_reason,
+            for delta in generation.deltas(prompt_index, output):
+                message, parser = self._stream_delta(delta)
+                yield self._chunk({"index": delta.index, "delta": message, "logprobs": self._logprobs(delta),
+                                   "finish_reason": self._finish_reason(delta, parser),
                                    "stop_reason": delta.stop_reason})
         if self.body.include_usage:
             yield {**self._header("chat.completion.chunk"), "choices": [], "usage": generation.usage()}
 
+    def _message(self, parsed: AssistantDelta) -> dict:
+        message = {"role": "assistant", "content": parsed.content if parsed.content or not parsed.tool_calls else None}
+        if self.parsing.reasoning is not None:
+            message["reasoning_content"] = parsed.reasoning or None
+        if parsed.tool_calls:
+            message["tool_calls"] = [tool_call_json(call) for call in parsed.tool_calls]
+        return message
+
     def response(self, generation: Generation) -> dict:
-        choices = [{"index": delta.index, "message": {"role": "assistant", "content": delta.text},
-                    "logprobs": self._logprobs(delta), "finish_reason": delta.finish_reason,
-                    "stop_reason": delta.stop_reason} for delta in generation.final_deltas()]
+        choices = []
+        for delta in generation.final_deltas():
+            parser = self.parsing.parser()
+            parsed = parser.parse(delta.text, len(delta.token_ids))
+            choices.append({"index": delta.index, "message": self._message(parsed), "logprobs": self._logprobs(delta),
+                            "finish_reason": self._finish_reason(delta, parser), "stop_reason": delta.stop_reason})
         return {**self._header("chat.completion"), "choices": choices, "usage": generation.usage()}
 
 
@@ -58,11 +104,27 @@ async def create_chat_completion(server: ServerState, body: ChatCompletionReques
     warn_unknown("/v1/chat/completions", body.check_supported())
     params = body.to_sampling_params()
     server.check_choices(1, params.n)
+    tools = select_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
     options = body.template_options(server.options.trust_request_chat_template)
-    prompt = await server.prompts.run(chat_prompt, info.tokenizer, body.messages, options,
-                                      body.add_special_tokens is True)
+    prompt, text = await server.prompts.run(chat_prompt, info.tokenizer, body.messages, options,
+                                            body.add_special_tokens is True, tools.template_tools)
     check_context(len(prompt), params.max_tokens, info.max_model_len, body.max_tokens_param)
+    reasoning = server.reasoning_format
+    in_reasoning = reasoning is not None and reasoning.prompt_opens_reasoning(text)
+    tool_format = server.tool_format()
+    forced = tools.structured_output(tool_format, reasoning, in_reasoning)
+    if forced is not None:
+        if params.structured_output is not None:
+            raise APIError("tool_choice 'required' or a named function already constrains the output; it cannot be "
+                           "combined with response_format or guided decoding", param="tool_choice")
+        try:
+            params = replace(params, structured_output=forced)
+        except SamplingParamError as err:  # min_tokens beside a grammar
+            raise invalid_field(err, {"max_tokens": body.max_tokens_param}) from None
+    parsing = OutputParsing(reasoning, in_reasoning, tool_format if tools.offered else None, tools.offered,
+                            tools.max_calls)
     call_id = f"chatcmpl-{uuid.uuid4().hex}"
     generation = Generation(server, http, call_id, [prompt], server.default_max_tokens(params),
                             prompt_param="messages")
-    return await respond(generation, _ChatView(body, info.tokenizer, call_id, server.model_name), bool(body.stream))
+    return await respond(generation, _ChatView(body, info.tokenizer, call_id, server.model_name, parsing),
+                         bool(body.stream))

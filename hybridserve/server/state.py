@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from hybridserve.parsers import ReasoningFormat, ToolFormat, reasoning_format, tool_format
 from hybridserve.sampling import SamplingParamError, SamplingParams
 from hybridserve.server.async_engine import AsyncEngine, EngineInfo
 from hybridserve.server.replicas import ReplicaSet
@@ -33,10 +34,16 @@ class ServerOptions:
     chat_template: str | None = None  # replaces the model's chat template
     shutdown_grace_s: float = 1.0  # in-flight requests may finish this long after SIGTERM / Ctrl+C
     data_parallel_size: int = 1  # engine replicas behind the server
+    tool_call_parser: str | None = None  # a parsers.TOOL_FORMATS name; None: the model type's own
+    reasoning_parser: str | None = None  # a parsers.REASONING_FORMATS name; None: no reasoning split
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
             raise ValueError(f"--dp {self.data_parallel_size}: at least one replica is needed")
+        if self.tool_call_parser is not None:
+            tool_format(self.tool_call_parser, "")
+        if self.reasoning_parser is not None:
+            reasoning_format(self.reasoning_parser)
 
 
 @dataclass
@@ -72,6 +79,13 @@ class ServerState:
             raise APIError(f"the model '{requested}' does not exist; this server serves '{self.model_name}'",
                            status=404, type="not_found_error", param="model", code="model_not_found")
         return info
+
+    def tool_format(self) -> ToolFormat:
+        return tool_format(self.options.tool_call_parser, self.info().model_type)
+
+    @property
+    def reasoning_format(self) -> ReasoningFormat | None:
+        return reasoning_format(self.options.reasoning_parser) if self.options.reasoning_parser else None
 
     def check_choices(self, num_prompts: int, n: int) -> None:
         if num_prompts * n > self.options.max_n:
