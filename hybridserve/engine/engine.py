@@ -7,6 +7,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hybridserve.cache.kv_pool import PageAllocator
 from hybridserve.cache.prefix_cache import HybridPrefixCache
@@ -22,11 +23,17 @@ from hybridserve.outputs import CompletionOutput, RequestOutput, RequestOutputKi
 from hybridserve.runtime.model_runner import ModelRunner, StepHandle
 from hybridserve.runtime.tensor_parallel import rank_config, start_workers, stop_workers
 from hybridserve.sampling import SamplingParams
+from hybridserve.structured.bitmask import TokenMask
+from hybridserve.structured.compiler import shared_compiler
+from hybridserve.structured.matcher import GrammarState
 from hybridserve.tokenizer import (
     IncrementalDetokenizer,
     StopStringMatcher,
     load_tokenizer,
 )
+
+if TYPE_CHECKING:
+    import xgrammar
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +49,7 @@ class _Sequence:
     text: StopStringMatcher
     new_logprobs: list[dict[int, float]] | None = None  # of the tokens not handed out yet
     cumulative_logprob: float | None = None
+    grammar: GrammarState | None = None  # where its output stands in the request's grammar (structured output)
     num_reported: int = 0  # output tokens handed out
     announced: bool = False  # handed out at least once (an empty sequence is announced too)
     reported_finish: bool = False
@@ -56,6 +64,7 @@ class _Group:
     params: SamplingParams
     sequences: list[_Sequence]
     prompt_logprobs: list[dict[int, float] | None] | None
+    grammar: xgrammar.CompiledGrammar | None = None  # structured output: each sequence matches it
     error: str | None = None  # set when the request failed (and was aborted) while the others kept running
     started: bool = False  # a delta was built (the prompt logprobs go out with the first)
     total: RequestOutput | None = None  # the deltas so far, folded (CUMULATIVE and FINAL_ONLY requests)
@@ -78,6 +87,8 @@ class LLMEngine:
         self.model_config = self.runner.model_config
         self.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = self._eos_token_ids(model_dir)
+        # Structured output: compiled once per spec, shared with the server (which compiles before queueing).
+        self.grammars = shared_compiler(config.tokenizer or model_dir, self.vocab_size, sorted(self.eos_token_ids))
         plan = self.runner.memory_plan
         kv_tokens = plan.num_pages * config.page_size  # the full group's capacity (the window group's is no limit)
         self.max_model_len = self._max_model_len(kv_tokens)
@@ -145,11 +156,12 @@ class LLMEngine:
         token_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(token_ids)
         params.check_vocabulary(self.vocab_size, self.eos_token_ids)
+        grammar = self.grammars.compile(params.structured_output) if params.structured_output is not None else None
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         request = Request(request_id=request_id, prompt_token_ids=token_ids, params=params, seed=seed,
                           eos_token_ids=self.eos_token_ids, num_forks=params.n - 1)
         group = _Group(request_id, prompt if isinstance(prompt, str) else None, params, [],
-                       [None] if params.prompt_logprobs is not None else None)
+                       [None] if params.prompt_logprobs is not None else None, grammar)
         self._groups[request_id] = group
         self._track(group, request)
         self.num_prompt_tokens += len(token_ids)
@@ -161,6 +173,7 @@ class LLMEngine:
                              IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
                                                     params.skip_special_tokens),
                              StopStringMatcher(params.stop, params.include_stop_str_in_output),
+                             grammar=GrammarState(group.grammar) if group.grammar is not None else None,
                              new_logprobs=[] if params.logprobs is not None else None,
                              cumulative_logprob=0.0 if params.logprobs is not None else None)
         group.sequences.append(sequence)
@@ -216,10 +229,18 @@ class LLMEngine:
         runs N+1, so the host's scheduling, stop checks and detokenization hide behind the forward. N+1 counts
         N's tokens before their values reach the host (the runner reads them on the device); work of a request
         that N's token finished is discarded. A step whose prompt forks into n > 1 sequences is processed before
-        the next is scheduled (the forks copy the state the prompt left). Outputs are the same either way."""
+        the next is scheduled (the forks copy the state the prompt left). Outputs are the same either way.
+
+        Structured output: a step with grammar rows launches its forward, then (after N is processed, so every
+        grammar has taken its request's latest token) the host fills the allowed-token masks while the forward
+        runs, and the draws are queued with them (`ModelRunner.draw_masked`)."""
         if not self.overlap:
             scheduled = self.scheduler.schedule()
-            return [] if scheduled is None else self._process(scheduled, self.runner.execute(scheduled.plan))
+            if scheduled is None:
+                return []
+            handle = self.runner.launch(scheduled.plan)
+            failed = self._draw_masked(scheduled, handle)
+            return failed + self._process(scheduled, self.runner.collect(handle))
         previous, self._in_flight = self._in_flight, None
         outputs = []
         if previous is not None and previous[0].forks:
@@ -229,8 +250,42 @@ class LLMEngine:
             self._in_flight = (scheduled, self.runner.launch(scheduled.plan))
         if previous is not None:
             outputs += self._process(previous[0], self.runner.collect(previous[1]))
+        if scheduled is not None:
+            outputs += self._draw_masked(*self._in_flight)
         self._settle_discarded()
         return outputs
+
+    def _draw_masked(self, scheduled: ScheduledStep, handle: StepHandle) -> list[RequestOutput]:
+        """Queue the draws of a launched step with grammar rows, with each such row's allowed tokens (steps
+        without grammar rows drew at launch). Called once every earlier step is processed, so each grammar has
+        taken its request's tokens so far. Rows of requests that finished meanwhile are left unconstrained (their
+        draws are discarded); a request whose grammar fails here fails alone (its output is returned)."""
+        if not handle.awaits_mask:
+            return []
+        constrained: list[tuple[_Group, GrammarState, int]] = []  # (group, state, draws), a row per draw
+        draw_rows: list[int] = []
+        draw = 0
+        for request, rows in zip(scheduled.requests, scheduled.plan.samples):
+            tracked = self._sequences.get(request.request_id)
+            if rows and tracked is not None and tracked[1].grammar is not None and not request.finished:
+                constrained.append((tracked[0], tracked[1].grammar, len(rows)))
+                draw_rows += range(draw, draw + len(rows))
+            draw += len(rows)
+        mask = TokenMask.allocate(draw_rows, self.vocab_size) if draw_rows else None
+        row, failed = 0, []
+        for group, state, count in constrained:
+            try:
+                if group.error is not None:
+                    raise RuntimeError("failed already")  # another sequence of the group, just above
+                state.fill(mask.bits, row)
+            except Exception as err:  # its draws are discarded: leave them unconstrained
+                self._fail(group, err)
+                failed.append(group)
+                mask.bits[row] = -1
+            mask.bits[row + 1:row + count] = mask.bits[row]  # a prompt's forks draw from the same (initial) state
+            row += count
+        self.runner.draw_masked(mask)
+        return self._outputs(failed)
 
     def _settle_discarded(self) -> None:
         """Process the step in flight now if every request in it has finished (its work is all discarded), so an
@@ -269,8 +324,12 @@ class LLMEngine:
             except Exception as err:  # this request's failure: abort it alone, everyone else keeps going
                 self._fail(group, err)
                 progressed[group.request_id] = group
-        outputs = [output for group in progressed.values() if (output := self._output(group)) is not None]
-        for group in progressed.values():
+        return self._outputs(list(progressed.values()))
+
+    def _outputs(self, progressed: list[_Group]) -> list[RequestOutput]:
+        """The outputs of groups that progressed; finished groups are forgotten."""
+        outputs = [output for group in progressed if (output := self._output(group)) is not None]
+        for group in progressed:
             if group.finished:
                 del self._groups[group.request_id]
                 for sequence in group.sequences:
@@ -302,12 +361,16 @@ class LLMEngine:
             entry[sampled.token_id] = sampled.logprob
             tracked.new_logprobs.append(entry)
             tracked.cumulative_logprob += sampled.logprob
+        if tracked.grammar is not None:
+            tracked.grammar.accept(sampled.token_id)
         if tracked.text.add(tracked.detokenizer.add(sampled.token_id)):
             request.stop_reason = tracked.text.matched
             self.scheduler.finish(request, "stop")
         elif stops:
             request.stop_reason = None if sampled.token_id in self.eos_token_ids and \
                 sampled.token_id not in params.stop_token_ids else sampled.token_id
+            self.scheduler.finish(request, "stop")
+        elif tracked.grammar is not None and tracked.grammar.terminated:  # its stop token, under ignore_eos
             self.scheduler.finish(request, "stop")
         elif (params.max_tokens is not None and len(request.output_token_ids) >= params.max_tokens) \
                 or request.num_tokens >= self.max_model_len:

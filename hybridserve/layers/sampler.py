@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from hybridserve.core.step import SampledToken, SamplingRow
+from hybridserve.structured.bitmask import TokenMask, apply_token_mask
 
 _MASK64 = (1 << 64) - 1
 
@@ -191,22 +192,28 @@ class Sampler:
         """Draw and wait for the tokens on the host."""
         return [token for draws in self.draw(logits, rows) for token in draws.result()]
 
-    def draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[Draws]:
+    def draw(self, logits: torch.Tensor, rows: list[SamplingRow], mask: TokenMask | None = None) -> list[Draws]:
         """Queue one token per row on the device (rows in groups that bound the [rows, vocab] temporaries). The
         penalty counts take the drawn tokens only once every group is drawn: a call that fails part-way (the
-        caller then retries request by request) counts nothing."""
+        caller then retries request by request) counts nothing. `mask` (on the logits' device): the allowed
+        tokens of the rows with a grammar."""
         step = max(1, _MAX_ELEMENTS_PER_CALL // logits.shape[-1])
-        groups = [self._draw_rows(logits[start:start + step], rows[start:start + step])
+        groups = [self._draw_rows(logits[start:start + step], rows[start:start + step],
+                                  mask.restrict(start, start + step) if mask is not None else None)
                   for start in range(0, len(rows), step)]
         for draws, counted in groups:
             if counted:
                 self.penalties.record(counted, draws.tokens)
         return [draws for draws, _ in groups]
 
-    def _draw_rows(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[Draws, list[tuple[int, int]]]:
-        """The rows' draws and (batch row, penalty-state row) of those whose counts must take the drawn token."""
+    def _draw_rows(self, logits: torch.Tensor, rows: list[SamplingRow], mask: TokenMask | None
+                   ) -> tuple[Draws, list[tuple[int, int]]]:
+        """The rows' draws and (batch row, penalty-state row) of those whose counts must take the drawn token.
+        Logprobs are the raw model's; the grammar mask applies before penalties and sampling."""
         device = logits.device
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(r.params.logprobs is not None for r in rows) else None
+        if mask is not None:
+            logits = apply_token_mask(logits, mask)
         logits, counted = self._apply_penalties(logits, rows)
         banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids]
         if banned:

@@ -20,6 +20,7 @@ from hybridserve.runtime.cuda_graphs import DecodeGraphs, capture_sizes
 from hybridserve.runtime.model_loader import build_model, resolve_dtype
 from hybridserve.runtime.tensor_parallel import ControlChannel
 from hybridserve.runtime.warmup import DUMMY_PAGE, DUMMY_SLOT, warmup_batches
+from hybridserve.structured.bitmask import TokenMask
 
 logger = logging.getLogger(__name__)
 
@@ -27,11 +28,17 @@ logger = logging.getLogger(__name__)
 @dataclass
 class StepHandle:
     """A launched step: its chunks' results (filled by `collect`), the draws still on their way to the host, and
-    how many of them (in plan order) each result takes."""
+    how many of them (in plan order) each result takes. A step with grammar rows keeps its logits and sampling
+    rows (`pending`) until `draw_masked` gives the masks."""
 
     results: list[ChunkResult]
     draws: list[Draws] = field(default_factory=list)
     draw_counts: list[tuple[ChunkResult, int]] = field(default_factory=list)
+    pending: tuple[torch.Tensor, list[tuple[ChunkResult, list, int]]] | None = None
+
+    @property
+    def awaits_mask(self) -> bool:
+        return self.pending is not None
 
 _CPU_CACHE_BYTES = 1 * GiB
 _GRAPH_POOL_HEADROOM = 64 << 20
@@ -80,6 +87,7 @@ class ModelRunner:
         self.tables: PageTables | None = None
         self.graphs: DecodeGraphs | None = None
         self._drawn_tokens: torch.Tensor | None = None  # the last launched step's draws, in plan order
+        self._awaiting_mask: StepHandle | None = None  # the launched step whose draws wait for grammar masks
 
     def _graphs_possible(self) -> bool:
         """CUDA graphs for decode: on CUDA, with every op on its kernel (the references may sync), unless eager."""
@@ -218,10 +226,6 @@ class ModelRunner:
             self.state_pool.copy_from(source, torch.tensor(src, device=self.device),
                                       torch.tensor(dst, device=self.device))
 
-    def execute(self, plan: StepPlan) -> list[ChunkResult]:
-        """Run one step and wait for its results."""
-        return self.collect(self.launch(plan))
-
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> StepHandle:
         """Queue one step on the device: copies and restores -> forward -> snapshots, then prompt logprobs and
@@ -274,43 +278,70 @@ class ModelRunner:
             if rows:
                 sampling.append((result, rows, row))
                 row += 1
-        if sampling:
-            handle.draws = self._sample(logits, sampling)
-            handle.draw_counts = [(result, len(rows)) for result, rows, _ in sampling]
-            tokens = [draws.tokens for draws in handle.draws]
-            self._drawn_tokens = tokens[0] if len(tokens) == 1 else torch.cat(tokens)
-            for draws in handle.draws:
-                draws.start_copy()
-        self.sampler.end_step()
+        if not sampling:
+            self.sampler.end_step()
+            return handle
+        handle.pending = (logits, sampling)
+        if any(row.params.structured_output is not None for _, rows, _ in sampling for row in rows):
+            self._awaiting_mask = handle  # the engine fills the masks while the forward runs: draw_masked
+        else:
+            self._draw(handle, None)
         return handle
+
+    @torch.inference_mode()
+    def draw_masked(self, mask: TokenMask | None) -> None:
+        """Queue the draws of the launched step that waits for its grammar masks (`StepHandle.awaits_mask`).
+        `mask` (host memory): the allowed tokens of its draws with a grammar, by draw index in plan order (None:
+        no draw is constrained, e.g. every grammar request of the step finished meanwhile). Uploaded once."""
+        self._tell_workers("draw_masked", mask)
+        handle, self._awaiting_mask = self._awaiting_mask, None
+        if handle is None:
+            raise RuntimeError("draw_masked without a launched step that waits for grammar masks")
+        self._draw(handle, mask.to(self.device) if mask is not None else None)
+
+    def _draw(self, handle: StepHandle, mask: TokenMask | None) -> None:
+        logits, sampling = handle.pending
+        handle.pending = None
+        handle.draws = self._sample(logits, sampling, mask)
+        handle.draw_counts = [(result, len(rows)) for result, rows, _ in sampling]
+        tokens = [draws.tokens for draws in handle.draws]
+        self._drawn_tokens = tokens[0] if len(tokens) == 1 else torch.cat(tokens)
+        for draws in handle.draws:
+            draws.start_copy()
+        self.sampler.end_step()
 
     def collect(self, handle: StepHandle) -> list[ChunkResult]:
         """Wait for a launched step's sampled tokens and hand them to each chunk's result."""
+        if handle.awaits_mask:
+            raise RuntimeError("the step's draws wait for their grammar masks: call draw_masked first")
         tokens = iter([token for draws in handle.draws for token in draws.result()])
         for result, count in handle.draw_counts:
             result.sampled = [next(tokens) for _ in range(count)]
         return handle.results
 
-    def _sample(self, logits: torch.Tensor, sampling: list[tuple[ChunkResult, list, int]]) -> list[Draws]:
+    def _sample(self, logits: torch.Tensor, sampling: list[tuple[ChunkResult, list, int]],
+                mask: TokenMask | None) -> list[Draws]:
         """All draws of the step in one sampler call, in plan order (the order `future_token` indexes). If that
         fails, chunk by chunk: a failure then stays with the request that caused it (its result's `error`; its
         draws are placeholder tokens 0, which the engine discards) and every other request still gets its tokens
         (draws depend only on their own row, so they are the same either way)."""
-        def draw(entries: list[tuple[ChunkResult, list, int]]) -> list[Draws]:
+        def draw(entries: list[tuple[ChunkResult, list, int]], entry_mask: TokenMask | None) -> list[Draws]:
             draw_rows = [row for _, rows, row in entries for _ in rows]
             contiguous = draw_rows == list(range(draw_rows[0], draw_rows[0] + len(draw_rows)))
             picked = logits[draw_rows[0]:draw_rows[0] + len(draw_rows)] if contiguous else \
                 logits[torch.tensor(draw_rows, device=logits.device)]
-            return self.sampler.draw(picked, [r for _, rows, _ in entries for r in rows])
+            return self.sampler.draw(picked, [r for _, rows, _ in entries for r in rows], entry_mask)
 
         try:
-            return draw(sampling)
+            return draw(sampling, mask)
         except Exception:
-            out = []
+            out, first = [], 0
             for entry in sampling:
+                count = len(entry[1])
                 try:
-                    out += draw([entry])
+                    out += draw([entry], mask.restrict(first, first + count) if mask is not None else None)
                 except Exception as err:
                     entry[0].error = err
-                    out.append(Draws.placeholder(len(entry[1]), logits.device))
+                    out.append(Draws.placeholder(count, logits.device))
+                first += count
             return out

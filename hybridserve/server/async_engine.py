@@ -22,6 +22,7 @@ from hybridserve.engine.engine import LLMEngine
 from hybridserve.loader import read_config
 from hybridserve.outputs import RequestOutput, RequestOutputKind
 from hybridserve.sampling import SamplingParams
+from hybridserve.structured.compiler import GrammarCompiler
 from hybridserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -137,6 +138,12 @@ class AsyncEngine:
     def stats(self) -> dict[str, int]:
         """The engine's stats after its latest step or command ({} while loading)."""
         return self._stats
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The loaded engine's grammar compiler (thread-safe; shared by every engine of the process with this
+        tokenizer), for compiling a request's grammar before it is queued."""
+        return self._engine.grammars
 
     async def add(self, requests: list[EngineRequest], mailbox: OutputMailbox) -> None:
         """Queue requests as one group: all are accepted, or none (the engine's ValueError is raised here).

@@ -16,7 +16,7 @@ from hybridserve.sampling import SamplingParamError
 from hybridserve.server.assistant import AssistantDelta, AssistantParser, OutputParsing
 from hybridserve.server.errors import APIError
 from hybridserve.server.generation import Delta, Generation, respond
-from hybridserve.server.logprobs import TokenText, chat_logprobs
+from hybridserve.server.logprobs import TokenText, chat_logprobs, prompt_logprobs
 from hybridserve.server.prompts import chat_prompt, check_context
 from hybridserve.server.protocol import ChatCompletionRequest, invalid_field, warn_unknown
 from hybridserve.server.state import ServerState
@@ -47,12 +47,30 @@ class _ChatView:
             return None
         return {"content": chat_logprobs(self.token_text, delta.token_ids, delta.logprobs, self.body.top_logprobs or 0)}
 
-    def _chunk(self, choice: dict) -> dict:
-        return {**self._header("chat.completion.chunk"), "choices": [choice]}
+    def _chunk(self, choice: dict, generation: Generation, **extra) -> dict:
+        chunk = {**self._header("chat.completion.chunk"), **extra, "choices": [choice]}
+        if self.body.continuous_usage:
+            chunk["usage"] = generation.usage()
+        return chunk
 
-    @staticmethod
-    def _finish_reason(delta: Delta, parser: AssistantParser) -> str | None:
-        return "tool_calls" if delta.finish_reason == "stop" and parser.called else delta.finish_reason
+    def _choice(self, delta: Delta, content: dict, parser: AssistantParser) -> dict:
+        finish_reason = "tool_calls" if delta.finish_reason == "stop" and parser.called else delta.finish_reason
+        choice = {"index": delta.index, **content, "logprobs": self._logprobs(delta), "finish_reason": finish_reason,
+                  "stop_reason": delta.stop_reason}
+        if self.body.return_token_ids:
+            choice["token_ids"] = delta.token_ids
+        return choice
+
+    def _prompt_extras(self, generation: Generation) -> dict:
+        """vLLM's top-level prompt_token_ids (return_token_ids) and prompt_logprobs (never streamed)."""
+        extras = {}
+        if self.body.return_token_ids:
+            extras["prompt_token_ids"] = generation.requests[0].prompt_token_ids
+        if self.body.prompt_logprobs is not None:
+            output = generation.final[0]
+            extras["prompt_logprobs"] = prompt_logprobs(self.token_text, output.prompt_token_ids,
+                                                        output.prompt_logprobs, self.body.prompt_logprobs)
+        return extras
 
     def _stream_delta(self, delta: Delta) -> tuple[dict, AssistantParser]:
         parser = self.parsers.setdefault(delta.index, self.parsing.parser())
@@ -71,13 +89,11 @@ class _ChatView:
     async def chunks(self, generation: Generation) -> AsyncIterator[dict]:
         for index in range(len(generation.requests) * generation.n):  # the role comes first, before any token
             yield self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                               "finish_reason": None})
+                               "finish_reason": None}, generation, **self._prompt_extras(generation))
         async for prompt_index, output in generation:
             for delta in generation.deltas(prompt_index, output):
                 message, parser = self._stream_delta(delta)
-                yield self._chunk({"index": delta.index, "delta": message, "logprobs": self._logprobs(delta),
-                                   "finish_reason": self._finish_reason(delta, parser),
-                                   "stop_reason": delta.stop_reason})
+                yield self._chunk(self._choice(delta, {"delta": message}, parser), generation)
         if self.body.include_usage:
             yield {**self._header("chat.completion.chunk"), "choices": [], "usage": generation.usage()}
 
@@ -94,15 +110,16 @@ class _ChatView:
         for delta in generation.final_deltas():
             parser = self.parsing.parser()
             parsed = parser.parse(delta.text, len(delta.token_ids))
-            choices.append({"index": delta.index, "message": self._message(parsed), "logprobs": self._logprobs(delta),
-                            "finish_reason": self._finish_reason(delta, parser), "stop_reason": delta.stop_reason})
-        return {**self._header("chat.completion"), "choices": choices, "usage": generation.usage()}
+            choices.append(self._choice(delta, {"message": self._message(parsed)}, parser))
+        return {**self._header("chat.completion"), **self._prompt_extras(generation), "choices": choices,
+                "usage": generation.usage()}
 
 
 async def create_chat_completion(server: ServerState, body: ChatCompletionRequest, http: Request) -> Response:
     info = server.model(body.model)
     warn_unknown("/v1/chat/completions", body.check_supported())
     params = body.to_sampling_params()
+    await server.compile_grammar(params, body.structured_field)
     server.check_choices(1, params.n)
     tools = select_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
     options = body.template_options(server.options.trust_request_chat_template)
@@ -121,6 +138,7 @@ async def create_chat_completion(server: ServerState, body: ChatCompletionReques
             params = replace(params, structured_output=forced)
         except SamplingParamError as err:  # min_tokens beside a grammar
             raise invalid_field(err, {"max_tokens": body.max_tokens_param}) from None
+        await server.compile_grammar(params, "tool_choice")
     parsing = OutputParsing(reasoning, in_reasoning, tool_format if tools.offered else None, tools.offered,
                             tools.max_calls)
     call_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -10,7 +10,7 @@ from fastapi.responses import Response
 from transformers import PreTrainedTokenizerBase
 
 from hybridserve.server.generation import Delta, Generation, respond
-from hybridserve.server.logprobs import TokenText, legacy_logprobs
+from hybridserve.server.logprobs import TokenText, legacy_logprobs, prompt_logprobs
 from hybridserve.server.prompts import check_context, completion_prompts, count_prompts
 from hybridserve.server.protocol import CompletionRequest, warn_unknown
 from hybridserve.server.state import ServerState
@@ -41,13 +41,25 @@ class _CompletionView:
                 token_ids, entries = output.prompt_token_ids + token_ids, output.prompt_logprobs + entries
             logprobs = legacy_logprobs(self.token_text, token_ids, entries, self.chars_sent.get(delta.index, 0))
         self.chars_sent[delta.index] = self.chars_sent.get(delta.index, 0) + len(text)
-        return {"index": delta.index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason,
-                "stop_reason": delta.stop_reason}
+        choice = {"index": delta.index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason,
+                  "stop_reason": delta.stop_reason}
+        if self.body.return_token_ids:  # vLLM: the prompt's ids with a choice's first delta, then each delta's
+            if delta.first:
+                choice["prompt_token_ids"] = self.prompts[delta.prompt_index][0]
+            choice["token_ids"] = delta.token_ids
+        if self.body.prompt_logprobs is not None:  # never streamed: every delta is a first one
+            output = generation.final[delta.prompt_index]
+            choice["prompt_logprobs"] = prompt_logprobs(self.token_text, output.prompt_token_ids,
+                                                        output.prompt_logprobs, self.body.prompt_logprobs)
+        return choice
 
     async def chunks(self, generation: Generation) -> AsyncIterator[dict]:
         async for prompt_index, output in generation:
             for delta in generation.deltas(prompt_index, output):
-                yield {**self.header, "choices": [self.choice(delta, generation)]}
+                chunk = {**self.header, "choices": [self.choice(delta, generation)]}
+                if self.body.continuous_usage:
+                    chunk["usage"] = generation.usage()
+                yield chunk
         if self.body.include_usage:
             yield {**self.header, "choices": [], "usage": generation.usage()}
 
@@ -60,6 +72,7 @@ async def create_completion(server: ServerState, body: CompletionRequest, http: 
     info = server.model(body.model)
     warn_unknown("/v1/completions", body.check_supported())
     params = body.to_sampling_params()
+    await server.compile_grammar(params, body.structured_field)
     server.check_choices(count_prompts(body.prompt), params.n)
     prompts = await server.prompts.run(completion_prompts, info.tokenizer, body.prompt,
                                        body.add_special_tokens is not False)

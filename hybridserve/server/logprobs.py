@@ -2,7 +2,9 @@
 
 Completions use the legacy object (lm-eval reads it): parallel lists `tokens`, `token_logprobs`, `top_logprobs`
 (dicts keyed by token text, the position's own token included) and `text_offset`. Chat uses
-`content: [{token, logprob, bytes, top_logprobs: [...]}]` with exactly the k most likely alternatives.
+`content: [{token, logprob, bytes, top_logprobs: [...]}]` with exactly the k most likely alternatives. vLLM's
+`prompt_logprobs` is a list over the prompt (null for its first token) of {token id: {logprob, rank,
+decoded_token}}.
 """
 from __future__ import annotations
 
@@ -58,3 +60,22 @@ def chat_logprobs(text: TokenText, token_ids: list[int], entries: list[TopLogpro
     return [{**item(token_id, entry[token_id]),
              "top_logprobs": [item(candidate, logprob) for candidate, logprob in _ranked(entry)[:top_k]]}
             for token_id, entry in zip(token_ids, entries)]
+
+
+def prompt_logprobs(text: TokenText, token_ids: list[int], entries: list[TopLogprobs | None], top_k: int
+                    ) -> list[dict[str, dict] | None]:
+    """vLLM's prompt_logprobs: per prompt token, itself and the `top_k` likeliest tokens by id (the prompt token
+    first). `rank` is 1 for the likeliest; the engine keeps only the top k, so a prompt token outside them has
+    rank null."""
+    out: list[dict[str, dict] | None] = []
+    for token_id, entry in zip(token_ids, entries):
+        if entry is None:
+            out.append(None)
+            continue
+        among_top = len(entry) <= top_k  # the dict holds the top k and the prompt token: k + 1 if it is not one
+        ranked = [candidate for candidate, _ in _ranked(entry) if among_top or candidate != token_id]
+        rank = {candidate: i + 1 for i, candidate in enumerate(ranked)}
+        order = [token_id] + [candidate for candidate in ranked if candidate != token_id]
+        out.append({str(candidate): {"logprob": entry[candidate], "rank": rank.get(candidate),
+                                     "decoded_token": text(candidate)} for candidate in order})
+    return out

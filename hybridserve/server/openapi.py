@@ -43,12 +43,24 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]  # vLLM's shape: null for the first prompt token
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason
     stop_reason: int | str | None
+    prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs
+    prompt_token_ids: list[int] | None = None  # with return_token_ids (streamed: a choice's first chunk)
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class CompletionResponse(BaseModel):
@@ -85,6 +97,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason
     stop_reason: int | str | None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -94,6 +107,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ModelCard(BaseModel):

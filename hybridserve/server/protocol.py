@@ -5,7 +5,7 @@ OpenAPI schema. Optional fields default to None so that an explicit JSON null (b
 `"logprobs": null`) means "the default".
 
 Fields the API does not declare are sorted three ways: those that would change the result but are not implemented
-(`best_of` > 1, `guided_json`, `functions`, ...) are a 400 naming them unless they carry their neutral value; those
+(`best_of` > 1, `logit_bias`, `functions`, ...) are a 400 naming them unless they carry their neutral value; those
 that change nothing (`user`, `metadata`, ...) are accepted; any other is accepted and named in a warning log line,
 as vLLM does, so that real clients keep working.
 """
@@ -42,6 +42,7 @@ from hybridserve.sampling import (
     SamplingParams,
 )
 from hybridserve.server.errors import APIError
+from hybridserve.structured import StructuredOutputError, StructuredOutputParams
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +69,10 @@ StopInput = Annotated[StopString | Annotated[list[StopString], Field(max_length=
 # Not implemented, and they would change the result: refused unless they carry one of these neutral values.
 _REFUSED = {
     "best_of": (None, 1), "logit_bias": (None, {}), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
-    "allowed_token_ids": (None,), "bad_words": (None, []), "prompt_logprobs": (None,),
+    "allowed_token_ids": (None,), "bad_words": (None, []),
     "truncate_prompt_tokens": (None,), "logits_processors": (None,), "return_tokens_as_token_ids": (None, False),
-    "spaces_between_special_tokens": (None, True), "prompt_embeds": (None,), "structured_outputs": (None,),
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-    "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,), "response_format": (None, {"type": "text"}),
+    "spaces_between_special_tokens": (None, True), "prompt_embeds": (None,),
+    "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,),
 }
 _REFUSED_COMPLETION = {"suffix": (None, "")}
 _REFUSED_CHAT = {
@@ -149,6 +149,36 @@ class _Request(_Body):
 
 class StreamOptions(_Body):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = Field(None, description="with include_usage: usage so far on every chunk")
+
+
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = Field(None, description="null or true: objects have only the declared properties unless "
+                                                  "the schema allows more; false: JSON Schema's defaults")
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Body):
+    """vLLM's `structured_outputs` (exactly one constraint)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: dict[str, Any] | str | None = None
+
+
+# Request fields that constrain the output (one at most per request).
+_STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                      "guided_grammar")
 
 
 class SamplingFields(_Request):
@@ -174,6 +204,13 @@ class SamplingFields(_Request):
     include_stop_str_in_output: bool | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = Field(None, description="a JSON schema the output matches")
+    guided_regex: str | None = Field(None, description="a regular expression the whole output matches")
+    guided_choice: list[str] | None = Field(None, description="the output is one of these strings")
+    guided_grammar: str | None = Field(None, description="an EBNF grammar (xgrammar's dialect, start rule root)")
+    return_token_ids: bool | None = Field(None, description="token ids of the prompt and of each output")
 
     SAMPLING_FIELDS: ClassVar[tuple[str, ...]] = (
         "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
@@ -184,11 +221,57 @@ class SamplingFields(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every streamed chunk (vLLM: include_usage and continuous_usage_stats)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
+    @property
+    def structured_field(self) -> str | None:
+        """The request field that constrains the output (None: free text)."""
+        given = [name for name in _STRUCTURED_FIELDS if getattr(self, name) is not None
+                 and not (name == "response_format" and self.response_format.type == "text")]
+        if len(given) > 1:
+            raise APIError(f"give at most one output constraint; this request has {', '.join(given)}",
+                           param=given[1])
+        return given[0] if given else None
+
     def check_supported(self) -> list[str]:
         """Raise an APIError for what this server cannot honour; return the unknown fields (for a warning)."""
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed with stream: true", param="stream_options")
-        return self.unknown_fields()
+        unknown = self.unknown_fields()
+        for name in ("stream_options", "response_format", "structured_outputs"):
+            if getattr(self, name) is not None:
+                unknown += getattr(self, name)._extras({}, f"{name}.")
+        if self.response_format is not None and self.response_format.json_schema is not None:
+            unknown += self.response_format.json_schema._extras({}, "response_format.json_schema.")
+        return unknown
+
+    def structured_output(self) -> StructuredOutputParams | None:
+        """The output constraint, from whichever field gives it (its form is checked here; the grammar itself is
+        compiled before the request is queued, `ServerState.compile_grammar`)."""
+        field = self.structured_field
+        if field is None:
+            return None
+        try:
+            if field == "response_format":
+                if self.response_format.type == "json_object":
+                    return StructuredOutputParams(json_object=True)
+                spec = self.response_format.json_schema
+                if spec is None or spec.schema_ is None:
+                    raise APIError("response_format of type json_schema needs json_schema.schema (a JSON Schema)",
+                                   param="response_format")
+                return StructuredOutputParams(json=spec.schema_, strict=spec.strict is not False)
+            if field == "structured_outputs":
+                given = self.structured_outputs
+                return StructuredOutputParams(json=given.json_, json_object=bool(given.json_object),
+                                              regex=given.regex, choice=given.choice, grammar=given.grammar,
+                                              structural_tag=given.structural_tag)
+            kind = field.removeprefix("guided_")
+            return StructuredOutputParams(**{kind: getattr(self, field)})
+        except StructuredOutputError as err:
+            raise structured_output_error(err, field) from None
 
     def sampling_params(self, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
                         names: dict[str, str] | None = None) -> SamplingParams:
@@ -196,9 +279,15 @@ class SamplingFields(_Request):
         SamplingParams name to the request field it came from (for the error)."""
         given = {name: getattr(self, name) for name in self.SAMPLING_FIELDS if getattr(self, name) is not None}
         try:
-            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, **given)
+            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                  structured_output=self.structured_output(), **given)
         except SamplingParamError as err:
             raise invalid_field(err, names) from None
+
+
+def structured_output_error(err: StructuredOutputError, field: str) -> APIError:
+    """A structured-output error, named by the request field that gave the constraint."""
+    return APIError(f"invalid value for '{field}': {err.why}", param=field)
 
 
 def invalid_field(err: SamplingParamError, names: dict[str, str] | None = None) -> APIError:
@@ -217,10 +306,19 @@ class CompletionRequest(SamplingFields):
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool | None = False
     add_special_tokens: bool | None = True
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+        None, description="top logprobs per prompt token, in each choice's prompt_logprobs (not with stream)")
+
+    def check_supported(self) -> list[str]:
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError("prompt_logprobs is not available with stream: true", param="prompt_logprobs")
+        return super().check_supported()
 
     def to_sampling_params(self) -> SamplingParams:
+        prompt_logprobs = self.prompt_logprobs if self.prompt_logprobs is not None else \
+            self.logprobs if self.echo else None
         return self.sampling_params(max_tokens=self.max_tokens, logprobs=self.logprobs,
-                                    prompt_logprobs=self.logprobs if self.echo else None)
+                                    prompt_logprobs=prompt_logprobs)
 
 
 class ContentPart(_Body):
@@ -392,11 +490,15 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_special_tokens: bool | None = False
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+        None, description="top logprobs per prompt token, in the response's prompt_logprobs (not with stream)")
 
     def check_supported(self) -> list[str]:
         unknown = super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError("prompt_logprobs is not available with stream: true", param="prompt_logprobs")
         return unknown + [name for i, message in enumerate(self.messages) for name in message.unknown_fields(i)]
 
     @property
@@ -406,6 +508,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self.sampling_params(max_tokens=max_tokens, logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+                                    prompt_logprobs=self.prompt_logprobs,
                                     names={"logprobs": "top_logprobs", "max_tokens": self.max_tokens_param})
 
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from hybridserve.config import EngineConfig
 from hybridserve.outputs import RequestOutput
 from hybridserve.server.async_engine import AsyncEngine, EngineInfo, EngineRequest, OutputMailbox
+from hybridserve.structured.compiler import GrammarCompiler
 
 PREFIX_MEMORY = 1 << 16  # page-prefix hashes remembered for affinity (least recently placed forgotten first)
 
@@ -83,6 +84,11 @@ class ReplicaSet:
     @property
     def ready(self) -> bool:
         return all(replica.ready for replica in self.replicas)
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The replicas' grammar compiler (one per process and tokenizer: every replica shares it)."""
+        return self.replicas[0].grammars
 
     def stats(self) -> dict[str, int]:
         """Every replica's stats summed (gauges and counters alike)."""

@@ -14,7 +14,8 @@ from hybridserve.server.replicas import ReplicaSet
 from hybridserve.server.errors import APIError, not_ready, shutting_down
 from hybridserve.server.metrics import ServerMetrics
 from hybridserve.server.prompts import PromptWorker
-from hybridserve.server.protocol import invalid_field
+from hybridserve.server.protocol import invalid_field, structured_output_error
+from hybridserve.structured import StructuredOutputError
 
 if TYPE_CHECKING:
     from hybridserve.server.generation import Generation
@@ -100,6 +101,17 @@ class ServerState:
             return replace(params, max_tokens=self.options.default_max_tokens)
         except SamplingParamError as err:  # min_tokens above the default
             raise invalid_field(err) from None
+
+    async def compile_grammar(self, params: SamplingParams, field: str | None) -> None:
+        """Compile a request's grammar on a worker thread before it is queued: the engine thread then finds it
+        in the process's shared cache instead of stalling every stream for the compile. One that cannot be
+        compiled is a 400 naming the request `field` that gave it."""
+        if params.structured_output is None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.grammars.compile, params.structured_output)
+        except StructuredOutputError as err:
+            raise structured_output_error(err, field) from None
 
     def begin_shutdown(self) -> None:
         """Start `drain` on the event loop (callable from a signal handler)."""
