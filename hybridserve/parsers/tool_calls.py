@@ -20,9 +20,9 @@ from typing import Any, ClassVar
 from hybridserve.parsers.scan import tag_prefix_start
 
 
-# Whitespace a forced call may put between two tokens of its arguments: room for indented JSON, but a bound, so a
-# model cannot spend its token budget on whitespace inside a call.
-MAX_WHITESPACE = 32
+# Whitespace characters a forced call may put between two tokens of its arguments: room for some indentation, but
+# a bound, so that a model cannot spend its token budget on whitespace inside a call.
+MAX_WHITESPACE = 16
 
 
 def new_call_id() -> str:
@@ -76,12 +76,25 @@ def forced_calls_format(fmt: ToolFormat, tools: Mapping[str, dict], parallel: bo
 
 @dataclass
 class Extracted:
-    content: str = ""
-    calls: list[ToolCall] = field(default_factory=list)
+    """Content text and calls, in the order the output has them."""
+
+    parts: list[str | ToolCall] = field(default_factory=list)
+
+    @property
+    def content(self) -> str:
+        return "".join(part for part in self.parts if isinstance(part, str))
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return [part for part in self.parts if isinstance(part, ToolCall)]
+
+    def add(self, part: str | ToolCall) -> None:
+        if part != "":
+            self.parts.append(part)
 
     def __iadd__(self, other: Extracted) -> Extracted:
-        self.content += other.content
-        self.calls += other.calls
+        for part in other.parts:
+            self.add(part)
         return self
 
 
@@ -110,24 +123,24 @@ class ToolCallExtractor:
                 call = self.fmt.parse(body, self.tools)
                 if call is not None and (self.max_calls is None or len(self.calls) < self.max_calls):
                     self.calls.append(call)
-                    out.calls.append(call)
+                    out.add(call)
                     if self._separator is None:
                         self._separator = self._gap
                 else:
-                    out.content += self._release(self._gap + self.fmt.start + body + self.fmt.end)
+                    out.add(self._release(self._gap + self.fmt.start + body + self.fmt.end))
                 self._in_block, self._gap = False, ""
                 continue
             start = self._pending.find(self.fmt.start)
             if start >= 0:
                 before = self._pending[:start]
                 text_end = len(before.rstrip())
-                out.content += self._release(before[:text_end])
+                out.add(self._release(before[:text_end]))
                 self._gap, self._in_block = before[text_end:], True
                 self._pending = self._pending[start + len(self.fmt.start):]
                 continue
             held = tag_prefix_start(self._pending, (self.fmt.start,))
             held = len(self._pending[:held].rstrip())  # and the whitespace before it
-            out.content += self._release(self._pending[:held])
+            out.add(self._release(self._pending[:held]))
             self._pending = self._pending[held:]
             return out
 
@@ -139,7 +152,9 @@ class ToolCallExtractor:
         else:
             rest = self._pending.rstrip() if self.calls else self._pending
         self._pending, self._in_block, self._gap = "", False, ""
-        return Extracted(content=self._release(rest))
+        out = Extracted()
+        out.add(self._release(rest))
+        return out
 
     def _release(self, text: str) -> str:
         if self._separator is not None:  # the first text after a call

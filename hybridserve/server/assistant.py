@@ -16,17 +16,25 @@ from hybridserve.parsers.tool_calls import Extracted, ToolCall, ToolCallExtracto
 
 @dataclass
 class AssistantDelta:
+    """Reasoning (always first), then content text and tool calls in output order."""
+
     reasoning: str = ""
-    content: str = ""
-    tool_calls: list[ToolCall] = field(default_factory=list)
+    parts: Extracted = field(default_factory=Extracted)
+
+    @property
+    def content(self) -> str:
+        return self.parts.content
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return self.parts.calls
 
     def __bool__(self) -> bool:
-        return bool(self.reasoning or self.content or self.tool_calls)
+        return bool(self.reasoning or self.parts.parts)
 
     def __iadd__(self, other: AssistantDelta) -> AssistantDelta:
         self.reasoning += other.reasoning
-        self.content += other.content
-        self.tool_calls += other.tool_calls
+        self.parts += other.parts
         return self
 
 
@@ -88,5 +96,6 @@ class AssistantParser:
     @staticmethod
     def _extract(split: Split, extracted: Extracted | None) -> AssistantDelta:
         if extracted is None:
-            return AssistantDelta(split.reasoning, split.content)
-        return AssistantDelta(split.reasoning, extracted.content, extracted.calls)
+            extracted = Extracted()
+            extracted.add(split.content)
+        return AssistantDelta(split.reasoning, extracted)

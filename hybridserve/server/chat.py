@@ -5,20 +5,17 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import Response
 from transformers import PreTrainedTokenizerBase
 
 from hybridserve.parsers.tool_calls import ToolCall
-from hybridserve.sampling import SamplingParamError
 from hybridserve.server.assistant import AssistantDelta, AssistantParser, OutputParsing
-from hybridserve.server.errors import APIError
 from hybridserve.server.generation import Delta, Generation, respond
 from hybridserve.server.logprobs import TokenText, chat_logprobs, prompt_logprobs
 from hybridserve.server.prompts import chat_prompt, check_context
-from hybridserve.server.protocol import ChatCompletionRequest, invalid_field, warn_unknown
+from hybridserve.server.protocol import ChatCompletionRequest, warn_unknown
 from hybridserve.server.state import ServerState
 from hybridserve.server.tool_choice import select_tools
 
@@ -126,21 +123,7 @@ async def create_chat_completion(server: ServerState, body: ChatCompletionReques
     prompt, text = await server.prompts.run(chat_prompt, info.tokenizer, body.messages, options,
                                             body.add_special_tokens is True, tools.template_tools)
     check_context(len(prompt), params.max_tokens, info.max_model_len, body.max_tokens_param)
-    reasoning = server.reasoning_format
-    in_reasoning = reasoning is not None and reasoning.prompt_opens_reasoning(text)
-    tool_format = server.tool_format()
-    forced = tools.structured_output(tool_format, reasoning, in_reasoning)
-    if forced is not None:
-        if params.structured_output is not None:
-            raise APIError("tool_choice 'required' or a named function already constrains the output; it cannot be "
-                           "combined with response_format or guided decoding", param="tool_choice")
-        try:
-            params = replace(params, structured_output=forced)
-        except SamplingParamError as err:  # min_tokens beside a grammar
-            raise invalid_field(err, {"max_tokens": body.max_tokens_param}) from None
-        await server.compile_grammar(params, "tool_choice")
-    parsing = OutputParsing(reasoning, in_reasoning, tool_format if tools.offered else None, tools.offered,
-                            tools.max_calls)
+    params, parsing = await tools.apply(server, text, params, {"max_tokens": body.max_tokens_param})
     call_id = f"chatcmpl-{uuid.uuid4().hex}"
     generation = Generation(server, http, call_id, [prompt], server.default_max_tokens(params),
                             prompt_param="messages")

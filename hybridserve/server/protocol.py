@@ -331,7 +331,7 @@ FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$",
                                     description="letters, digits, _ and -, at most 64 characters")]
 
 
-def _check_parameters(schema: dict[str, Any] | None) -> dict[str, Any] | None:
+def check_parameters(schema: dict[str, Any] | None) -> dict[str, Any] | None:
     """A function's `parameters`: a JSON Schema of an object (what a tool call's arguments are)."""
     if schema is None:
         return None
@@ -349,7 +349,7 @@ def _check_parameters(schema: dict[str, Any] | None) -> dict[str, Any] | None:
 class FunctionDefinition(_Body):
     name: FunctionName
     description: str | None = None
-    parameters: Annotated[dict[str, Any] | None, AfterValidator(_check_parameters)] = Field(
+    parameters: Annotated[dict[str, Any] | None, AfterValidator(check_parameters)] = Field(
         None, description="a JSON Schema of the arguments object (absent: no parameters)")
     strict: bool | None = None
 

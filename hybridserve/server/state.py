@@ -14,6 +14,7 @@ from hybridserve.server.replicas import ReplicaSet
 from hybridserve.server.errors import APIError, not_ready, shutting_down
 from hybridserve.server.metrics import ServerMetrics
 from hybridserve.server.prompts import PromptWorker
+from hybridserve.server.response_store import ResponseStore
 from hybridserve.server.protocol import invalid_field, structured_output_error
 from hybridserve.structured import StructuredOutputError
 
@@ -37,6 +38,8 @@ class ServerOptions:
     data_parallel_size: int = 1  # engine replicas behind the server
     tool_call_parser: str | None = None  # a parsers.TOOL_FORMATS name; None: the model type's own
     reasoning_parser: str | None = None  # a parsers.REASONING_FORMATS name; None: no reasoning split
+    response_store_size: int = 1000  # Responses-API responses kept for previous_response_id (0: none)
+    response_store_ttl_s: float = 3600.0  # ... and for how long
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
@@ -45,6 +48,8 @@ class ServerOptions:
             tool_format(self.tool_call_parser, "")
         if self.reasoning_parser is not None:
             reasoning_format(self.reasoning_parser)
+        if self.response_store_size < 0 or self.response_store_ttl_s <= 0:
+            raise ValueError("--responses-store-size must be >= 0 and --responses-store-ttl > 0")
 
 
 @dataclass
@@ -57,6 +62,10 @@ class ServerState:
     generations: set[Generation] = field(default_factory=set)  # API calls with requests in the engine
     draining: bool = False  # shutting down: nothing new is admitted
     loop: asyncio.AbstractEventLoop | None = None  # the event loop serving the app, once it started
+    responses: ResponseStore = field(init=False)  # finished Responses-API responses
+
+    def __post_init__(self) -> None:
+        self.responses = ResponseStore(self.options.response_store_size, self.options.response_store_ttl_s)
     _drain_task: asyncio.Task | None = None
 
     @property

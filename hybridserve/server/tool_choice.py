@@ -11,13 +11,19 @@ most one call.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from hybridserve.parsers.reasoning import ReasoningFormat
 from hybridserve.parsers.tool_calls import ToolFormat, forced_calls_format
+from hybridserve.sampling import SamplingParamError, SamplingParams
+from hybridserve.server.assistant import OutputParsing
 from hybridserve.server.errors import APIError
-from hybridserve.server.protocol import ChatTool, NamedToolChoice
+from hybridserve.server.protocol import ChatTool, NamedToolChoice, invalid_field
 from hybridserve.structured import StructuredOutputParams
+
+if TYPE_CHECKING:
+    from hybridserve.server.state import ServerState
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,26 @@ class ToolSelection:
             calls = {"type": "sequence", "elements": [reasoning.grammar_prefix(in_reasoning),
                                                       {"type": "regex", "pattern": r"[ \n\r\t]*"}, calls]}
         return StructuredOutputParams(structural_tag={"type": "structural_tag", "format": calls})
+
+    async def apply(self, server: ServerState, prompt_text: str, params: SamplingParams,
+                    names: dict[str, str]) -> tuple[SamplingParams, OutputParsing]:
+        """The request's SamplingParams with the forcing grammar (compiled before the request is queued) and how
+        its outputs are parsed; `names` maps SamplingParams names to the request's fields (for errors)."""
+        reasoning = server.reasoning_format
+        in_reasoning = reasoning is not None and reasoning.prompt_opens_reasoning(prompt_text)
+        fmt = server.tool_format()
+        forced = self.structured_output(fmt, reasoning, in_reasoning)
+        if forced is not None:
+            if params.structured_output is not None:
+                raise APIError("tool_choice 'required' or a named function already constrains the output; it "
+                               "cannot be combined with another output constraint", param="tool_choice")
+            try:
+                params = replace(params, structured_output=forced)
+            except SamplingParamError as err:  # min_tokens beside a grammar
+                raise invalid_field(err, names) from None
+            await server.compile_grammar(params, "tool_choice")
+        parsing = OutputParsing(reasoning, in_reasoning, fmt if self.offered else None, self.offered, self.max_calls)
+        return params, parsing
 
 
 def select_tools(tools: list[ChatTool] | None, choice: str | NamedToolChoice | None, parallel: bool | None,

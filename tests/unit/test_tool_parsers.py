@@ -51,9 +51,19 @@ def parse_pieces(fmt, pieces: list[str], max_calls: int | None = None) -> Extrac
     return out
 
 
+def layout(out: Extracted) -> list:
+    """Text and calls in order, adjacent text joined (call ids left out: they are random)."""
+    parts = []
+    for part in out.parts:
+        if isinstance(part, str) and parts and isinstance(parts[-1], str):
+            parts[-1] += part
+        else:
+            parts.append(part if isinstance(part, str) else (part.name, part.arguments))
+    return parts
+
+
 def same(a: Extracted, b: Extracted) -> bool:
-    return a.content == b.content and [(c.name, c.arguments) for c in a.calls] == [(c.name, c.arguments)
-                                                                                    for c in b.calls]
+    return layout(a) == layout(b)
 
 
 def crafted(name: str) -> dict[str, str]:
@@ -87,6 +97,7 @@ def test_crafted_outputs_parse(name):
     assert len({c.id for c in two.calls}) == 2 and all(c.id.startswith("call_") for c in two.calls)
     joined = parse_whole(fmt, cases["text around two calls"])
     assert joined.content == "First,  \nthen this." and len(joined.calls) == 2  # one gap joins the two texts
+    assert layout(joined)[0] == "First," and layout(joined)[-1] == "  \nthen this."  # in output order
     bad = parse_whole(fmt, cases["malformed then good"])
     assert bad.content == f"{fmt.start}\n<oops> {{not json\n{fmt.end}" and [c.name for c in bad.calls] == ["ping"]
     for kept in ("unknown function", "unclosed", "no call", "partial tag at the end"):
