@@ -80,7 +80,9 @@ class LLMEngine:
         self.config = config
         model_dir = config.model
         self.model_dir = model_dir
-        check_tensor_parallel(read_config(model_dir, config.hf_overrides), config.tensor_parallel_size)
+        raw_config = read_config(model_dir, config.hf_overrides)
+        check_tensor_parallel(raw_config, config.tensor_parallel_size)
+        self.model_type: str = raw_config["model_type"]
         self.workers, channel = start_workers(config) if config.tensor_parallel_size > 1 else ([], None)
         self.runner = ModelRunner(rank_config(config, 0), model_dir, channel)
         self.tokenizer = load_tokenizer(config.tokenizer or model_dir)

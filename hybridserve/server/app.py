@@ -132,8 +132,9 @@ def build_app(state: ServerState, on_fatal: Callable[[], None], url: str = "") -
         warn_unknown("/tokenize", body.check_supported())
         if body.messages is not None:
             options = body.template_options(state.options.trust_request_chat_template)
+            tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
             tokens, _ = await state.prompts.run(chat_prompt, info.tokenizer, body.messages, options,
-                                                body.add_special_tokens is True)
+                                                body.add_special_tokens is True, tools)
         else:
             tokens = await state.prompts.run(partial(info.tokenizer.encode, add_special_tokens=body.add_special_tokens
                                                      is not False), body.prompt)

@@ -19,7 +19,6 @@ from transformers import PreTrainedTokenizerBase
 
 from hybridserve.config import EngineConfig
 from hybridserve.engine.engine import LLMEngine
-from hybridserve.loader import read_config
 from hybridserve.outputs import RequestOutput, RequestOutputKind
 from hybridserve.sampling import SamplingParams
 from hybridserve.structured.compiler import GrammarCompiler
@@ -180,8 +179,8 @@ class AsyncEngine:
         if self.chat_template is not None:
             tokenizer.chat_template = self.chat_template
         self._stats = engine.stats()
-        self.info = EngineInfo(engine.model_dir, read_config(engine.model_dir)["model_type"], engine.max_model_len,
-                               engine.vocab_size, tokenizer)
+        self.info = EngineInfo(engine.model_dir, engine.model_type, engine.max_model_len, engine.vocab_size,
+                               tokenizer)
         runner = engine.runner
         logger.info("model ready in %.1f s: %s (%s), device %s, dtype %s, max_model_len %d",
                     time.monotonic() - start, engine.model_dir, type(runner.model).__name__, runner.device,

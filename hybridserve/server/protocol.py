@@ -516,6 +516,8 @@ class TokenizeRequest(ChatTemplateFields):
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = Field(
+        None, description="with messages: the tools the chat template lists")
     add_special_tokens: bool | None = None
 
     def check_supported(self) -> list[str]:

@@ -130,7 +130,9 @@ class ResponsesRequest(_Request):
     REFUSED: ClassVar[dict[str, tuple]] = _REFUSED_RESPONSES
 
     model: str | None = None
-    input: str | Annotated[list[InputItem], Field(min_length=1)]
+    input: Annotated[Annotated[str, Tag("text")] | Annotated[list[InputItem], Field(min_length=1), Tag("items")],
+                     Discriminator(lambda value: "text" if isinstance(value, str) else "items")] = Field(
+        description="a string (one user message) or a list of input items")
     instructions: str | None = Field(None, description="a system message before the input (not carried over to "
                                                        "responses that continue this one)")
     previous_response_id: str | None = Field(None, description="continue a stored response: its input and output "
