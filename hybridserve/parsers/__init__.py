@@ -15,13 +15,16 @@ TOOL_FORMATS: dict[str, ToolFormat] = {fmt.name: fmt for fmt in (ZAYA, LING)}
 _MODEL_TOOL_FORMATS = {"zaya": ZAYA, "bailing_hybrid": LING}  # config.json model_type -> its format
 
 
-def tool_format(name: str | None, model_type: str) -> ToolFormat:
-    """The format `--tool-call-parser name` selects (None: the model's own)."""
-    if name is None:
-        return _MODEL_TOOL_FORMATS[model_type]
+def tool_format(name: str) -> ToolFormat:
+    """The format `--tool-call-parser name` selects."""
     if name not in TOOL_FORMATS:
         raise ValueError(f"unknown tool-call parser {name!r}; choose one of {', '.join(sorted(TOOL_FORMATS))}")
     return TOOL_FORMATS[name]
+
+
+def model_tool_format(model_type: str) -> ToolFormat:
+    """The format a model type writes its tool calls in (the default parser)."""
+    return _MODEL_TOOL_FORMATS[model_type]
 
 
 def reasoning_format(name: str) -> ReasoningFormat:

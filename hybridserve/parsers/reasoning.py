@@ -64,7 +64,6 @@ class ReasoningSplitter:
         self._state = _REASONING if in_reasoning else _OPENING
         self._pending = ""
         self._strip = in_reasoning  # drop whitespace at the start of the current part
-        self.reasoned = in_reasoning  # the output had a reasoning part
 
     @property
     def reasoning(self) -> bool:
@@ -79,7 +78,7 @@ class ReasoningSplitter:
                 lead = self._pending.lstrip()
                 if lead.startswith(self.fmt.start):
                     self._pending = lead[len(self.fmt.start):]
-                    self._state, self._strip, self.reasoned = _REASONING, True, True
+                    self._state, self._strip = _REASONING, True
                     continue
                 if self.fmt.start.startswith(lead):  # still possibly the opening tag (or only whitespace)
                     return out

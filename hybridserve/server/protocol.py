@@ -20,6 +20,7 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     ValidationError,
     WrapValidator,
@@ -80,7 +81,7 @@ _REFUSED_CHAT = {
     "modalities": (None, ["text"]), "web_search_options": (None,), "echo": (None, False),
     "continue_final_message": (None, False), "documents": (None,), "mm_processor_kwargs": (None,),
 }
-_REFUSED_MESSAGE = {"function_call": (None,), "audio": (None,)}
+_REFUSED_MESSAGE = {"function_call": (None,), "audio": (None,), "tool_calls": (None, []), "tool_call_id": (None,)}
 # Accepted, and they change nothing about the output.
 _HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
                        "request_id", "priority", "prediction"})
@@ -396,50 +397,21 @@ class MessageToolCall(_Body):
     function: CalledFunction
 
 
-Role = Literal["system", "developer", "user", "assistant", "tool"]
+MessageContent = Annotated[str | list[ContentPart], _one_of(
+    'must be a string or a list of {"type": "text", "text": ...} parts')]
 
 
-class ChatMessage(_Body):
-    role: Role = Field(description="developer is rendered as system; tool messages answer an assistant's tool call")
-    content: Annotated[str | list[ContentPart], _one_of(
-        'must be a string or a list of {"type": "text", "text": ...} parts')] | None = Field(
-        None, description="required, except in an assistant message with tool_calls")
+class _Message(_Body):
     name: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[MessageToolCall] | None = None
-    tool_call_id: str | None = None
-
-    @model_validator(mode="after")
-    def _fits_its_role(self) -> ChatMessage:
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content must be a string or a list of text parts (null only in an assistant message "
-                             "with tool_calls)")
-        if self.tool_calls is not None and self.role != "assistant":
-            raise ValueError("only assistant messages have tool_calls")
-        if (self.role == "tool") != (self.tool_call_id is not None):
-            raise ValueError("a tool message needs the tool_call_id of the call it answers (and only tool "
-                             "messages have one)")
-        for call in self.tool_calls or []:
-            call.function.parsed_arguments()
-        return self
 
     def as_template_input(self) -> dict:
-        """The message as chat templates expect it: text parts joined by newlines, developer as system, tool
-        call arguments as objects."""
+        """The message as chat templates expect it: text parts joined by newlines, developer as system."""
         content = self.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
         message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
-        if self.reasoning_content is not None:
-            message["reasoning_content"] = self.reasoning_content
-        if self.tool_calls:
-            message["tool_calls"] = [{"id": call.id, "type": "function", "function": {
-                "name": call.function.name, "arguments": call.function.parsed_arguments()}}
-                for call in self.tool_calls]
-        if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
         return message
 
     def unknown_fields(self, index: int) -> list[str]:
@@ -447,6 +419,49 @@ class ChatMessage(_Body):
         parts = self.content if isinstance(self.content, list) else []
         return self._extras(_REFUSED_MESSAGE, path) + [
             name for j, part in enumerate(parts) for name in part._extras({}, f"{path}content[{j}].")]
+
+
+class TextMessage(_Message):
+    role: Literal["system", "developer", "user"] = Field(description="developer is rendered as system")
+    content: MessageContent
+
+
+class AssistantTurn(_Message):
+    role: Literal["assistant"]
+    content: MessageContent | None = Field(None, description="may be null beside tool_calls")
+    reasoning_content: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+
+    @model_validator(mode="after")
+    def _says_something(self) -> AssistantTurn:
+        if self.content is None and not self.tool_calls:
+            raise ValueError("an assistant message needs content (a string or a list of text parts) or tool_calls")
+        for call in self.tool_calls or []:
+            call.function.parsed_arguments()
+        return self
+
+    def as_template_input(self) -> dict:
+        """... with its reasoning, and tool call arguments as objects."""
+        message = super().as_template_input()
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+                "name": call.function.name, "arguments": call.function.parsed_arguments()}}
+                for call in self.tool_calls]
+        return message
+
+
+class ToolResult(_Message):
+    role: Literal["tool"]
+    content: MessageContent
+    tool_call_id: str = Field(description="the id of the tool call this message answers")
+
+    def as_template_input(self) -> dict:
+        return {**super().as_template_input(), "tool_call_id": self.tool_call_id}
+
+
+ChatMessage = Annotated[TextMessage | AssistantTurn | ToolResult, Discriminator("role")]
 
 
 class ChatTemplateFields(_Request):

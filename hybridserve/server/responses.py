@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -24,7 +24,7 @@ from hybridserve.server.errors import APIError
 from hybridserve.server.generation import Generation, stream_response
 from hybridserve.server.prompts import chat_prompt, check_context
 from hybridserve.server.protocol import warn_unknown
-from hybridserve.server.responses_protocol import ResponsesRequest
+from hybridserve.server.responses_protocol import FunctionChoice, ResponsesRequest
 from hybridserve.server.state import ServerState
 from hybridserve.server.tool_choice import select_tools
 
@@ -37,7 +37,9 @@ class _ResponseEvents:
     """The stream events of one response, and the response object they build."""
 
     def __init__(self, body: ResponsesRequest, response_id: str, model: str, parsing: OutputParsing,
-                 earlier: list[dict], on_done):
+                 earlier: list[dict], on_done: Callable[[dict, list[dict]], None]):
+        """`earlier`: the stored turns this response continues; `on_done(response, items)` gets the finished
+        response and the conversation so far (earlier turns, this input, this output) as input items."""
         self.body, self.parsing, self.earlier, self.on_done = body, parsing, earlier, on_done
         self.head = {"id": response_id, "object": "response", "created_at": int(time.time()), "model": model}
         self.output: list[dict] = []
@@ -158,7 +160,7 @@ def _params_echo(body: ResponsesRequest, temperature: float, top_p: float, paral
     """The request settings a response object repeats."""
     text_format = body.text.format if body.text is not None and body.text.format is not None else None
     return {"temperature": temperature, "top_p": top_p, "parallel_tool_calls": parallel,
-            "tool_choice": body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump")
+            "tool_choice": body.tool_choice.model_dump() if isinstance(body.tool_choice, FunctionChoice)
             else body.tool_choice or "auto",
             "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or []],
             "text": {"format": text_format.model_dump(by_alias=True, exclude_none=True) if text_format is not None

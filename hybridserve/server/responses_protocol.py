@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, Discriminator, Field, Tag, ValidationError
+from pydantic import AfterValidator, Discriminator, Field, Tag, TypeAdapter, ValidationError
 
-from hybridserve.sampling import MAX_TEMPERATURE, SamplingParamError, SamplingParams
+from hybridserve.sampling import INT64_MAX, MAX_TEMPERATURE, SamplingParamError, SamplingParams
 from hybridserve.server.errors import APIError
 from hybridserve.server.protocol import (
-    INT64_MAX,
     MAX_TOOLS,
     ChatMessage,
     ChatTool,
@@ -168,7 +167,7 @@ class ResponsesRequest(_Request):
         try:
             items = [_parse_item(item) for item in earlier] + (
                 [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input)
-            return [ChatMessage.model_validate(m) for m in messages + items_to_messages(items)]
+            return [_CHAT_MESSAGE.validate_python(m) for m in messages + items_to_messages(items)]
         except (ValidationError, ValueError) as err:
             raise APIError(f"invalid value for 'input': {_reason(err)}", param="input") from None
 
@@ -200,6 +199,9 @@ class ResponsesRequest(_Request):
                                   **given)
         except SamplingParamError as err:
             raise invalid_field(err, {"max_tokens": "max_output_tokens"}) from None
+
+
+_CHAT_MESSAGE = TypeAdapter(ChatMessage)
 
 
 def _parse_item(item: dict) -> MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem:

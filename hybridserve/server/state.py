@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from hybridserve.parsers import ReasoningFormat, ToolFormat, reasoning_format, tool_format
+from hybridserve.parsers import ReasoningFormat, ToolFormat, model_tool_format, reasoning_format, tool_format
 from hybridserve.sampling import SamplingParamError, SamplingParams
 from hybridserve.server.async_engine import AsyncEngine, EngineInfo
 from hybridserve.server.replicas import ReplicaSet
@@ -45,7 +45,7 @@ class ServerOptions:
         if self.data_parallel_size < 1:
             raise ValueError(f"--dp {self.data_parallel_size}: at least one replica is needed")
         if self.tool_call_parser is not None:
-            tool_format(self.tool_call_parser, "")
+            tool_format(self.tool_call_parser)
         if self.reasoning_parser is not None:
             reasoning_format(self.reasoning_parser)
         if self.response_store_size < 0 or self.response_store_ttl_s <= 0:
@@ -91,7 +91,9 @@ class ServerState:
         return info
 
     def tool_format(self) -> ToolFormat:
-        return tool_format(self.options.tool_call_parser, self.info().model_type)
+        """--tool-call-parser's format, or the loaded model type's own."""
+        name = self.options.tool_call_parser
+        return tool_format(name) if name is not None else model_tool_format(self.info().model_type)
 
     @property
     def reasoning_format(self) -> ReasoningFormat | None:

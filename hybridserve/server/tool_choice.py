@@ -64,7 +64,7 @@ class ToolSelection:
                 params = replace(params, structured_output=forced)
             except SamplingParamError as err:  # min_tokens beside a grammar
                 raise invalid_field(err, names) from None
-            await server.compile_grammar(params, "tool_choice")
+            await server.compile_grammar(params, "tools")  # the grammar is made of the tools' schemas
         parsing = OutputParsing(reasoning, in_reasoning, fmt if self.offered else None, self.offered, self.max_calls)
         return params, parsing
 

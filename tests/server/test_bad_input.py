@@ -104,7 +104,9 @@ CASES = [
          {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}, 400, "messages",
      "JSON object"),
     ("tool_calls on a user message", "/v1/chat/completions",
-     {**CHAT, "messages": [{"role": "user", "content": "hi", "tool_calls": []}]}, 400, "messages", "only assistant"),
+     {**CHAT, "messages": [{"role": "user", "content": "hi", "tool_calls": [
+         {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, 400, "messages",
+     "tool_calls"),
     ("reasoning_effort", "/v1/chat/completions", {**CHAT, "reasoning_effort": "high"}, 400, "reasoning_effort",
      "not supported"),
     ("tool without a name", "/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {}}]}, 400,

@@ -9,7 +9,7 @@ import pytest
 import xgrammar
 from xgrammar.testing import _is_grammar_accept_string
 
-from hybridserve.parsers import LING, TOOL_FORMATS, ZAYA, tool_format
+from hybridserve.parsers import LING, TOOL_FORMATS, ZAYA, model_tool_format, tool_format
 from hybridserve.parsers.tool_calls import Extracted, ToolCallExtractor, forced_calls_format
 
 TOOLS = {
@@ -136,10 +136,10 @@ def test_ling_needs_an_arguments_object():
 
 
 def test_registry_names_and_model_defaults():
-    assert tool_format(None, "zaya") is ZAYA and tool_format(None, "bailing_hybrid") is LING
-    assert tool_format("ling", "zaya") is LING
+    assert model_tool_format("zaya") is ZAYA and model_tool_format("bailing_hybrid") is LING
+    assert tool_format("ling") is LING and tool_format("zaya") is ZAYA
     with pytest.raises(ValueError, match="choose one of ling, zaya"):
-        tool_format("hermes", "zaya")
+        tool_format("hermes")
 
 
 @pytest.mark.parametrize("name", sorted(TOOL_FORMATS))
