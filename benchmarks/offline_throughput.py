@@ -15,10 +15,13 @@ disk) writes only config.json and the tokenizer and has the engine draw random w
 writes a random safetensors checkpoint first. Every decode scenario reports its bandwidth floor (the bytes one
 decode step must move over HBM bandwidth); on CUDA and for ZAYA1 the same prompts also go through HF transformers
 `generate` (static batches of up to 64, left-padded, after our engine has been freed); Ling-2.6 has no HF model
-class here (n/a). Results also go to --out as JSON.
+class here (n/a). Results also go to --out as JSON. `--json-grammar` runs each of our scenarios a second time with
+a JSON schema on every request (an array of at least 1000 short strings, so every draw stays masked to its last
+token) and reports both rates: with no grammar, structured output must cost nothing.
 
     python benchmarks/offline_throughput.py --layers 40 --scenarios b1 b64 prefill --out results.json
     python benchmarks/offline_throughput.py --model-type ling --layers 16 --scenarios b1 b64 prefill
+    python benchmarks/offline_throughput.py --layers 40 --scenarios b1 b64 --json-grammar --skip-hf
 """
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ from hybridserve.demo import (  # noqa: E402
     write_random_checkpoint,
 )
 from hybridserve.models.ling_config import parse_ling_config  # noqa: E402
+from hybridserve.structured import StructuredOutputParams  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12  # H200 device-to-device copy bandwidth measured on the lent machines (KINDS.md)
 
@@ -63,6 +67,9 @@ SCENARIOS = {"b1": Scenario(1, 512, 512, 128, 128), "b64": Scenario(64, 100, 512
              "nano": Scenario(256, 100, 1024, 100, 1024), "prefill": Scenario(64, 512, 512, 1, 1, prefill=True),
              "smoke": Scenario(2, 16, 32, 4, 4)}
 DEMO_VOCAB, DEMO_EOS = 151680, [151645]  # the bundled tokenizer's (the demo checkpoints' widths)
+# --json-grammar: a JSON language no output completes within the budgets above, so every draw is masked.
+BENCH_GRAMMAR = StructuredOutputParams(json={"type": "array", "items": {"type": "string", "maxLength": 16},
+                                             "minItems": 1000})
 
 
 def zaya1_8b_config(layers: int) -> dict:
@@ -119,22 +126,25 @@ def workload(scenario: Scenario, seed: int) -> tuple[list[list[int]], list[int]]
 
 
 def run_ours(model_dir: str, workloads: dict, args) -> dict[str, float]:
+    """Our rate per scenario (and per `name+json` with --json-grammar)."""
     llm = LLM(model_dir, use_tqdm=False, dtype=args.dtype, device=args.device, load_format=args.load_format,
               max_running_requests=args.max_running_requests, enforce_eager=args.enforce_eager, seed=args.seed,
               tensor_parallel_size=args.tp)
     rates = {}
     for name, (prompts, outputs) in workloads.items():
-        params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True, seed=i)
-                  for i, n in enumerate(outputs)]
-        llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params[:2])  # warm-up
-        _sync(args.device)
-        start = time.perf_counter()
-        results = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        _sync(args.device)
-        elapsed = time.perf_counter() - start
-        assert [len(r.outputs[0].token_ids) for r in results] == outputs
-        rates[name] = _tokens(name, prompts, outputs) / elapsed
-        print(f"hybridserve {name}: {rates[name]:.1f} {_unit(name)}", flush=True)
+        for grammar in (None, BENCH_GRAMMAR) if args.json_grammar else (None,):
+            params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True, seed=i,
+                                     structured_output=grammar) for i, n in enumerate(outputs)]
+            llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params[:2])  # warm-up (and compile)
+            _sync(args.device)
+            start = time.perf_counter()
+            results = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            _sync(args.device)
+            elapsed = time.perf_counter() - start
+            assert [len(r.outputs[0].token_ids) for r in results] == outputs
+            label = name if grammar is None else f"{name}+json"
+            rates[label] = _tokens(name, prompts, outputs) / elapsed
+            print(f"hybridserve {label}: {rates[label]:.1f} {_unit(name)}", flush=True)
     llm.shutdown()
     del llm
     gc.collect()
@@ -253,6 +263,8 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="our engine without CUDA graphs")
     parser.add_argument("--tp", type=int, default=1,
                         help="our engine's tensor-parallel size (the floor is then that of --tp GPUs)")
+    parser.add_argument("--json-grammar", action="store_true",
+                        help="also run each scenario with a JSON grammar on every request (structured output)")
     parser.add_argument("--out", default=None, help="write the results here as JSON")
     args = parser.parse_args()
     args.load_format = args.load_format or ("dummy" if args.model_type == "ling" else "auto")
@@ -270,8 +282,12 @@ def main() -> None:
                   "scenarios": {name: {"requests": len(p), "input_tokens": sum(map(len, p)),
                                        "output_tokens": sum(o), "unit": _unit(name)}
                                 for name, (p, o) in workloads.items()}}
-        for name, rate in run_ours(model_dir, workloads, args).items():
+        for label, rate in run_ours(model_dir, workloads, args).items():
+            name, _, grammar = label.partition("+")
             entry = result["scenarios"][name]
+            if grammar:  # --json-grammar: the same scenario with a JSON grammar on every request
+                entry["ours_json_tok_s"], entry["json_cost"] = rate, 1 - rate / entry["ours_tok_s"]
+                continue
             entry["ours_tok_s"] = rate
             sc = SCENARIOS[name]
             if not sc.prefill:
@@ -293,6 +309,9 @@ def main() -> None:
             floor = f"{e['floor_tok_s']:>12.0f} {e['ours_tok_s'] / e['floor_tok_s']:>8.1%}" if "floor_tok_s" in e \
                 else f"{'-':>12} {'-':>9}"
             print(f"{name:<9} {e['ours_tok_s']:>11.1f} {hf_text} {floor}  ({e['unit']})")
+            if "ours_json_tok_s" in e:
+                print(f"{name + '+json':<9} {e['ours_json_tok_s']:>11.1f}  (every request under a JSON grammar: "
+                      f"{e['json_cost']:.1%} slower)")
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=2))
     finally:

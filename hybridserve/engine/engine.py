@@ -276,14 +276,13 @@ class LLMEngine:
         mask = TokenMask.allocate(draw_rows, self.vocab_size) if draw_rows else None
         row, failed = 0, []
         for group, state, count in constrained:
-            try:
-                if group.error is not None:
-                    raise RuntimeError("failed already")  # another sequence of the group, just above
-                state.fill(mask.bits, row)
-            except Exception as err:  # its draws are discarded: leave them unconstrained
-                self._fail(group, err)
-                failed.append(group)
-                mask.bits[row] = -1
+            if group.error is None:  # (else another sequence of the group failed just above: rows stay all-allowed)
+                try:
+                    state.fill(mask.bits, row)
+                except Exception as err:  # its draws are discarded: leave them unconstrained
+                    self._fail(group, err)
+                    failed.append(group)
+                    mask.bits[row] = -1
             mask.bits[row + 1:row + count] = mask.bits[row]  # a prompt's forks draw from the same (initial) state
             row += count
         self.runner.draw_masked(mask)

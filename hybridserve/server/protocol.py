@@ -73,7 +73,7 @@ _REFUSED = {
     "allowed_token_ids": (None,), "bad_words": (None, []),
     "truncate_prompt_tokens": (None,), "logits_processors": (None,), "return_tokens_as_token_ids": (None, False),
     "spaces_between_special_tokens": (None, True), "prompt_embeds": (None,),
-    "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,),
+    "guided_decoding_backend": (None, "xgrammar", "auto"), "guided_whitespace_pattern": (None,),
 }
 _REFUSED_COMPLETION = {"suffix": (None, "")}
 _REFUSED_CHAT = {

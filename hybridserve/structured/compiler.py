@@ -21,8 +21,9 @@ if TYPE_CHECKING:
 
 CACHE_BYTES = 1 << 30  # compiled grammars kept (by xgrammar's own size estimate), least recently used dropped first
 _OBJECT_SCHEMA = '{"type": "object"}'
-# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "; the rest is the reason.
-_NATIVE_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: ", sometimes "Check failed: (...) is false: ";
+# the rest is the reason.
+_NATIVE_PREFIX = re.compile(r"^(\[[^\]]*\]\s*\S+:\d+:\s*)?(Check failed: .*? is false:\s*)?")
 
 
 def ebnf_literal(text: str) -> str:

@@ -52,10 +52,10 @@ def _assert_idle(engine: LLMEngine) -> None:
 def test_a_sampling_failure_aborts_only_its_request(model_dir, monkeypatch, fail_at):
     draw_rows = Sampler._draw_rows
 
-    def failing(self, logits, rows):
+    def failing(self, logits, rows, mask):
         if any(row.seed == BAD_SEED and row.index == fail_at for row in rows):
             raise RuntimeError("injected sampling failure")
-        return draw_rows(self, logits, rows)
+        return draw_rows(self, logits, rows, mask)
 
     monkeypatch.setattr(Sampler, "_draw_rows", failing)
     params = {seed: SamplingParams(temperature=0.8, seed=seed, max_tokens=8, ignore_eos=True)

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from collections import Counter
 
+import httpx
+
 from tests.server.conftest import API_KEY
 
 CHECKS = ("not_a_server_error", "status_code_conformance", "content_type_conformance", "response_schema_conformance",
@@ -31,6 +33,22 @@ def _statuses(report) -> Counter:
                 response = interaction.get("response") or {}
                 counts[(event["recorder"]["label"], response.get("status_code"))] += 1
     return counts
+
+
+# Fields schemathesis must fuzz (it generates from the published request schemas): structured output and vLLM's
+# extras (issue 13).
+FUZZED_FIELDS = {"CompletionRequest": ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                                       "guided_choice", "guided_grammar", "prompt_logprobs", "return_token_ids"),
+                 "ChatCompletionRequest": ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                                           "guided_choice", "guided_grammar", "prompt_logprobs", "return_token_ids"),
+                 "StreamOptions": ("include_usage", "continuous_usage_stats")}
+
+
+def test_the_fuzzed_schemas_publish_the_new_fields(guarded_server):
+    schemas = httpx.get(f"{guarded_server.url}/openapi.json").json()["components"]["schemas"]
+    for model, fields in FUZZED_FIELDS.items():
+        assert set(fields) <= set(schemas[model]["properties"]), model
+    assert set(schemas["ResponseFormat"]["properties"]["type"]["enum"]) == {"text", "json_object", "json_schema"}
 
 
 def test_schemathesis_finds_no_server_error_and_nothing_undocumented(guarded_server, tmp_path):

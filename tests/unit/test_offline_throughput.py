@@ -21,12 +21,14 @@ def test_smoke_run_on_cpu_writes_the_results(tmp_path, model_type):
     out = tmp_path / "result.json"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "offline_throughput.py"), "--device", "cpu",
                     "--width", "demo", "--layers", "2", "--model-type", model_type, "--load-format", "dummy",
-                    "--scenarios", "smoke", "--skip-hf", "--temperature", "0", "--dtype", "float32", "--out", str(out)],
+                    "--scenarios", "smoke", "--skip-hf", "--temperature", "0", "--dtype", "float32", "--out", str(out),
+                    *(["--json-grammar"] if model_type == "zaya" else [])],
                    check=True, timeout=120, capture_output=True)
     result = json.loads(out.read_text())
     smoke = result["scenarios"]["smoke"]
     assert result["layers"] == 2 and result["load_format"] == "dummy"
     assert smoke["output_tokens"] == 8 and smoke["ours_tok_s"] > 0 and smoke["floor_tok_s"] > 0
+    assert (smoke["ours_json_tok_s"] > 0) if model_type == "zaya" else "ours_json_tok_s" not in smoke
     assert ("hf_tok_s" not in smoke) if model_type == "zaya" else smoke["hf_tok_s"] == "n/a"
 
 

@@ -119,7 +119,8 @@ def test_rows_are_sampled_in_bounded_groups(monkeypatch):
     sizes = []
     draw_rows = Sampler._draw_rows
     monkeypatch.setattr(sampler_module, "_MAX_ELEMENTS_PER_CALL", 3 * 40)
-    monkeypatch.setattr(Sampler, "_draw_rows", lambda self, lg, rs: sizes.append(len(rs)) or draw_rows(self, lg, rs))
+    monkeypatch.setattr(Sampler, "_draw_rows", lambda self, lg, rs, mask: sizes.append(len(rs)) or
+                        draw_rows(self, lg, rs, mask))
     grouped = Sampler()(logits, rows)
     assert sizes == [3, 3, 3, 1]
     assert [(t.token_id, t.top_logprobs) for t in grouped] == [(t.token_id, t.top_logprobs) for t in whole]
@@ -243,11 +244,11 @@ def test_a_draw_that_fails_part_way_counts_no_penalty_tokens(monkeypatch):
     monkeypatch.setattr(sampler_module, "_MAX_ELEMENTS_PER_CALL", vocab)
     draw_rows, calls = Sampler._draw_rows, []
 
-    def failing_once(self, lg, rs):
+    def failing_once(self, lg, rs, mask):
         calls.append(rs[0].key)
         if calls == [1, 2]:
             raise RuntimeError("injected")
-        return draw_rows(self, lg, rs)
+        return draw_rows(self, lg, rs, mask)
 
     monkeypatch.setattr(Sampler, "_draw_rows", failing_once)
     with pytest.raises(RuntimeError, match="injected"):
