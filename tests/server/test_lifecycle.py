@@ -1,5 +1,6 @@
 """Starting and stopping like a product: a port in use fails at once, the start-up log says what runs where, the
-Ling demo serves (and forces a tool call in Ling-2.6's format), SIGTERM / Ctrl+C end in-flight streams with an error event and [DONE] and exit within 5 s."""
+Ling demo serves (and forces a tool call in Ling-2.6's format), SIGTERM / Ctrl+C end in-flight streams with an
+error event and [DONE] and exit within 5 s."""
 from __future__ import annotations
 
 import json
