@@ -165,6 +165,9 @@ CASES = [
      400, "tool_choice", "required"),
     ("parallel_tool_calls as text", "/v1/chat/completions", {**CHAT, "parallel_tool_calls": "yes"}, 400,
      "parallel_tool_calls", "boolean"),
+    ("forced call of a tool whose schema cannot be compiled", "/v1/chat/completions",
+     {**CHAT, "tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+         "type": "object", "properties": {"a": {"$ref": "#/nope"}}}}}]}, 400, "tools", "cannot be compiled"),
     ("forced tool call with min_tokens", "/v1/chat/completions",
      {**CHAT, "tools": [TOOL("f")], "tool_choice": "required", "min_tokens": 2}, 400, "min_tokens", "structured"),
     ("responses without input", "/v1/responses", {"model": DEMO}, 400, "input", "required"),
