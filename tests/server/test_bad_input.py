@@ -18,7 +18,7 @@ OK = {"model": DEMO, "prompt": "Hello", "max_tokens": 4}
 CHAT = {"model": DEMO, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
-def TOOL(name: str) -> dict:  # noqa: N802 (reads like the constants around it)
+def tool_def(name: str) -> dict:
     return {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {}}}}
 
 
@@ -147,21 +147,21 @@ CASES = [
      "not supported"),
     ("tool without a name", "/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {}}]}, 400,
      "tools", "name"),
-    ("tool name with a space", "/v1/chat/completions", {**CHAT, "tools": [TOOL("get weather")]}, 400, "tools",
+    ("tool name with a space", "/v1/chat/completions", {**CHAT, "tools": [tool_def("get weather")]}, 400, "tools",
      "match pattern"),
     ("tool parameters not an object schema", "/v1/chat/completions",
      {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, 400,
      "tools", "object"),
     ("tool of another type", "/v1/chat/completions", {**CHAT, "tools": [{"type": "web_search"}]}, 400, "tools",
      "'function'"),
-    ("the same tool twice", "/v1/chat/completions", {**CHAT, "tools": [TOOL("f"), TOOL("f")]}, 400, "tools",
+    ("the same tool twice", "/v1/chat/completions", {**CHAT, "tools": [tool_def("f"), tool_def("f")]}, 400, "tools",
      "unique"),
     ("tool_choice naming an unknown function", "/v1/chat/completions",
-     {**CHAT, "tools": [TOOL("f")], "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400,
+     {**CHAT, "tools": [tool_def("f")], "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400,
      "tool_choice", "not among the tools"),
     ("tool_choice required without tools", "/v1/chat/completions", {**CHAT, "tool_choice": "required"}, 400,
      "tool_choice", "needs tools"),
-    ("tool_choice of a wrong value", "/v1/chat/completions", {**CHAT, "tools": [TOOL("f")], "tool_choice": "always"},
+    ("tool_choice of a wrong value", "/v1/chat/completions", {**CHAT, "tools": [tool_def("f")], "tool_choice": "always"},
      400, "tool_choice", "required"),
     ("parallel_tool_calls as text", "/v1/chat/completions", {**CHAT, "parallel_tool_calls": "yes"}, 400,
      "parallel_tool_calls", "boolean"),
@@ -169,7 +169,7 @@ CASES = [
      {**CHAT, "tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {
          "type": "object", "properties": {"a": {"$ref": "#/nope"}}}}}]}, 400, "tools", "cannot be compiled"),
     ("forced tool call with min_tokens", "/v1/chat/completions",
-     {**CHAT, "tools": [TOOL("f")], "tool_choice": "required", "min_tokens": 2}, 400, "min_tokens", "structured"),
+     {**CHAT, "tools": [tool_def("f")], "tool_choice": "required", "min_tokens": 2}, 400, "min_tokens", "structured"),
     ("responses without input", "/v1/responses", {"model": DEMO}, 400, "input", "required"),
     ("responses with an empty input list", "/v1/responses", {"input": []}, 400, "input", "at least 1"),
     ("responses input item of an unknown type", "/v1/responses", {"input": [{"type": "computer_call"}]}, 400,
@@ -270,12 +270,12 @@ WORKS = [
      {**CHAT, "user": "u1", "metadata": {"a": "b"}, "store": False, "service_tier": "auto",
       "some_future_field": {"x": 1}, "tool_choice": "none", "response_format": {"type": "text"}}),
     ("tools with tool_choice auto and parallel_tool_calls false", "/v1/chat/completions",
-     {**CHAT, "tools": [TOOL("f")], "tool_choice": "auto", "parallel_tool_calls": False}),
+     {**CHAT, "tools": [tool_def("f")], "tool_choice": "auto", "parallel_tool_calls": False}),
     ("a history with a tool call and its result", "/v1/chat/completions",
      {**CHAT, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
          {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
                            {"role": "tool", "tool_call_id": "c1", "content": "done"}], "tool_choice": "none",
-      "tools": [TOOL("f")]}),
+      "tools": [tool_def("f")]}),
     ("responses with string input", "/v1/responses", {"input": "hi", "max_output_tokens": 2, "store": False}),
     ("responses items sent back", "/v1/responses",
      {"max_output_tokens": 2, "input": [
