@@ -3,14 +3,16 @@
 # poisons the whole process, so one faulting kernel must not hide the others' results), then the benchmarks.
 # Logs and JSON go to $OUT (default ./gpu-out); the per-file logs end up in one $OUT/logs.tgz, as the device tool
 # brings back at most 8 files. Usage, from the repository root on the GPU machine:
-#   bash benchmarks/gpu_session.sh [tests|bench|all|ling|agreement|profile|tune|serving|serving-ling|tp]
+#   bash benchmarks/gpu_session.sh [tests|bench|all|ling|agreement|profile|tune|serving|serving-ling|tp|structured]
 # (all = tests + bench; ling = 16 Ling-2.6-flash layers with dummy weights and the shared-expert overlap; agreement =
 # Ling decode agreement per lightning implementation; profile = the b1, b64 and prefill step profiles of the 40-layer
 # ZAYA1 run; tune = the fused-MoE tile tables, as $OUT/moe_configs.tgz: their names hold '=' and ',', which the
 # device tool does not bring back as files; TUNE_ARGS passes more arguments, e.g. TUNE_ARGS="--tokens 1 2 4";
 # serving / serving-ling = serving_benchmark.py on the 40-layer ZAYA1 / 16 Ling-flash layers, which needs guidellm
 # and the server's packages installed first from .whl and .whl-serving: see benchmarks/fetch_serving_wheels.sh;
-# tp = on nvidia-h200-x2: the TP=2 GPU test, 40-layer ZAYA1 at TP=2, and Ling-2.6-flash at full size at TP=2)
+# tp = on nvidia-h200-x2: the TP=2 GPU test, 40-layer ZAYA1 at TP=2, and Ling-2.6-flash at full size at TP=2;
+# structured = the structured-output GPU test and the 40-layer ZAYA1 offline benchmark with and without a JSON
+# grammar on every request)
 set -u
 OUT=${OUT:-gpu-out}
 what=${1:-all}
@@ -86,6 +88,15 @@ if [[ $what == tp ]]; then
     --scenarios b1 b64 prefill --out "$OUT/offline_ling_flash_tp2.json" > "$OUT/logs/offline_ling_tp2.log" 2>&1
   grep -m 1 "memory plan" "$OUT/logs/offline_ling_tp2.log" | cut -c 1-300
   grep -A 4 "^scenario" "$OUT/logs/offline_ling_tp2.log"
+fi
+
+if [[ $what == structured ]]; then  # needs xgrammar: pip install --no-deps .whl-agent/*.whl first
+  timeout 300 python -m pytest -s -p no:cacheprovider tests/gpu/test_structured_gpu.py \
+    > "$OUT/logs/test_structured_gpu.log" 2>&1
+  grep -E "largest logprob| (passed|failed|skipped|error)" "$OUT/logs/test_structured_gpu.log" | tail -n 3
+  timeout 400 python benchmarks/offline_throughput.py --layers 40 --load-format dummy --scenarios b1 b64 \
+    --json-grammar --skip-hf --out "$OUT/offline_json.json" > "$OUT/logs/offline_json.log" 2>&1
+  grep -A 6 "^scenario" "$OUT/logs/offline_json.log"
 fi
 
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"

@@ -16,7 +16,7 @@ writes a random safetensors checkpoint first. Every decode scenario reports its 
 decode step must move over HBM bandwidth); on CUDA and for ZAYA1 the same prompts also go through HF transformers
 `generate` (static batches of up to 64, left-padded, after our engine has been freed); Ling-2.6 has no HF model
 class here (n/a). Results also go to --out as JSON. `--json-grammar` runs each of our scenarios a second time with
-a JSON schema on every request (an array of at least 1000 short strings, so every draw stays masked to its last
+a JSON schema on every request (an array of at least 100000 short strings, so every draw stays masked to its last
 token) and reports both rates: with no grammar, structured output must cost nothing.
 
     python benchmarks/offline_throughput.py --layers 40 --scenarios b1 b64 prefill --out results.json
@@ -69,7 +69,7 @@ SCENARIOS = {"b1": Scenario(1, 512, 512, 128, 128), "b64": Scenario(64, 100, 512
 DEMO_VOCAB, DEMO_EOS = 151680, [151645]  # the bundled tokenizer's (the demo checkpoints' widths)
 # --json-grammar: a JSON language no output completes within the budgets above, so every draw is masked.
 BENCH_GRAMMAR = StructuredOutputParams(json={"type": "array", "items": {"type": "string", "maxLength": 16},
-                                             "minItems": 1000})
+                                             "minItems": 100000})
 
 
 def zaya1_8b_config(layers: int) -> dict:

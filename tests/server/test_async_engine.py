@@ -89,10 +89,10 @@ def test_a_request_that_fails_in_the_engine_ends_alone(zaya_dir, monkeypatch):
 
     draw_rows = Sampler._draw_rows
 
-    def failing(self, logits, rows):
+    def failing(self, logits, rows, mask):
         if any(row.seed == 666 for row in rows):
             raise RuntimeError("injected sampling failure")
-        return draw_rows(self, logits, rows)
+        return draw_rows(self, logits, rows, mask)
 
     monkeypatch.setattr(Sampler, "_draw_rows", failing)
 
