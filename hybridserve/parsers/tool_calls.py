@@ -5,8 +5,9 @@ Every format wraps one call in an opening and a closing tag. The extractor retur
 tag has arrived and its body parses, so a stream never sends a call it must take back: a block that does not
 parse (malformed JSON, a function the request did not offer) stays in the content as it was generated, and so
 does a block the output ends inside. Content is held back while it may still be the start of an opening tag; the
-whitespace around calls is dropped, except one gap that separates text before a call from text after it. Feeding a text in any number of pieces gives the same content and calls as
-feeding it whole (the non-streaming parse is `feed(text)` + `finish()`).
+whitespace around calls is dropped, except one gap that separates text before a call from text after it. Feeding
+a text in any number of pieces gives the same content and calls as feeding it whole (the non-streaming parse is
+`feed(text)` + `finish()`).
 """
 from __future__ import annotations
 

@@ -33,8 +33,9 @@ from hybridserve.structured import StructuredOutputError, StructuredOutputParams
 
 # Would change the result and are not implemented: refused unless neutral.
 _REFUSED_RESPONSES = {
-    "logit_bias": (None, {}), "background": (None, False), "conversation": (None,), "prompt": (None,), "reasoning": (None,),
-    "include": (None, []), "truncation": (None, "disabled"), "top_logprobs": (None, 0), "max_tool_calls": (None,),
+    "logit_bias": (None, {}), "background": (None, False), "conversation": (None,), "prompt": (None,),
+    "reasoning": (None,), "include": (None, []), "truncation": (None, "disabled"), "top_logprobs": (None, 0),
+    "max_tool_calls": (None,),
 }
 
 

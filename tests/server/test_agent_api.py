@@ -177,9 +177,9 @@ def test_responses_tool_call_then_continue_from_the_stored_response(client, demo
                                      input=[{"type": "function_call_output", "call_id": call.call_id,
                                              "output": "22 C"}])
     assert follow.previous_response_id == first.id
+    called = {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
     history = [{"role": "user", "content": "What is the weather in Rome?"},
-               {"role": "assistant", "content": None, "tool_calls": [{"id": call.call_id, "type": "function", "function": {
-                   "name": call.name, "arguments": call.arguments}}]},
+               {"role": "assistant", "content": None, "tool_calls": [called]},
                {"role": "tool", "tool_call_id": call.call_id, "content": "22 C"}]
     assert follow.usage.input_tokens == demo_server.post("/tokenize", json={"messages": history}).json()["count"]
     again = client.responses.retrieve(follow.id)
