@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from hybridserve.parsers import REASONING_FORMATS, TOOL_FORMATS
+
 DEMO_MODEL_NAME = "hybridserve-demo"
 DEMOS = {"zaya": "zaya", "ling": "bailing_hybrid"}  # --demo NAME -> the demo checkpoint's model_type
 _LOOPBACK = ("localhost", "127.0.0.1", "::1")
@@ -176,7 +178,9 @@ def _server_options(args: argparse.Namespace):
                          max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
                          default_max_tokens=args.default_max_tokens,
                          trust_request_chat_template=args.trust_request_chat_template, chat_template=chat_template,
-                         data_parallel_size=args.dp)
+                         data_parallel_size=args.dp, tool_call_parser=args.tool_call_parser,
+                         reasoning_parser=args.reasoning_parser, response_store_size=args.responses_store_size,
+                         response_store_ttl_s=args.responses_store_ttl)
 
 
 def _serve(args: argparse.Namespace) -> NoReturn:
@@ -246,6 +250,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a Jinja chat template file that replaces the model's")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="accept chat_template in requests (it runs as code on the server; refused by default)")
+    serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_FORMATS),
+                       help="how tool calls are written in the model's output (default: the model's own: zaya for "
+                            "ZAYA1, ling for Ling-2.6)")
+    serve.add_argument("--responses-store-size", type=int, default=1000,
+                       help="Responses-API responses kept in memory for previous_response_id and GET "
+                            "/v1/responses/{id} (the oldest dropped first; 0: none)")
+    serve.add_argument("--responses-store-ttl", type=float, default=3600.0, metavar="SECONDS",
+                       help="how long a stored response is kept")
+    serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_FORMATS),
+                       help="split <think>...</think> reasoning into reasoning_content (default: off, the "
+                            "reasoning stays in the content)")
     serve.set_defaults(run=_serve)
     gen = sub.add_parser("generate", help="complete one prompt and print the text")
     _add_engine_options(gen)

@@ -3,6 +3,10 @@ tokenizer.
 
 They exist so that `hybridserve serve` and `hybridserve generate` work on a fresh machine with no model
 download. Their output is gibberish by construction; the engine logs a warning whenever one is used.
+
+Both use the Qwen3 tokenizer. The Ling demo keeps Qwen3's chat template, whose tool calls are Ling-2.6's
+`<tool_call>` JSON format; the ZAYA1 demo gets templates/zaya_demo.jinja (the same ChatML turns, tools and calls in
+ZAYA1's `<zyphra_tool_call>` format), so each demo's template matches the tool-call parser of its model type.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from safetensors.torch import save_file
 
 logger = logging.getLogger(__name__)
 
-DEMO_VERSION = 1
+DEMO_VERSION = 2  # 2: the ZAYA1 demo's chat template writes ZAYA1's tool-call format
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
 
 
@@ -173,6 +177,11 @@ def write_demo_checkpoint(directory: Path, model_type: str = "zaya") -> None:
     eos = [tokenizer.convert_tokens_to_ids(tokenizer_config["eos_token"]), tokenizer.pad_token_id]
     write_random_checkpoint(directory, _DEMO_CONFIGS[model_type](vocab, eos), seed=DEMO_VERSION)
     copy_bundled_tokenizer(directory)
+    if model_type == "zaya":
+        config = directory / "tokenizer_config.json"
+        template = (Path(__file__).parent / "templates" / "zaya_demo.jinja").read_text()
+        config.write_text(json.dumps({**json.loads(config.read_text()), "chat_template": template}, indent=2,
+                                     ensure_ascii=False))
     (directory / "README.md").write_text(f"hybridserve demo checkpoint: {model_type} architecture, RANDOM weights.\n")
 
 

@@ -1,51 +1,44 @@
 """Tokenizer loading and incremental detokenization with stop strings."""
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 
+from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The model's tokenizer; it must have a tokenizers (Rust) backend, which the detokenizer streams through."""
     try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as err:
         raise FileNotFoundError(f"no usable tokenizer files in {path}: {err}") from None
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
+        raise FileNotFoundError(f"the tokenizer in {path} ({type(tokenizer).__name__}) has no fast tokenizers "
+                                "backend; hybridserve needs a tokenizer.json")
+    return tokenizer
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of generated ids into text deltas.
+    """Turns a growing list of generated ids into text deltas, with tokenizers' own `DecodeStream` (Rust).
 
-    Each step decodes only a short window of tokens, and holds text back while the window ends in an incomplete
-    UTF-8 sequence (the replacement character), so multi-token characters are never split.
+    The stream holds text back while the tokens so far end inside a multi-byte UTF-8 character, so characters are
+    never split. It is primed with the last few prompt tokens, so the first generated token gets the spacing it has
+    after the prompt; a context that itself ends inside a character is shortened first (DecodeStream would otherwise
+    hand back the context's text with the first delta).
     """
 
-    _CONTEXT = 5  # prompt tokens decoded in front of the output, so the first token gets its proper spacing
+    _CONTEXT = 5  # prompt tokens decoded in front of the output
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int], skip_special_tokens: bool):
-        # The Rust tokenizer directly when there is one: transformers' decode adds ~10 us of Python per call
-        # (argument conversion), twice per generated token, on the engine thread. Without the clean-up step,
-        # which stays off here, both give the same text.
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._decode_ids = backend.decode if backend is not None else partial(tokenizer.decode,
-                                                                              clean_up_tokenization_spaces=False)
-        self.skip_special_tokens = skip_special_tokens
-        self.ids = list(prompt_ids[-self._CONTEXT:])
-        self.prefix_offset = 0
-        self.read_offset = len(self.ids)
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._decode_ids(ids, skip_special_tokens=self.skip_special_tokens)
+        self._backend = backend = tokenizer.backend_tokenizer
+        context = list(prompt_ids[-self._CONTEXT:])
+        while context and backend.decode(context, skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
+            context.pop()
+        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
 
     def add(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return ""
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return full[len(prefix):]
+        return self._stream.step(self._backend, token_id) or ""
 
 
 class StopStringMatcher:
@@ -101,14 +94,21 @@ class StopStringMatcher:
         return new
 
 
-def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], template_options: dict | None = None,
-                    add_special_tokens: bool = False) -> list[int]:
-    """Token ids of a conversation rendered with the chat template (the model's, or `template_options`'
-    `chat_template`), by default ready for the assistant's turn; `template_options` are further keyword arguments of
-    apply_chat_template (template variables such as enable_thinking, add_generation_prompt)."""
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict], template_options: dict | None = None,
+                tools: list[dict] | None = None) -> str:
+    """A conversation rendered with the chat template (the model's, or `template_options`' `chat_template`), by
+    default ready for the assistant's turn; `template_options` are further keyword arguments of
+    apply_chat_template (template variables such as enable_thinking, add_generation_prompt); `tools` are the
+    functions offered (OpenAI's {"type": "function", "function": {...}} form)."""
     options = {"add_generation_prompt": True, **(template_options or {})}
     if tokenizer.chat_template is None and options.get("chat_template") is None:
         raise ValueError("this model's tokenizer has no chat template; use completions with a plain prompt")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, **options)
-    # The template already wrote the special tokens it wants (BOS included); by default do not add them twice.
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **options)
+
+
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], template_options: dict | None = None,
+                    add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
+    """Token ids of `render_chat`. The template already wrote the special tokens it wants (BOS included), so by
+    default none are added."""
+    return tokenizer.encode(render_chat(tokenizer, messages, template_options, tools),
+                            add_special_tokens=add_special_tokens)

@@ -85,6 +85,7 @@ class LLMEngine:
         raw = read_config(model_dir, config.hf_overrides)
         check_tensor_parallel(raw, config.tensor_parallel_size)
         check_speculative(raw, config.speculative_config)
+        self.model_type: str = raw["model_type"]
         self.workers, channel = start_workers(config) if config.tensor_parallel_size > 1 else ([], None)
         self.runner = ModelRunner(rank_config(config, 0), model_dir, channel)
         self.tokenizer = load_tokenizer(config.tokenizer or model_dir)

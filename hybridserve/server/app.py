@@ -26,6 +26,8 @@ from hybridserve.config import EngineConfig
 from hybridserve.server.async_engine import AsyncEngine
 from hybridserve.server.replicas import ReplicaSet
 from hybridserve.server.chat import create_chat_completion
+from hybridserve.server.responses import create_response, stored_response
+from hybridserve.server.responses_protocol import ResponsesRequest
 from hybridserve.server.completions import create_completion
 from hybridserve.server.errors import APIError, install_error_handlers
 from hybridserve.server.generation import ClientDisconnected
@@ -37,6 +39,7 @@ from hybridserve.server.openapi import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    ResponseObject,
     TokenizeResponse,
     TokenizerInfo,
     install_openapi,
@@ -68,7 +71,8 @@ def build_app(state: ServerState, on_fatal: Callable[[], None], url: str = "") -
         state.engine.stop(_ENGINE_STOP_WAIT_S)
 
     app = FastAPI(title="hybridserve", version="0.1.0", lifespan=lifespan,
-                  description="OpenAI-compatible API of hybridserve (completions, chat, tokenizer, metrics).")
+                  description="OpenAI-compatible API of hybridserve (completions, chat, responses, tokenizer, "
+                              "metrics).")
     install_error_handlers(app)
     install_openapi(app, api_key=state.options.api_key is not None)
     app.add_middleware(Guard, state=state)
@@ -113,14 +117,24 @@ def build_app(state: ServerState, on_fatal: Callable[[], None], url: str = "") -
     async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
         return await create_chat_completion(state, body, http)
 
+    @app.post("/v1/responses", responses=responses(ResponseObject, 400, 401, 404, 413, 500, 503, stream=True))
+    async def create_responses(body: ResponsesRequest, http: Request) -> Response:
+        return await create_response(state, body, http)
+
+    @app.get("/v1/responses/{response_id}", response_model=None, responses=responses(ResponseObject, 401, 404, 503))
+    async def get_response(response_id: str) -> dict:
+        state.info()
+        return stored_response(state, response_id)
+
     @app.post("/tokenize", response_model=None, responses=responses(TokenizeResponse, 400, 401, 404, 413, 503))
     async def tokenize(body: TokenizeRequest) -> dict:
         info = state.model(body.model)
         warn_unknown("/tokenize", body.check_supported())
         if body.messages is not None:
             options = body.template_options(state.options.trust_request_chat_template)
-            tokens = await state.prompts.run(chat_prompt, info.tokenizer, body.messages, options,
-                                             body.add_special_tokens is True)
+            tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+            tokens, _ = await state.prompts.run(chat_prompt, info.tokenizer, body.messages, options,
+                                                body.add_special_tokens is True, tools)
         else:
             tokens = await state.prompts.run(partial(info.tokenizer.encode, add_special_tokens=body.add_special_tokens
                                                      is not False), body.prompt)

@@ -32,6 +32,7 @@ class EngineInfo:
     """What the API layer needs to know about the loaded model."""
 
     model_dir: str
+    model_type: str  # config.json's (picks the default tool-call parser)
     max_model_len: int
     vocab_size: int
     tokenizer: PreTrainedTokenizerBase  # a second instance, used only on the event-loop thread
@@ -178,7 +179,8 @@ class AsyncEngine:
         if self.chat_template is not None:
             tokenizer.chat_template = self.chat_template
         self._stats = engine.stats()
-        self.info = EngineInfo(engine.model_dir, engine.max_model_len, engine.vocab_size, tokenizer)
+        self.info = EngineInfo(engine.model_dir, engine.model_type, engine.max_model_len, engine.vocab_size,
+                               tokenizer)
         runner = engine.runner
         logger.info("model ready in %.1f s: %s (%s), device %s, dtype %s, max_model_len %d",
                     time.monotonic() - start, engine.model_dir, type(runner.model).__name__, runner.device,

@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: messages rendered with the model's chat template, chat logprobs, SSE streaming."""
+"""POST /v1/chat/completions: messages (and tools) rendered with the model's chat template, chat logprobs, SSE
+streaming; each choice's text parsed into reasoning_content, content and tool_calls (server/assistant.py)."""
 from __future__ import annotations
 
 import time
@@ -9,19 +10,31 @@ from fastapi import Request
 from fastapi.responses import Response
 from transformers import PreTrainedTokenizerBase
 
+from hybridserve.parsers.tool_calls import ToolCall
+from hybridserve.server.assistant import AssistantDelta, AssistantParser, OutputParsing
 from hybridserve.server.generation import Delta, Generation, respond
 from hybridserve.server.logprobs import TokenText, chat_logprobs, prompt_logprobs
 from hybridserve.server.prompts import chat_prompt, check_context
 from hybridserve.server.protocol import ChatCompletionRequest, warn_unknown
 from hybridserve.server.state import ServerState
+from hybridserve.server.tool_choice import select_tools
+
+
+def tool_call_json(call: ToolCall, index: int | None = None) -> dict:
+    """A call as chat messages carry it (with its `index` in streamed deltas)."""
+    entry = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return entry if index is None else {"index": index, **entry}
 
 
 class _ChatView:
-    def __init__(self, body: ChatCompletionRequest, tokenizer: PreTrainedTokenizerBase, call_id: str, model: str):
-        self.body = body
+    def __init__(self, body: ChatCompletionRequest, tokenizer: PreTrainedTokenizerBase, call_id: str, model: str,
+                 parsing: OutputParsing):
+        self.body, self.parsing = body, parsing
         self.token_text = TokenText(tokenizer)
         self.created = int(time.time())
         self.call_id, self.model = call_id, model
+        self.parsers: dict[int, AssistantParser] = {}  # streamed choices' parsers, by choice index
+        self.calls_sent: dict[int, int] = {}  # streamed choices' tool calls so far
 
     def _header(self, obj: str) -> dict:
         return {"id": self.call_id, "object": obj, "created": self.created, "model": self.model}
@@ -37,9 +50,10 @@ class _ChatView:
             chunk["usage"] = generation.usage()
         return chunk
 
-    def _choice(self, delta: Delta, content: dict) -> dict:
-        choice = {"index": delta.index, **content, "logprobs": self._logprobs(delta),
-                  "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+    def _choice(self, delta: Delta, content: dict, parser: AssistantParser) -> dict:
+        finish_reason = "tool_calls" if delta.finish_reason == "stop" and parser.called else delta.finish_reason
+        choice = {"index": delta.index, **content, "logprobs": self._logprobs(delta), "finish_reason": finish_reason,
+                  "stop_reason": delta.stop_reason}
         if self.body.return_token_ids:
             choice["token_ids"] = delta.token_ids
         return choice
@@ -55,19 +69,45 @@ class _ChatView:
                                                         output.prompt_logprobs, self.body.prompt_logprobs)
         return extras
 
+    def _stream_delta(self, delta: Delta) -> tuple[dict, AssistantParser]:
+        parser = self.parsers.setdefault(delta.index, self.parsing.parser())
+        parsed = parser.feed(delta.text, len(delta.token_ids))
+        if delta.finish_reason is not None:
+            parsed += parser.finish()
+        message = {"content": parsed.content}  # content is always a string, possibly ""
+        if parsed.reasoning:
+            message["reasoning_content"] = parsed.reasoning
+        if parsed.tool_calls:
+            first = self.calls_sent.get(delta.index, 0)
+            message["tool_calls"] = [tool_call_json(call, first + i) for i, call in enumerate(parsed.tool_calls)]
+            self.calls_sent[delta.index] = first + len(parsed.tool_calls)
+        return message, parser
+
     async def chunks(self, generation: Generation) -> AsyncIterator[dict]:
         for index in range(len(generation.requests) * generation.n):  # the role comes first, before any token
             yield self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                "finish_reason": None}, generation, **self._prompt_extras(generation))
         async for prompt_index, output in generation:
-            for delta in generation.deltas(prompt_index, output):  # content is always a string, possibly ""
-                yield self._chunk(self._choice(delta, {"delta": {"content": delta.text}}), generation)
+            for delta in generation.deltas(prompt_index, output):
+                message, parser = self._stream_delta(delta)
+                yield self._chunk(self._choice(delta, {"delta": message}, parser), generation)
         if self.body.include_usage:
             yield {**self._header("chat.completion.chunk"), "choices": [], "usage": generation.usage()}
 
+    def _message(self, parsed: AssistantDelta) -> dict:
+        message = {"role": "assistant", "content": parsed.content if parsed.content or not parsed.tool_calls else None}
+        if self.parsing.reasoning is not None:
+            message["reasoning_content"] = parsed.reasoning or None
+        if parsed.tool_calls:
+            message["tool_calls"] = [tool_call_json(call) for call in parsed.tool_calls]
+        return message
+
     def response(self, generation: Generation) -> dict:
-        choices = [self._choice(delta, {"message": {"role": "assistant", "content": delta.text}})
-                   for delta in generation.final_deltas()]
+        choices = []
+        for delta in generation.final_deltas():
+            parser = self.parsing.parser()
+            parsed = parser.parse(delta.text, len(delta.token_ids))
+            choices.append(self._choice(delta, {"message": self._message(parsed)}, parser))
         return {**self._header("chat.completion"), **self._prompt_extras(generation), "choices": choices,
                 "usage": generation.usage()}
 
@@ -78,11 +118,14 @@ async def create_chat_completion(server: ServerState, body: ChatCompletionReques
     params = body.to_sampling_params()
     await server.compile_grammar(params, body.structured_field)
     server.check_choices(1, params.n)
+    tools = select_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
     options = body.template_options(server.options.trust_request_chat_template)
-    prompt = await server.prompts.run(chat_prompt, info.tokenizer, body.messages, options,
-                                      body.add_special_tokens is True)
+    prompt, text = await server.prompts.run(chat_prompt, info.tokenizer, body.messages, options,
+                                            body.add_special_tokens is True, tools.template_tools)
     check_context(len(prompt), params.max_tokens, info.max_model_len, body.max_tokens_param)
+    params, parsing = await tools.apply(server, text, params, {"max_tokens": body.max_tokens_param})
     call_id = f"chatcmpl-{uuid.uuid4().hex}"
     generation = Generation(server, http, call_id, [prompt], server.default_max_tokens(params),
                             prompt_param="messages")
-    return await respond(generation, _ChatView(body, info.tokenizer, call_id, server.model_name), bool(body.stream))
+    return await respond(generation, _ChatView(body, info.tokenizer, call_id, server.model_name, parsing),
+                         bool(body.stream))

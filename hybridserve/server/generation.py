@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
@@ -199,8 +199,9 @@ def _engine_failed(err: EngineDead) -> APIError:
     return APIError(str(err), status=500, type="internal_server_error")
 
 
-def _sse(event: dict) -> str:
-    return f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+def _sse(event: dict, named: bool = False) -> str:
+    data = f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+    return f"event: {event['type']}\n{data}" if named else data
 
 
 class View(Protocol):
@@ -215,24 +216,28 @@ async def respond(generation: Generation, view: View, stream: bool) -> Response:
     """Start the generation (a rejected prompt fails here, before any byte is sent), then stream it or wait."""
     await generation.start()
     if stream:
-        return _stream_response(generation, view.chunks(generation))
+        return stream_response(generation, view.chunks(generation))
     await generation.wait()
     return JSONResponse(view.response(generation))
 
 
-def _stream_response(generation: Generation, events: AsyncIterator[dict]) -> StreamingResponse:
-    """Server-sent events: one `data:` line per chunk, then `data: [DONE]`; the generation is closed however the
-    stream ends (finished, client gone, or cancelled by the server)."""
+def stream_response(generation: Generation, events: AsyncIterator[dict],
+                    error_event: Callable[[APIError], dict] = APIError.body, named: bool = False) -> StreamingResponse:
+    """Server-sent events: one `data:` line per event, then `data: [DONE]`; with `named` (the Responses API's
+    framing) an `event: <type>` line before each and no [DONE]. A failure after the stream started is sent as
+    `error_event(err)`. The generation is closed however the stream ends (finished, client gone, or cancelled by
+    the server)."""
     async def body() -> AsyncIterator[str]:
         try:
             async for event in events:
-                yield _sse(event)
+                yield _sse(event, named)
         except ClientDisconnected:
             return
         except APIError as err:
-            yield _sse(err.body())
+            yield _sse(error_event(err), named)
         finally:
             generation.close()
-        yield "data: [DONE]\n\n"
+        if not named:
+            yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

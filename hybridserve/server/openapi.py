@@ -86,16 +86,29 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # null when the message is only tool calls
+    reasoning_content: str | None = None  # with --reasoning-parser
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: FinishReason
+    finish_reason: FinishReason | Literal["tool_calls"]
     stop_reason: int | str | None
     token_ids: list[int] | None = None  # with return_token_ids
 
@@ -109,6 +122,74 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs
     prompt_token_ids: list[int] | None = None  # with return_token_ids
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+
+
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class OutputMessage(BaseModel):
+    type: Literal["message"]
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"]
+    content: list[OutputText]
+
+
+class OutputReasoning(BaseModel):
+    type: Literal["reasoning"]
+    id: str
+    summary: list[Any]
+    content: list[ReasoningText]
+
+
+class OutputFunctionCall(BaseModel):
+    type: Literal["function_call"]
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: PromptTokensDetails
+    output_tokens: int
+    output_tokens_details: dict[str, int]  # reasoning_tokens
+    total_tokens: int
+
+
+class ResponseObject(BaseModel):
+    """A Responses-API response (POST /v1/responses without stream, GET /v1/responses/{id})."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    model: str
+    status: Literal["completed", "incomplete", "in_progress"]
+    output: list[OutputMessage | OutputReasoning | OutputFunctionCall]
+    error: None
+    incomplete_details: dict[str, str] | None
+    instructions: str | None
+    max_output_tokens: int | None
+    metadata: dict[str, str]
+    previous_response_id: str | None
+    temperature: float
+    top_p: float
+    parallel_tool_calls: bool
+    tool_choice: str | dict[str, Any]
+    tools: list[dict[str, Any]]
+    text: dict[str, Any]
+    store: bool
+    usage: ResponseUsage | None
 
 
 class ModelCard(BaseModel):
@@ -152,7 +233,7 @@ class TokenizerInfo(BaseModel):
 _ERRORS = {
     400: "invalid request (the message says what to change; `param` names the field)",
     401: "missing or wrong API key (only when the server runs with --api-key)",
-    404: "unknown model",
+    404: "unknown model (or, for GET /v1/responses/{id}, a response that is not stored)",
     413: "request body over --max-request-body-bytes",
     500: "the request failed inside the engine and was aborted (other requests are unaffected)",
     503: "the model is still loading, the engine failed, or the server is shutting down",

@@ -24,7 +24,7 @@ from transformers import PreTrainedTokenizerBase
 
 from hybridserve.server.errors import APIError
 from hybridserve.server.protocol import ChatMessage, PromptInput
-from hybridserve.tokenizer import chat_prompt_ids
+from hybridserve.tokenizer import render_chat
 
 TEMPLATE_TIME_LIMIT_S = 5.0
 _TEMPLATE_FILE = "<template>"  # the file name of jinja templates compiled from strings
@@ -93,15 +93,17 @@ def completion_prompts(tokenizer: PreTrainedTokenizerBase, prompt: PromptInput,
 
 
 def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage], template_options: dict,
-                add_special_tokens: bool) -> list[int]:
+                add_special_tokens: bool, tools: list[dict] | None = None) -> tuple[list[int], str]:
+    """The prompt's token ids and its text."""
     rendered = [message.as_template_input() for message in messages]
     try:
-        return chat_prompt_ids(tokenizer, rendered, template_options, add_special_tokens)
+        text = render_chat(tokenizer, rendered, template_options, tools)
     except TemplateTimeout:
         raise APIError(f"the chat template ran for more than {TEMPLATE_TIME_LIMIT_S:g} s on these messages and was "
                        "stopped", param="messages", code="template_timeout") from None
     except Exception as err:  # the template is code run on user input (jinja errors, raise_exception, bad kwargs)
         raise APIError(f"the chat template could not render these messages: {err}", param="messages") from None
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens), text
 
 
 def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, max_tokens_param: str) -> None:

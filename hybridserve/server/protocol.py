@@ -5,19 +5,22 @@ OpenAPI schema. Optional fields default to None so that an explicit JSON null (b
 `"logprobs": null`) means "the default".
 
 Fields the API does not declare are sorted three ways: those that would change the result but are not implemented
-(`best_of` > 1, `logit_bias`, `tools`, ...) are a 400 naming them unless they carry their neutral value; those
+(`best_of` > 1, `logit_bias`, `functions`, ...) are a 400 naming them unless they carry their neutral value; those
 that change nothing (`user`, `metadata`, ...) are accepted; any other is accepted and named in a warning log line,
 as vLLM does, so that real clients keep working.
 """
 from __future__ import annotations
 
+import json
 import logging
 import re
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     ValidationError,
     WrapValidator,
@@ -74,15 +77,14 @@ _REFUSED = {
 }
 _REFUSED_COMPLETION = {"suffix": (None, "")}
 _REFUSED_CHAT = {
-    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
-    "function_call": (None, "none", "auto"), "reasoning_effort": (None,), "audio": (None,),
+    "functions": (None, []), "function_call": (None, "none", "auto"), "reasoning_effort": (None,), "audio": (None,),
     "modalities": (None, ["text"]), "web_search_options": (None,), "echo": (None, False),
     "continue_final_message": (None, False), "documents": (None,), "mm_processor_kwargs": (None,),
 }
-_REFUSED_MESSAGE = {"tool_calls": (None, []), "function_call": (None,), "tool_call_id": (None,), "audio": (None,)}
+_REFUSED_MESSAGE = {"function_call": (None,), "audio": (None,), "tool_calls": (None, []), "tool_call_id": (None,)}
 # Accepted, and they change nothing about the output.
 _HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-                       "request_id", "priority", "parallel_tool_calls", "prediction"})
+                       "request_id", "priority", "prediction"})
 # apply_chat_template's own parameters: never template variables from a request.
 _RESERVED_TEMPLATE_KWARGS = frozenset({
     "chat_template", "conversation", "messages", "tools", "documents", "add_generation_prompt",
@@ -325,26 +327,91 @@ class ContentPart(_Body):
     text: str
 
 
-Role = Literal["system", "developer", "user", "assistant"]
+MAX_TOOLS = 128  # functions one request may offer (OpenAI's limit)
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$",
+                                    description="letters, digits, _ and -, at most 64 characters")]
 
 
-class ChatMessage(_Body):
-    role: Role = Field(description="developer is rendered as system; tool messages are not supported")
-    content: Annotated[str | list[ContentPart], _one_of(
-        'must be a string or a list of {"type": "text", "text": ...} parts')]
+def check_parameters(schema: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A function's `parameters`: a JSON Schema of an object (what a tool call's arguments are)."""
+    if schema is None:
+        return None
+    if schema.get("type", "object") != "object":
+        raise ValueError(f"must be a JSON Schema of an object (type 'object'), not of type {schema['type']!r}")
+    if not isinstance(schema.get("properties", {}), dict) or not all(
+            isinstance(value, dict) for value in schema.get("properties", {}).values()):
+        raise ValueError("'properties' must map each parameter name to its JSON Schema")
+    required = schema.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(name, str) for name in required):
+        raise ValueError("'required' must be a list of parameter names")
+    return schema
+
+
+class FunctionDefinition(_Body):
+    name: FunctionName
+    description: str | None = None
+    parameters: Annotated[dict[str, Any] | None, AfterValidator(check_parameters)] = Field(
+        None, description="a JSON Schema of the arguments object (absent: no parameters)")
+    strict: bool | None = None
+
+    @property
+    def schema(self) -> dict[str, Any]:
+        return self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
+
+
+class ChatTool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionRef(_Body):
+    name: FunctionName
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionRef
+
+
+ToolChoice = Annotated[Literal["none", "auto", "required"] | NamedToolChoice, _one_of(
+    'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')]
+
+
+class CalledFunction(_Body):
+    name: Annotated[str, Field(min_length=1)]
+    arguments: str = Field(description="a JSON object, as text")
+
+    def parsed_arguments(self) -> dict[str, Any]:
+        try:
+            arguments = json.loads(self.arguments)
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise ValueError(f"the arguments of the call to {self.name!r} must be a JSON object (as text)")
+        return arguments
+
+
+class MessageToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+MessageContent = Annotated[str | list[ContentPart], _one_of(
+    'must be a string or a list of {"type": "text", "text": ...} parts')]
+
+
+class _Message(_Body):
     name: str | None = None
-    reasoning_content: str | None = None
 
     def as_template_input(self) -> dict:
         """The message as chat templates expect it: text parts joined by newlines, developer as system."""
         content = self.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
-        message = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
-        if self.reasoning_content is not None:
-            message["reasoning_content"] = self.reasoning_content
         return message
 
     def unknown_fields(self, index: int) -> list[str]:
@@ -352,6 +419,49 @@ class ChatMessage(_Body):
         parts = self.content if isinstance(self.content, list) else []
         return self._extras(_REFUSED_MESSAGE, path) + [
             name for j, part in enumerate(parts) for name in part._extras({}, f"{path}content[{j}].")]
+
+
+class TextMessage(_Message):
+    role: Literal["system", "developer", "user"] = Field(description="developer is rendered as system")
+    content: MessageContent
+
+
+class AssistantTurn(_Message):
+    role: Literal["assistant"]
+    content: MessageContent | None = Field(None, description="may be null beside tool_calls")
+    reasoning_content: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+
+    @model_validator(mode="after")
+    def _says_something(self) -> AssistantTurn:
+        if self.content is None and not self.tool_calls:
+            raise ValueError("an assistant message needs content (a string or a list of text parts) or tool_calls")
+        for call in self.tool_calls or []:
+            call.function.parsed_arguments()
+        return self
+
+    def as_template_input(self) -> dict:
+        """... with its reasoning, and tool call arguments as objects."""
+        message = super().as_template_input()
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+                "name": call.function.name, "arguments": call.function.parsed_arguments()}}
+                for call in self.tool_calls]
+        return message
+
+
+class ToolResult(_Message):
+    role: Literal["tool"]
+    content: MessageContent
+    tool_call_id: str = Field(description="the id of the tool call this message answers")
+
+    def as_template_input(self) -> dict:
+        return {**super().as_template_input(), "tool_call_id": self.tool_call_id}
+
+
+ChatMessage = Annotated[TextMessage | AssistantTurn | ToolResult, Discriminator("role")]
 
 
 class ChatTemplateFields(_Request):
@@ -387,6 +497,9 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     REFUSED: ClassVar[dict[str, tuple]] = {**_REFUSED, **_REFUSED_CHAT}
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = Field(None, description="default: auto with tools, none without")
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call (default true)")
     max_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
     logprobs: bool | None = False
@@ -418,6 +531,8 @@ class TokenizeRequest(ChatTemplateFields):
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = Field(
+        None, description="with messages: the tools the chat template lists")
     add_special_tokens: bool | None = None
 
     def check_supported(self) -> list[str]:

@@ -7,12 +7,14 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from hybridserve.parsers import ReasoningFormat, ToolFormat, model_tool_format, reasoning_format, tool_format
 from hybridserve.sampling import SamplingParamError, SamplingParams
 from hybridserve.server.async_engine import AsyncEngine, EngineInfo
 from hybridserve.server.replicas import ReplicaSet
 from hybridserve.server.errors import APIError, not_ready, shutting_down
 from hybridserve.server.metrics import ServerMetrics
 from hybridserve.server.prompts import PromptWorker
+from hybridserve.server.response_store import ResponseStore
 from hybridserve.server.protocol import invalid_field, structured_output_error
 from hybridserve.structured import StructuredOutputError
 
@@ -34,10 +36,20 @@ class ServerOptions:
     chat_template: str | None = None  # replaces the model's chat template
     shutdown_grace_s: float = 1.0  # in-flight requests may finish this long after SIGTERM / Ctrl+C
     data_parallel_size: int = 1  # engine replicas behind the server
+    tool_call_parser: str | None = None  # a parsers.TOOL_FORMATS name; None: the model type's own
+    reasoning_parser: str | None = None  # a parsers.REASONING_FORMATS name; None: no reasoning split
+    response_store_size: int = 1000  # Responses-API responses kept for previous_response_id (0: none)
+    response_store_ttl_s: float = 3600.0  # ... and for how long
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
             raise ValueError(f"--dp {self.data_parallel_size}: at least one replica is needed")
+        if self.tool_call_parser is not None:
+            tool_format(self.tool_call_parser)
+        if self.reasoning_parser is not None:
+            reasoning_format(self.reasoning_parser)
+        if self.response_store_size < 0 or self.response_store_ttl_s <= 0:
+            raise ValueError("--responses-store-size must be >= 0 and --responses-store-ttl > 0")
 
 
 @dataclass
@@ -50,6 +62,10 @@ class ServerState:
     generations: set[Generation] = field(default_factory=set)  # API calls with requests in the engine
     draining: bool = False  # shutting down: nothing new is admitted
     loop: asyncio.AbstractEventLoop | None = None  # the event loop serving the app, once it started
+    responses: ResponseStore = field(init=False)  # finished Responses-API responses
+
+    def __post_init__(self) -> None:
+        self.responses = ResponseStore(self.options.response_store_size, self.options.response_store_ttl_s)
     _drain_task: asyncio.Task | None = None
 
     @property
@@ -73,6 +89,15 @@ class ServerState:
             raise APIError(f"the model '{requested}' does not exist; this server serves '{self.model_name}'",
                            status=404, type="not_found_error", param="model", code="model_not_found")
         return info
+
+    def tool_format(self) -> ToolFormat:
+        """--tool-call-parser's format, or the loaded model type's own."""
+        name = self.options.tool_call_parser
+        return tool_format(name) if name is not None else model_tool_format(self.info().model_type)
+
+    @property
+    def reasoning_format(self) -> ReasoningFormat | None:
+        return reasoning_format(self.options.reasoning_parser) if self.options.reasoning_parser else None
 
     def check_choices(self, num_prompts: int, n: int) -> None:
         if num_prompts * n > self.options.max_n:

@@ -5,8 +5,8 @@
 - `tiny_server`: the tiny ZAYA1 checkpoint of `zaya_dir` (vocab 128: token-id prompts only), fast enough for the
   64-client, disconnect and chaos tests.
 - `guarded_server`: the demo with the operator's hardening options on (an API key from the environment, a small
-  context, body limit, --max-n and default max_tokens, an operator chat template, request templates trusted): the
-  API-key, template and schemathesis tests.
+  context, body limit, --max-n and default max_tokens, an operator chat template, request templates trusted) and a
+  reasoning parser: the API-key, template, reasoning and schemathesis tests.
 
 Each server runs with one intra-op thread: two servers and the test client share the CI machine's 2 cores, and
 oversubscribed OpenMP threads spin, slowing tiny ops a hundredfold.
@@ -118,6 +118,7 @@ def guarded_server(tmp_path_factory):
     template.write_text(OPERATOR_TEMPLATE)
     server = serve(["--dtype", "float32", *SMALL_CACHE, "--max-model-len", "48", "--max-n", "4",
                     "--max-request-body-bytes", "65536", "--default-max-tokens", "8", "--chat-template", str(template),
-                    "--trust-request-chat-template"], tmp_path_factory, env={"HYBRIDSERVE_API_KEY": API_KEY})
+                    "--trust-request-chat-template", "--reasoning-parser", "qwen3"], tmp_path_factory,
+                   env={"HYBRIDSERVE_API_KEY": API_KEY})
     yield server
     server.stop()

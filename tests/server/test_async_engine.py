@@ -22,7 +22,7 @@ from hybridserve.server.async_engine import (
 class StepFailsEngine:
     """Validates prompts like the engine, produces one output per request, then fails on the next step."""
 
-    model_dir, max_model_len, vocab_size = "double", 64, 100
+    model_dir, model_type, max_model_len, vocab_size = "double", "zaya", 64, 100
     runner = SimpleNamespace(model=object(), device="cpu", dtype="float32")
 
     def __init__(self, config: EngineConfig):

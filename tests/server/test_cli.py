@@ -48,3 +48,12 @@ def test_serve_options_reach_the_engine_config():
     assert kwargs["enforce_eager"] and kwargs["disable_overlap_schedule"]
     assert not _engine_kwargs(build_parser().parse_args(["serve"]))["disable_overlap_schedule"]
     assert build_parser().parse_args(["serve"]).enable_prefix_caching is True
+
+
+@pytest.mark.parametrize("option", ["--tool-call-parser", "--reasoning-parser"])
+def test_an_unknown_parser_name_is_a_start_up_error_listing_the_valid_ones(option, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", option, "hermes"])
+    error = capsys.readouterr().err
+    assert f"argument {option}: invalid choice: 'hermes'" in error
+    assert ("'ling', 'zaya'" if option == "--tool-call-parser" else "'ling', 'qwen3', 'zaya'") in error

@@ -1,5 +1,6 @@
 """Starting and stopping like a product: a port in use fails at once, the start-up log says what runs where, the
-Ling demo serves, SIGTERM / Ctrl+C end in-flight streams with an error event and [DONE] and exit within 5 s."""
+Ling demo serves (and forces a tool call in Ling-2.6's format), SIGTERM / Ctrl+C end in-flight streams with an
+error event and [DONE] and exit within 5 s."""
 from __future__ import annotations
 
 import json
@@ -55,6 +56,16 @@ def test_the_ling_demo_serves_and_the_start_up_log_says_what_runs_where(tmp_path
         chat = client.chat.completions.create(model="hybridserve-demo-ling", max_tokens=4,
                                               messages=[{"role": "user", "content": "hi"}])
         assert chat.choices[0].message.role == "assistant"
+        # Ling-2.6's tool-call format (the model type's parser; the demo's Qwen3 template writes the same format)
+        tool = {"type": "function", "function": {"name": "pick", "parameters": {
+            "type": "object", "properties": {"colour": {"enum": ["red", "blue"]}}, "required": ["colour"]}}}
+        forced = client.chat.completions.create(model="hybridserve-demo-ling", max_tokens=200, temperature=0,
+                                                messages=[{"role": "user", "content": "pick"}], tools=[tool],
+                                                tool_choice={"type": "function", "function": {"name": "pick"}},
+                                                parallel_tool_calls=False)
+        (call,) = forced.choices[0].message.tool_calls
+        assert forced.choices[0].finish_reason == "tool_calls" and call.function.name == "pick"
+        assert json.loads(call.function.arguments)["colour"] in ("red", "blue")
         log = server.log()
     finally:
         server.stop()

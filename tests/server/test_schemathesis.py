@@ -66,7 +66,8 @@ def test_schemathesis_finds_no_server_error_and_nothing_undocumented(guarded_ser
     assert result.returncode == 0, result.stdout[-6000:]
     assert sum(statuses.values()) > 500
     assert not [key for key in statuses if key[1] is None or key[1] >= 500], statuses
-    for operation in ("POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize"):
+    for operation in ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses", "POST /tokenize",
+                      "POST /detokenize"):
         assert statuses[(operation, 200)] > 0 and statuses[(operation, 400)] > 0, operation  # both paths were hit
     assert guarded_server.process.poll() is None
     after = guarded_server.post("/v1/completions", json=REFERENCE, headers=auth).json()

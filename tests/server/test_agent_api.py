@@ -1,0 +1,199 @@
+"""Tool calls, reasoning and the Responses API through the official `openai` client against the demo server
+(random weights, ZAYA1's tool-call format): forced calls parse into tool_calls whose arguments validate against
+the tool's schema, streamed == non-streamed; a history with tool calls and results renders and runs; the Responses
+API streams the event sequence the client parses and continues stored responses.
+
+The tools' parameters are bounded (enums, integer ranges, booleans): a random model under a grammar closes those
+in a few tokens, while a free string could run to max_tokens.
+"""
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+
+from tests.server.conftest import API_KEY
+
+DEMO = "hybridserve-demo"
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                                            "metric": {"type": "boolean"}}, "required": ["city", "days"]}
+PING = {"type": "object", "properties": {"loud": {"type": "boolean"}}, "required": ["loud"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "ping", "parameters": PING}}]
+SCHEMAS = {"get_weather": WEATHER, "ping": PING}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def client(demo_server):
+    return demo_server.client()
+
+
+def _streamed_calls(stream) -> tuple[list[dict], str | None, str]:
+    """Tool calls assembled from streamed deltas the way OpenAI clients do (by index), the finish reason, content."""
+    calls: dict[int, dict] = {}
+    finish, content = None, ""
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for piece in delta.tool_calls or []:
+            call = calls.setdefault(piece.index, {"id": None, "name": "", "arguments": ""})
+            call["id"] = piece.id or call["id"]
+            call["name"] += piece.function.name or ""
+            call["arguments"] += piece.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return [calls[i] for i in sorted(calls)], finish, content
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "ping"}}],
+                         ids=["required", "named"])
+def test_forced_calls_parse_validate_and_stream_the_same(client, choice):
+    body = dict(model=DEMO, messages=ASK, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
+                temperature=0, max_tokens=160)
+    full = client.chat.completions.create(**body)
+    message = full.choices[0].message
+    assert full.choices[0].finish_reason == "tool_calls" and message.content is None
+    (call,) = message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert choice == "required" or call.function.name == "ping"
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    calls, finish, content = _streamed_calls(client.chat.completions.create(**body, stream=True))
+    assert finish == "tool_calls" and content == ""
+    assert [(c["name"], c["arguments"]) for c in calls] == [(call.function.name, call.function.arguments)]
+    assert calls[0]["id"].startswith("call_")
+
+
+def test_parallel_required_calls_all_validate(client):
+    full = client.chat.completions.create(model=DEMO, messages=ASK, tools=TOOLS, tool_choice="required",
+                                          temperature=0.8, seed=7, max_tokens=240)
+    calls = full.choices[0].message.tool_calls
+    assert calls and len({c.id for c in calls}) == len(calls)
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_a_history_with_tool_calls_and_results_renders_and_runs(client, demo_server):
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                              "arguments": '{"city": "Paris", "days": 2}'}},
+            {"id": "call_2", "type": "function", "function": {"name": "ping", "arguments": '{"loud": true}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 24 C"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "pong"},
+        {"role": "user", "content": "Thanks. And tomorrow?"}]
+    rendered = demo_server.post("/tokenize", json={"messages": messages, "tools": TOOLS}).json()
+    text = demo_server.post("/detokenize", json={"tokens": rendered["tokens"]}).json()["prompt"]
+    assert ("<zyphra_tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+            "<parameter=days>\n2\n</parameter>\n</function>\n</zyphra_tool_call>") in text
+    assert "<|im_start|>user\n<zyphra_tool_response>\nsunny, 24 C\n</zyphra_tool_response>\n" \
+           "<zyphra_tool_response>\npong\n</zyphra_tool_response><|im_end|>" in text
+    assert '"name": "get_weather"' in text  # the offered tools are listed in the system turn
+    out = client.chat.completions.create(model=DEMO, messages=messages, tools=TOOLS, max_tokens=4, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert out.usage.prompt_tokens == rendered["count"] and out.choices[0].finish_reason == "length"
+
+
+def test_tool_choice_none_hides_the_tools_from_the_template(demo_server):
+    with_tools = demo_server.post("/v1/chat/completions", json={"messages": ASK, "tools": TOOLS, "max_tokens": 1})
+    hidden = demo_server.post("/v1/chat/completions", json={"messages": ASK, "tools": TOOLS, "tool_choice": "none",
+                                                            "max_tokens": 1})
+    plain = demo_server.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 1})
+    assert hidden.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"] < \
+        with_tools.json()["usage"]["prompt_tokens"]
+
+
+# --- reasoning (the guarded server runs --reasoning-parser qwen3 and trusts request templates) ---------------------
+
+def _guarded_chat(server, **body) -> httpx.Response:
+    return server.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], **body},
+                       headers={"authorization": f"Bearer {API_KEY}"})
+
+
+def test_reasoning_opened_by_the_prompt_goes_to_reasoning_content(guarded_server):
+    """A template that opens <think> in the generation prompt: the whole (never closed) output is reasoning,
+    streamed and not; without the open block the same parser leaves everything in the content."""
+    opening = "{% for m in messages %}{{ m.content }}{% endfor %}<think>\n"
+    body = dict(chat_template=opening, max_tokens=6, temperature=0, ignore_eos=True)
+    full = _guarded_chat(guarded_server, **body).json()["choices"][0]["message"]
+    assert full["content"] == "" and full["reasoning_content"]
+    events = _sse(guarded_server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                           "stream": True, **body})
+    deltas = [e["choices"][0]["delta"] for e in events if e.get("choices")]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == full["reasoning_content"]
+    assert "".join(d.get("content") or "" for d in deltas) == ""
+    closed = _guarded_chat(guarded_server, chat_template="{{ messages[0].content }}<think></think>", max_tokens=6,
+                           temperature=0, ignore_eos=True).json()["choices"][0]["message"]
+    assert closed["reasoning_content"] is None and closed["content"]
+
+
+def _sse(server, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{server.url}{path}", json=body, timeout=120,
+                      headers={"authorization": f"Bearer {API_KEY}"}) as response:
+        assert response.status_code == 200
+        raw = response.read().decode()
+    return [json.loads(line.removeprefix("data: ")) for line in raw.splitlines()
+            if line.startswith("data: {")]
+
+
+# --- Responses API ------------------------------------------------------------------------------------------------
+
+RESPONSE_TOOLS = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+                  for t in TOOLS]
+
+
+def test_responses_text_streamed_and_not(client):
+    body = dict(model=DEMO, input="Say hello.", instructions="Be brief.", max_output_tokens=8, temperature=0)
+    full = client.responses.create(**body)
+    assert full.object == "response" and full.status == "incomplete"
+    assert full.incomplete_details.reason == "max_output_tokens"
+    assert [item.type for item in full.output] == ["message"] and full.output_text
+    assert full.usage.output_tokens == 8 and full.usage.output_tokens_details.reasoning_tokens == 0
+    events = list(client.responses.create(**body, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == full.output_text
+    assert events[-1].response.output_text == full.output_text and events[-1].response.id != full.id
+
+
+def test_responses_tool_call_then_continue_from_the_stored_response(client, demo_server):
+    body = dict(model=DEMO, input="What is the weather in Rome?", tools=RESPONSE_TOOLS, tool_choice="required",
+                parallel_tool_calls=False, max_output_tokens=160, temperature=0)
+    first = client.responses.create(**body)
+    assert first.status == "completed"
+    (call,) = first.output
+    assert call.type == "function_call" and call.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    with client.responses.stream(**body) as stream:  # the client's own accumulator accepts the event sequence
+        streamed = stream.get_final_response()
+    assert [(o.type, o.name, o.arguments) for o in streamed.output] == [(call.type, call.name, call.arguments)]
+    follow = client.responses.create(model=DEMO, previous_response_id=first.id, max_output_tokens=3, temperature=0,
+                                     input=[{"type": "function_call_output", "call_id": call.call_id,
+                                             "output": "22 C"}])
+    assert follow.previous_response_id == first.id
+    called = {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    history = [{"role": "user", "content": "What is the weather in Rome?"},
+               {"role": "assistant", "content": None, "tool_calls": [called]},
+               {"role": "tool", "tool_call_id": call.call_id, "content": "22 C"}]
+    assert follow.usage.input_tokens == demo_server.post("/tokenize", json={"messages": history}).json()["count"]
+    again = client.responses.retrieve(follow.id)
+    assert again.id == follow.id and again.output_text == follow.output_text
+    missing = demo_server.post("/v1/responses", json={"input": "x", "previous_response_id": "resp_nope"})
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "previous_response_id"
+    assert httpx.get(f"{demo_server.url}/v1/responses/resp_nope").status_code == 404
+
+
+def test_responses_json_schema_output(client):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                               "maximum": 9}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    out = client.responses.create(model=DEMO, input="Give JSON.", max_output_tokens=40, temperature=0,
+                                  text={"format": {"type": "json_schema", "name": "answer", "schema": schema}})
+    assert out.status == "completed"
+    jsonschema.validate(json.loads(out.output_text), schema)
