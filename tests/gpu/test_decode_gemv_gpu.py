@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridserve.ops.reference import moe as moe_reference
+from tests.gpu.sync import no_host_sync
 from tests.gpu.test_moe_gpu import _rel, _routing, experts  # noqa: F401  (experts: the fixture of both MoE shapes)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -105,9 +106,5 @@ def test_no_device_to_host_sync(experts) -> None:  # noqa: F811  (the fixture)
         linear_kernel.linear(x, w)
 
     calls()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         calls()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")

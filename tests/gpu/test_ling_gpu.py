@@ -11,6 +11,7 @@ from hybridserve.core.batch import ScheduledChunk, build_forward_batch
 from hybridserve.models.ling import LingMoE, alibi_slopes
 from hybridserve.ops.reference.lightning import lightning_decode, lightning_prefill
 from hybridserve.runtime.model_loader import build_model
+from tests.gpu.sync import no_host_sync
 from tests.helpers import CacheHarness
 from tests.reference.ling_naive import (
     flash_config,
@@ -140,11 +141,6 @@ def test_decode_forward_has_no_device_to_host_sync(flash_dir: Path) -> None:
     harness.run([harness.chunk(slot, [3], len(p)) for slot, p in enumerate(prompts, start=1)])
     batch = harness.batch([harness.chunk(slot, [4], len(p) + 1) for slot, p in enumerate(prompts, start=1)])
     assert batch.is_decode
-    torch.cuda.synchronize()
-    with torch.inference_mode():
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            logits = model.compute_logits(model(batch)[batch.logits_indices])
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    with torch.inference_mode(), no_host_sync():
+        logits = model.compute_logits(model(batch)[batch.logits_indices])
     assert bool(torch.isfinite(logits).all())

@@ -14,6 +14,7 @@ from hybridserve.models.ling import LingMoE
 from hybridserve.models.ling_config import parse_ling_config
 from hybridserve.ops.reference import moe as moe_reference
 from hybridserve.ops.reference import router as router_reference
+from tests.gpu.sync import no_host_sync
 from tests.reference.ling_naive import tiny_ling_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -195,9 +196,5 @@ def test_no_device_to_host_sync() -> None:
         moe(x)
 
     calls()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         calls()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")

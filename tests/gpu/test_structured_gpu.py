@@ -16,6 +16,7 @@ from hybridserve import LLM, SamplingParams
 from hybridserve.structured import StructuredOutputParams
 from hybridserve.structured.bitmask import TokenMask, apply_token_mask, words_for
 from tests.gpu.models import largest_logprob_difference, write_two_layer_model
+from tests.gpu.sync import no_host_sync
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -67,12 +68,8 @@ def test_applying_a_mask_never_syncs() -> None:
     rows = list(range(0, 64, 2))
     host = TokenMask.allocate(rows, vocab)
     host.bits[:, ::3] = 0
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         out = apply_token_mask(logits, host.to(logits.device))
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
     expected = logits.clone()
     allowed = torch.ones(words_for(vocab) * 32, dtype=torch.bool)
     allowed.view(-1, 32)[::3] = False

@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.gpu.sync import no_host_sync
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 if torch.cuda.is_available():
@@ -149,9 +151,7 @@ def test_kernels_issue_no_device_to_host_sync():
     norm_weight = torch.ones(HIDDEN, **bf16)
     route = {k: v.cuda() if isinstance(v, torch.Tensor) else v
              for k, v in router_inputs(rows, HIDDEN, ROUTER, EXPERTS, skip_bias=0.05, device="cpu").items()}
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         conv.cca_conv(proj, *weights, None, Q_HEADS, 0, batch, *state, *footers, form="heads")
         q, k, v = conv.cca_conv(proj, *weights, None, Q_HEADS, 0, batch, *state, *footers)  # the columns form
         q = zaya_qk.qk_norm_rope_cache(q, k, v, torch.ones(K_HEADS, **bf16), inv_freq, batch.positions,
@@ -159,6 +159,4 @@ def test_kernels_issue_no_device_to_host_sync():
         _, _, h32 = norm.residual_rms_norm(q.view(rows, -1).repeat(1, 2), norm_weight, 1e-5, residual,
                                            fp32_copy=True)
         routing = zaya_router.eda_route(**route)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(h32).all() and (routing.choice <= EXPERTS).all()
