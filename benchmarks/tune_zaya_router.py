@@ -16,8 +16,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.op_microbench import time_ms  # noqa: E402
-from benchmarks.ops.zaya_router import LAYERS, _graphed, _inputs  # noqa: E402
+from benchmarks.op_microbench import graphed, time_ms  # noqa: E402
+from benchmarks.ops.zaya_router import LAYERS, _inputs  # noqa: E402
 from hybridserve.ops.triton import zaya_router as kernel  # noqa: E402
 
 KNOBS = ("PROGRAMS", "TILE_ELEMENTS", "PIPELINE_STAGES")
@@ -37,7 +37,8 @@ def main() -> None:
         for values in CANDIDATES:
             for name, value in zip(KNOBS, values):
                 setattr(kernel, name, value)
-            times[values] = time_ms(_graphed(kernel.fused_route, layers), repeat=20) * 1e3 / LAYERS
+            replay = graphed([lambda a=a: kernel.fused_route(**a) for a in layers])
+            times[values] = time_ms(replay, repeat=20) * 1e3 / LAYERS
         for name, value in zip(KNOBS, shipped):
             setattr(kernel, name, value)
         best = min(times, key=times.get)

@@ -3,8 +3,8 @@ F.linear, at the projections of ZAYA1-8B and Ling-2.6-flash that run every layer
 
 Each case is one CUDA graph of calls over enough weight copies (each call its own) that together they far exceed
 the H200's 50 MB L2, as a decode step's layers do: a single small weight would be timed from L2. Minimum bytes: the
-weights once each call plus x and the output. The "vs ref" column is cuBLAS's time over the kernel's: the lead
-moves ops.triton.linear.MAX_TOKENS to where it drops below 1.
+weights once each call plus x and the output. The "vs ref" column is cuBLAS's time over the kernel's:
+ops.triton.linear.FASTER_UP_TO_TOKENS / FASTER_UP_TO_WEIGHT_BYTES sit where it drops below 1.
 """
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from hybridserve.core.step import SampledToken, SamplingRow
+from hybridserve.core.upload import device_scalar, upload
 from hybridserve.structured.bitmask import TokenMask, apply_token_mask
 
 _MASK64 = (1 << 64) - 1
@@ -94,12 +95,6 @@ class Draws:
 _MAX_ELEMENTS_PER_CALL = 1 << 25
 
 
-def _upload(values: list, device: torch.device, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """Host values -> a device tensor in one copy (pinned and asynchronous on CUDA, no sync)."""
-    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
-    return host.to(device, non_blocking=True)
-
-
 def penalty_rows(max_running: int) -> int:
     """Rows of penalty counts for `max_running` running sequences: two per place. A step takes rows for its new
     sequences before the rows of the sequences that drew in the step before (and not in this one) are given back,
@@ -150,15 +145,15 @@ class PenaltyCounts:
             self._drawn.add(row.key)
             out.append(entry[0])
         if cleared:
-            index = _upload(cleared, device, torch.long)
+            index = upload(cleared, device, torch.long)
             self.counts.index_fill_(0, index, 0.0)
             self.seen.index_fill_(0, index, False)
         if flag_rows:
-            self.seen.index_put_(tuple(_upload([flag_rows, flag_tokens], device, torch.long)),
-                                 torch.tensor(True, device=device))
+            self.seen.index_put_(tuple(upload([flag_rows, flag_tokens], device, torch.long)),
+                                 device_scalar(True, device, torch.bool))
         if add_rows:
-            self.counts.index_put_(tuple(_upload([add_rows, add_tokens], device, torch.long)),
-                                   torch.tensor(1.0, device=device), accumulate=True)
+            self.counts.index_put_(tuple(upload([add_rows, add_tokens], device, torch.long)),
+                                   device_scalar(1.0, device, self.counts.dtype), accumulate=True)
         return out
 
     def record(self, counted: list[tuple[int, int]], tokens: torch.Tensor) -> None:
@@ -166,9 +161,9 @@ class PenaltyCounts:
         next step may draw before they are appended to the sequence's list (overlapped scheduling)."""
         batch_rows, state_rows = zip(*counted)
         device = tokens.device
-        self.counts.index_put_((_upload(list(state_rows), device, torch.long),
-                                tokens.index_select(0, _upload(list(batch_rows), device, torch.long))),
-                               torch.tensor(1.0, device=device), accumulate=True)
+        self.counts.index_put_((upload(list(state_rows), device, torch.long),
+                                tokens.index_select(0, upload(list(batch_rows), device, torch.long))),
+                               device_scalar(1.0, device, self.counts.dtype), accumulate=True)
         counted_rows = set(state_rows)
         for entry in self._rows.values():
             if entry[0] in counted_rows:
@@ -217,15 +212,15 @@ class Sampler:
         logits, counted = self._apply_penalties(logits, rows)
         banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids]
         if banned:
-            logits = logits.index_put(tuple(_upload(list(zip(*banned)), device, torch.long)),
-                                      torch.tensor(float("-inf"), device=device))
+            logits = logits.index_put(tuple(upload(list(zip(*banned)), device, torch.long)),
+                                      device_scalar(float("-inf"), device, logits.dtype))
         drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
         if len(drawn) == len(rows):
             tokens = self._sample(logits, rows)
         else:
             tokens = logits.argmax(dim=-1)
             if drawn:
-                index = _upload(drawn, device, torch.long)
+                index = upload(drawn, device, torch.long)
                 tokens = tokens.index_copy(0, index, self._sample(logits[index], [rows[i] for i in drawn]))
         if raw_logprobs is None:
             return Draws(tokens, rows, None, 0), counted
@@ -246,7 +241,7 @@ class Sampler:
         counts = torch.zeros_like(sub)
         seen = torch.zeros_like(sub, dtype=torch.bool)
         if kept:
-            index, state_index = _upload(kept, device, torch.long), _upload([state[j] for j in kept], device,
+            index, state_index = upload(kept, device, torch.long), upload([state[j] for j in kept], device,
                                                                              torch.long)
             counts[index] = self.penalties.counts[state_index]
             seen[index] = self.penalties.seen[state_index]
@@ -254,17 +249,17 @@ class Sampler:
             if state[j] is None:
                 if rows[i].index != len(rows[i].output_token_ids) + len(rows[i].draft_prefix or ()):
                     raise RuntimeError("a penalised draw with a token still in flight needs its kept counts")
-                out_ids = torch.tensor(rows[i].output_token_ids, dtype=torch.long, device=device)
+                out_ids = upload(rows[i].output_token_ids, device, torch.long)
                 counts[j].index_add_(0, out_ids, torch.ones_like(out_ids, dtype=counts.dtype))
-                seen[j, torch.tensor(rows[i].prompt_token_ids, dtype=torch.long, device=device)] = True
+                seen[j, upload(rows[i].prompt_token_ids, device, torch.long)] = True
         drafted = [(j, t) for j, i in enumerate(idx) for t in rows[i].draft_prefix or ()]
         if drafted:  # verify positions: the drafts before them count as output
-            counts.index_put_(tuple(_upload(list(zip(*drafted)), device, torch.long)),
-                              torch.tensor(1.0, device=device), accumulate=True)
+            counts.index_put_(tuple(upload(list(zip(*drafted)), device, torch.long)),
+                              device_scalar(1.0, device, counts.dtype), accumulate=True)
         seen |= counts > 0
 
         def column(name: str) -> torch.Tensor:
-            return torch.tensor([getattr(rows[i].params, name) for i in idx], device=device)[:, None]
+            return upload([getattr(rows[i].params, name) for i in idx], device, torch.float32)[:, None]
 
         rep = column("repetition_penalty")
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
@@ -279,7 +274,7 @@ class Sampler:
         CDF in vocabulary order. Which path a row takes depends on its own parameters only, so a draw never
         depends on the rest of the batch."""
         vocab = logits.shape[-1]
-        params = _upload([[r.params.temperature, r.params.top_k if 0 < r.params.top_k < vocab else vocab,
+        params = upload([[r.params.temperature, r.params.top_k if 0 < r.params.top_k < vocab else vocab,
                            r.params.top_p, r.params.min_p, uniform_for(r.seed, r.index)]
                           for r in rows], logits.device)
         probs = torch.softmax(logits / params[:, :1].float(), dim=-1)
@@ -290,7 +285,7 @@ class Sampler:
             return _sorted_draw(probs, params)
         picks = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         for wanted, draw in ((True, _sorted_draw), (False, _invert)):
-            index = _upload([i for i, s in enumerate(needs_sort) if s == wanted], logits.device, torch.long)
+            index = upload([i for i, s in enumerate(needs_sort) if s == wanted], logits.device, torch.long)
             picks[index] = draw(probs[index], params[index])
         return picks
 

@@ -40,6 +40,7 @@ from hybridserve.core.batch import (
     kv_row,
     resolve_future_inputs,
 )
+from hybridserve.core.upload import upload
 from hybridserve.runtime.warmup import DUMMY_PAGE, DUMMY_SLOT
 from hybridserve.spec.mtp import DraftInputs, MtpDrafter
 
@@ -249,8 +250,7 @@ class DecodeGraphs:
         self._size = size
         rows, sources = future_inputs(chunks, list(range(0, len(chunks) * self.row_tokens, self.row_tokens)))
         if rows:
-            index = torch.tensor([rows, sources], pin_memory=self.device.type == "cuda").to(self.device,
-                                                                                          non_blocking=True)
+            index = upload([rows, sources], self.device, torch.long)
             resolve_future_inputs(self._token_values[0], index[0], index[1], previous_draws)
         used = len(chunks) * self.row_tokens
         if not self._graphs:

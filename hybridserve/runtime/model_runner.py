@@ -11,9 +11,15 @@ from hybridserve.cache.kv_pool import KVPool
 from hybridserve.cache.memory import GiB, MemoryPlan, plan_memory
 from hybridserve.cache.state_pool import StatePool
 from hybridserve.config import EngineConfig
-from hybridserve.core.batch import ForwardBatch, PageTables, ScheduledChunk, build_forward_batch
+from hybridserve.core.batch import (
+    ForwardBatch,
+    PageTables,
+    ScheduledChunk,
+    build_forward_batch,
+)
 from hybridserve.core.parallel import tp_rank
 from hybridserve.core.step import ChunkResult, StepPlan
+from hybridserve.core.upload import upload
 from hybridserve.layers.sampler import Draws, Sampler, logprob_dicts, penalty_rows
 from hybridserve.loader import read_config
 from hybridserve.ops.backends import all_triton, select_kernels
@@ -289,8 +295,7 @@ class ModelRunner:
     def _copy_slots(self, pairs: list[tuple[int, int]], source: StatePool) -> None:
         if pairs:
             src, dst = zip(*pairs)
-            self.state_pool.copy_from(source, torch.tensor(src, device=self.device),
-                                      torch.tensor(dst, device=self.device))
+            self.state_pool.copy_from(source, *upload([src, dst], self.device, torch.long))
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> StepHandle:
@@ -313,7 +318,7 @@ class ModelRunner:
         for pool, copies in ((self.kv_pool, plan.page_copies), (self.window_pool, plan.window_page_copies)):
             if copies:
                 src, dst = zip(*copies)
-                pool.copy_pages(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
+                pool.copy_pages(*upload([src, dst], self.device, torch.long))
         self._copy_slots(plan.restores, self.state_pool)
         self._copy_slots(plan.page_restores, self.footer_pool)
         handle = StepHandle([ChunkResult() for _ in chunks])
@@ -324,7 +329,7 @@ class ModelRunner:
             n = graphs.row_tokens
             wanted = [i * n + j for i, c in enumerate(chunks) for j in c.logits_offsets]
             if len(wanted) != logits.shape[0]:
-                logits = logits[torch.tensor(wanted, device=self.device)]
+                logits = logits[upload(wanted, self.device, torch.long)]
             self._copy_slots(plan.snapshots, self.state_pool)
         else:
             hidden = self.model(batch)
@@ -447,7 +452,7 @@ class ModelRunner:
             draw_rows = [row for _, _, logits_rows in entries for row in logits_rows]
             contiguous = draw_rows == list(range(draw_rows[0], draw_rows[0] + len(draw_rows)))
             picked = logits[draw_rows[0]:draw_rows[0] + len(draw_rows)] if contiguous else \
-                logits[torch.tensor(draw_rows, device=logits.device)]
+                logits[upload(draw_rows, logits.device, torch.long)]
             return self.sampler.draw(picked, [r for _, rows, _ in entries for r in rows], entry_mask)
 
         try:

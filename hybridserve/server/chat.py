@@ -70,7 +70,9 @@ class _ChatView:
         return extras
 
     def _stream_delta(self, delta: Delta) -> tuple[dict, AssistantParser]:
-        parser = self.parsers.setdefault(delta.index, self.parsing.parser())
+        parser = self.parsers.get(delta.index)
+        if parser is None:  # one per choice, made at its first delta
+            parser = self.parsers[delta.index] = self.parsing.parser()
         parsed = parser.feed(delta.text, len(delta.token_ids))
         if delta.finish_reason is not None:
             parsed += parser.finish()

@@ -54,8 +54,8 @@ class ToolSelection:
         its outputs are parsed; `names` maps SamplingParams names to the request's fields (for errors)."""
         reasoning = server.reasoning_format
         in_reasoning = reasoning is not None and reasoning.prompt_opens_reasoning(prompt_text)
-        fmt = server.tool_format()
-        forced = self.structured_output(fmt, reasoning, in_reasoning)
+        fmt = server.tool_format() if self.offered else None  # a request without tools needs no tool format
+        forced = self.structured_output(fmt, reasoning, in_reasoning) if fmt is not None else None
         if forced is not None:
             if params.structured_output is not None:
                 raise APIError("tool_choice 'required' or a named function already constrains the output; it "
@@ -65,7 +65,7 @@ class ToolSelection:
             except SamplingParamError as err:  # min_tokens beside a grammar
                 raise invalid_field(err, names) from None
             await server.compile_grammar(params, "tools")  # the grammar is made of the tools' schemas
-        parsing = OutputParsing(reasoning, in_reasoning, fmt if self.offered else None, self.offered, self.max_calls)
+        parsing = OutputParsing(reasoning, in_reasoning, fmt, self.offered, self.max_calls)
         return params, parsing
 
 

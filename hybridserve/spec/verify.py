@@ -26,6 +26,7 @@ import torch
 
 from hybridserve.cache.state_pool import StatePool
 from hybridserve.core.batch import ScheduledChunk
+from hybridserve.core.upload import upload
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ def commit_states(pool: StatePool, drawn: torch.Tensor, verify: list[tuple[Sched
         drafts.append(chunk.token_ids[1:] + [-1] * pad)  # -1 matches no token: counting stops at the padding
         slots.append([chunk.state_slot, *chunk.draft_slots] + [chunk.state_slot] * (pad - 1))
     device = drawn.device
-    index = torch.tensor([draws, drafts, slots], pin_memory=device.type == "cuda").to(device, non_blocking=True)
+    index = upload([draws, drafts, slots], device, torch.long)
     matches = drawn[index[0]] == index[1]
     accepted = matches.long().cumprod(dim=1).sum(dim=1)
     source = index[2].gather(1, accepted[:, None])[:, 0]

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridserve.core.upload import upload
+
 
 def words_for(vocab_size: int) -> int:
     return -(-vocab_size // 32)
@@ -48,6 +50,6 @@ def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
     vocab = logits.shape[-1]
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((mask.bits[:, :, None] >> shifts) & 1).view(len(mask.rows), -1)[:, :vocab].bool()
-    index = torch.tensor(mask.rows, dtype=torch.long, pin_memory=logits.is_cuda).to(logits.device, non_blocking=True)
+    index = upload(mask.rows, logits.device, torch.long)
     masked = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
     return logits.index_copy(0, index, masked)

@@ -38,6 +38,8 @@ def test_outstanding_tokens_follow_requests_until_they_finish_or_abort():
 
 
 def test_two_replicas_answer_like_one(zaya_dir, tmp_path_factory):
+    """With two replicas a long request holds replica 0 busy (its outstanding tokens stay counted), so every
+    prompt after it is placed on replica 1: its answers, and its prefix cache, are what this compares."""
     args = [str(zaya_dir), "--dtype", "float32", "--served-model-name", "tiny-zaya", "--page-size", "4", *SMALL_CACHE]
     prompts = [[3 + (7 * i + j) % 100 for j in range(9 + 5 * i)] for i in range(6)]
     results = {}
@@ -45,6 +47,12 @@ def test_two_replicas_answer_like_one(zaya_dir, tmp_path_factory):
         server = serve([*args, "--dp", str(dp)], tmp_path_factory)
         try:
             client = server.client()
+            held = None
+            if dp == 2:
+                held = client.completions.create(model="tiny-zaya", prompt=[110 + j for j in range(6)],
+                                                 max_tokens=1000, temperature=0, stream=True,
+                                                 extra_body={"ignore_eos": True})
+                next(iter(held))  # its first token is out: it is placed (on replica 0, all being idle) and running
             outs = [client.completions.create(model="tiny-zaya", prompt=p, max_tokens=8, temperature=0)
                     for p in prompts]
             results[dp] = [o.choices[0].text for o in outs]
@@ -52,6 +60,8 @@ def test_two_replicas_answer_like_one(zaya_dir, tmp_path_factory):
                                               temperature=0)
             assert again.usage.completion_tokens == 8
             metrics = server.metrics()
+            if held is not None:
+                held.close()
         finally:
             server.stop()
         assert metrics['hybridserve:prefix_cache_hits_total{layer_kind="state"}'] >= 4 * (len(prompts[5]) // 4 - 1)

@@ -213,8 +213,8 @@ def test_penalty_counts_kept_across_draws_equal_counts_from_the_lists(monkeypatc
     outputs = {1: [5, 5], 2: [], 3: [8]}
     kept, fresh = Sampler(max_running=1), Sampler()  # room for two sequences' counts
     uploads = []
-    upload = sampler_module._upload
-    monkeypatch.setattr(sampler_module, "_upload", lambda values, *a: (uploads.append(values), upload(values, *a))[1])
+    upload = sampler_module.upload
+    monkeypatch.setattr(sampler_module, "upload", lambda values, *a: (uploads.append(values), upload(values, *a))[1])
     for step in range(10):
         keys = [k for k in outputs if not (k == 2 and step in (4, 5)) and not (k == 3 and step < 6)]
         logits = torch.randn(len(keys), vocab, generator=gen)
