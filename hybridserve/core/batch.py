@@ -47,6 +47,11 @@ class ScheduledChunk:
     def num_drafts(self) -> int:
         return len(self.draft_slots)
 
+    @property
+    def verify_slots(self) -> list[int]:
+        """The slot each token of a verify row writes its state to: position 0's is the row's own."""
+        return [self.state_slot, *self.draft_slots]
+
 
 FUTURE_TOKEN = -1  # a token id in ScheduledChunk.token_ids that the step before is still drawing
 
@@ -315,7 +320,7 @@ def verify_token_slots(chunks: list[ScheduledChunk]) -> list[int]:
             if len(chunk.token_ids) != 1 + chunk.num_drafts:
                 raise ValueError(f"a verify row runs its last token and {chunk.num_drafts} drafts, not "
                                  f"{len(chunk.token_ids)} tokens")
-            slots += [chunk.state_slot, *chunk.draft_slots]
+            slots += chunk.verify_slots
         else:
             slots += [-1] * len(chunk.token_ids)
     return slots

@@ -217,7 +217,7 @@ class DecodeGraphs:
             if "window_slot_mapping" in tok:
                 tok["window_slot_mapping"] += [kv_row(chunk.window_page_ids, p, page) for p in positions]
             if "token_slots" in tok:  # the row's slot after its first token, the draft slots, the dummy after that
-                tok["token_slots"] += [chunk.state_slot, *chunk.draft_slots] + [DUMMY_SLOT] * (n - len(chunk.token_ids))
+                tok["token_slots"] += chunk.verify_slots + [DUMMY_SLOT] * (n - len(chunk.token_ids))
             row["kv_lens"].append(pos + n)
             row["table_rows"].append(chunk.table_row)
             if "reach" in row:

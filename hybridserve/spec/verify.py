@@ -62,7 +62,7 @@ def commit_states(pool: StatePool, drawn: torch.Tensor, verify: list[tuple[Sched
         pad = width - chunk.num_drafts
         draws.append(list(range(first, first + chunk.num_drafts)) + [first] * pad)
         drafts.append(chunk.token_ids[1:] + [-1] * pad)  # -1 matches no token: counting stops at the padding
-        slots.append([chunk.state_slot, *chunk.draft_slots] + [chunk.state_slot] * (pad - 1))
+        slots.append(chunk.verify_slots + [chunk.state_slot] * (pad - 1))
     device = drawn.device
     index = upload([draws, drafts, slots], device, torch.long)
     matches = drawn[index[0]] == index[1]
