@@ -206,19 +206,18 @@ def _conv_head(g, cb, tok, local, start, seq, mine, starter, out_slot, keep_fina
     ok2 = mine2 & col_ok[None, :]
     acc += _head_mix(proj_ptr, proj_s0, tok, g, cols, ok2, HQ, HK, D)
     tl.store(qk_out_ptr + (tok[:, None] * (HQ + HK) + g) * D + cols[None, :], acc, mask=ok2)
+    last = True  # the heads form: this program is the head's only one
     if COLUMNS:
         tl.debug_barrier()  # every thread's reads of the old window precede the release below
         counter = counter_ptr + tl.program_id(0) * (HQ + HK) + g
         arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-        if arrived == (D + BLOCK_O - 1) // BLOCK_O - 1:  # the head's other column blocks are done with the old window
-            _write_windows(g, tok, local, start, seq, mine, starter, out_slot, keep_final, slot, init, proj_ptr,
-                           proj_s0, conv_ptr, cs0, cs1, cs2, cfoot_ptr, cf0, cf1, cf2, qsl_ptr, pos_ptr, pt_ptr, pt_s0,
-                           page_size, D, P, BLOCK_D, BLOCK_P, HAS_FOOTER, HAS_VERIFY)
-            tl.store(counter, 0)
-    else:
+        last = arrived == (D + BLOCK_O - 1) // BLOCK_O - 1  # the head's other column blocks are done with it
+    if last:
         _write_windows(g, tok, local, start, seq, mine, starter, out_slot, keep_final, slot, init, proj_ptr, proj_s0,
                        conv_ptr, cs0, cs1, cs2, cfoot_ptr, cf0, cf1, cf2, qsl_ptr, pos_ptr, pt_ptr, pt_s0, page_size,
                        D, P, BLOCK_D, BLOCK_P, HAS_FOOTER, HAS_VERIFY)
+        if COLUMNS:
+            tl.store(counter, 0)
 
 
 @triton.jit
