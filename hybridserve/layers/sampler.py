@@ -233,9 +233,9 @@ class Sampler:
         idx = [i for i, r in enumerate(rows) if r.params.uses_penalties]
         if not idx:
             return logits, []
-        logits = logits.clone()
         device = logits.device
-        sub = logits[idx]
+        penalised = upload(idx, device, torch.long)  # indexing by a host list would copy it synchronously
+        sub = logits.index_select(0, penalised)
         state = self.penalties.rows([rows[i] for i in idx], logits.shape[-1], device)
         kept = [j for j, s in enumerate(state) if s is not None]
         counts = torch.zeros_like(sub)
@@ -251,7 +251,7 @@ class Sampler:
                     raise RuntimeError("a penalised draw with a token still in flight needs its kept counts")
                 out_ids = upload(rows[i].output_token_ids, device, torch.long)
                 counts[j].index_add_(0, out_ids, torch.ones_like(out_ids, dtype=counts.dtype))
-                seen[j, upload(rows[i].prompt_token_ids, device, torch.long)] = True
+                seen[j].index_fill_(0, upload(rows[i].prompt_token_ids, device, torch.long), True)
         drafted = [(j, t) for j, i in enumerate(idx) for t in rows[i].draft_prefix or ()]
         if drafted:  # verify positions: the drafts before them count as output
             counts.index_put_(tuple(upload(list(zip(*drafted)), device, torch.long)),
@@ -264,8 +264,8 @@ class Sampler:
         rep = column("repetition_penalty")
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
         sub = sub - column("frequency_penalty") * counts - column("presence_penalty") * (counts > 0)
-        logits[idx] = sub
-        return logits, [(idx[j], state[j]) for j in kept if rows[idx[j]].draft_prefix is None]
+        counted = [(idx[j], state[j]) for j in kept if rows[idx[j]].draft_prefix is None]
+        return logits.index_copy(0, penalised, sub), counted
 
     @staticmethod
     def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -9,14 +9,20 @@ from tests.gpu.test_zaya_gpu import ZAYA1_8B_SHAPED
 from tests.helpers import add_tokenizer
 from tests.reference.ling_naive import random_ling_checkpoint, write_checkpoint
 
+# Ling-2.6-flash widths with the MTP layer (a third MoE layer): 64 experts in the same 8 groups instead of 256, so
+# that the fp32 model stays near 10 GB and several such tests fit on one GPU side by side.
+FLASH_MTP = FLASH | {"num_nextn_predict_layers": 1, "num_experts": 64}
 
-def write_two_layer_model(model: str, directory: Path) -> None:
-    """ZAYA1-8B widths (2 layers) or Ling-2.6-flash widths (one lightning + one MLA layer), random, with a
-    tokenizer."""
+
+def write_two_layer_model(model: str, directory: Path, *, mtp: bool = False, bf16: bool = False) -> None:
+    """ZAYA1-8B widths (2 layers) or Ling-2.6-flash widths (one lightning + one MLA layer; `mtp`: with its MTP
+    layer), random, with a tokenizer; `bf16`: Ling's tensors stored in bf16 (as released; ZAYA1's always are)."""
     if model == "zaya":
-        write_random_checkpoint(directory, ZAYA1_8B_SHAPED | {"num_hidden_layers": 2})
+        write_random_checkpoint(directory, ZAYA1_8B_SHAPED | {"num_hidden_layers": 2})  # bf16, routers fp32
     else:
-        write_checkpoint(directory, FLASH, random_ling_checkpoint(FLASH, 0))
+        config = FLASH_MTP if mtp else FLASH
+        tensors = random_ling_checkpoint(config, 0)
+        write_checkpoint(directory, config, {n: t.bfloat16() for n, t in tensors.items()} if bf16 else tensors)
     add_tokenizer(directory)
 
 

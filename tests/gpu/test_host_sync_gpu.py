@@ -38,7 +38,7 @@ def mixed_params() -> list[SamplingParams]:
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
 @pytest.mark.parametrize("model, method", [("zaya", "ngram"), ("ling", "mtp")])
 def test_launch_queues_steps_without_host_sync(model: str, method: str, eager: bool, tmp_path: Path) -> None:
-    write_two_layer_model(model, tmp_path)
+    write_two_layer_model(model, tmp_path, mtp=method == "mtp")
     llm = LLM(str(tmp_path), dtype="float32", device="cuda", max_num_batched_tokens=512, max_running_requests=16,
               max_model_len=2048, gpu_memory_utilization=0.25, use_tqdm=False, enforce_eager=eager,
               speculative_config={"method": method, "num_speculative_tokens": 3})

@@ -15,11 +15,7 @@ import pytest
 import torch
 
 from hybridserve import LLM, SamplingParams
-from hybridserve.demo import write_random_checkpoint
-from tests.gpu.test_ling_gpu import FLASH
-from tests.gpu.test_zaya_gpu import ZAYA1_8B_SHAPED
-from tests.helpers import add_tokenizer
-from tests.reference.ling_naive import random_ling_checkpoint, write_checkpoint
+from tests.gpu.models import write_two_layer_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -53,11 +49,7 @@ def _why(fn, key: tuple, known: set) -> str:
     ("ling", {"method": "mtp", "num_speculative_tokens": 3}),
 ], ids=["zaya", "ling", "zaya-ngram", "ling-mtp"])
 def test_no_kernel_compiles_after_start_up(model: str, speculative: dict | None, tmp_path: Path) -> None:
-    if model == "zaya":
-        write_random_checkpoint(tmp_path, ZAYA1_8B_SHAPED | {"num_hidden_layers": 2})
-    else:
-        write_checkpoint(tmp_path, FLASH, {n: t.bfloat16() for n, t in random_ling_checkpoint(FLASH, 0).items()})
-    add_tokenizer(tmp_path)
+    write_two_layer_model(model, tmp_path, mtp=speculative is not None and speculative["method"] == "mtp", bf16=True)
     llm = LLM(str(tmp_path), dtype="bfloat16", device="cuda", max_num_batched_tokens=512, max_running_requests=24,
               max_model_len=2048, gpu_memory_utilization=0.2, use_tqdm=False, speculative_config=speculative)
     before = _compiled_variants()
