@@ -58,7 +58,9 @@ def test_lightning_verify_rows_at_flash_widths() -> None:
 @pytest.mark.parametrize("model, method", [("zaya", "ngram"), ("ling", "mtp")])
 def test_speculative_graph_runs_match_plain_eager_decode(model: str, method: str, tmp_path: Path) -> None:
     write_two_layer_model(model, tmp_path, mtp=method == "mtp")
-    options = dict(dtype="float32", device="cuda", max_num_batched_tokens=1024, max_running_requests=24,
+    # 32 running requests: verify graphs cover as many tokens as the largest decode graph (32 rows of 1 token, 8 of
+    # 1 + 3), so every verify step of these 8 requests fits one.
+    options = dict(dtype="float32", device="cuda", max_num_batched_tokens=1024, max_running_requests=32,
                    max_model_len=2048, gpu_memory_utilization=0.25, use_tqdm=False)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 1000, (n,), generator=gen).tolist() for n in (5, 40, 130, 17, 300, 64, 9, 250)]

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# One GPU session's checks in one call: every kernel and GPU test file in its own process (an illegal memory access
+# poisons the whole process, so one faulting kernel must not hide the others' results), then the benchmarks.
+# Logs and JSON go to $OUT (default ./gpu-out); the per-file logs end up in one $OUT/logs.tgz, as the device tool
+# brings back at most 8 files. Usage, from the repository root on the GPU machine:
+#   bash benchmarks/gpu_session.sh [tests|bench|all|ling|agreement|profile|tune|serving|serving-ling|tp]
+# (all = tests + bench; ling = 16 Ling-2.6-flash layers with dummy weights and the shared-expert overlap; agreement =
+# Ling decode agreement per lightning implementation; profile = the b1, b64 and prefill step profiles of the 40-layer
+# ZAYA1 run; tune = the fused-MoE tile tables, as $OUT/moe_configs.tgz: their names hold '=' and ',', which the
+# device tool does not bring back as files; TUNE_ARGS passes more arguments, e.g. TUNE_ARGS="--tokens 1 2 4";
+# serving / serving-ling = serving_benchmark.py on the 40-layer ZAYA1 / 16 Ling-flash layers, which needs guidellm
+# and the server's packages installed first from .whl and .whl-serving: see benchmarks/fetch_serving_wheels.sh;
+# tp = on nvidia-h200-x2: the TP=2 GPU test, 40-layer ZAYA1 at TP=2, and Ling-2.6-flash at full size at TP=2)
+set -u
+OUT=${OUT:-gpu-out}
+what=${1:-all}
+mkdir -p "$OUT/logs"
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+
+if [[ $what == tests || $what == all ]]; then
+  ls tests/ops/test_*.py tests/gpu/test_*.py | xargs -P 4 -I{} bash -c \
+    'n=$(basename {} .py); timeout 400 python -m pytest -s -p no:cacheprovider {} > "$0/logs/$n.log" 2>&1;
+     echo "rc=$?" >> "$0/logs/$n.log"' "$OUT"
+  for f in "$OUT"/logs/test_*.log; do
+    printf '%-45s %s  %s\n' "$(basename "$f" .log)" "$(tail -n 1 "$f")" \
+      "$(grep -E ' (passed|failed|skipped|error)' "$f" | tail -n 1)"
+  done
+fi
+
+if [[ $what == bench || $what == all ]]; then
+  timeout 300 python benchmarks/decode_launches.py --batch 1 --out "$OUT/launches_b1.json" > "$OUT/logs/launches.log" 2>&1
+  grep -E "launches per decode step" "$OUT/logs/launches.log"
+  timeout 300 python benchmarks/op_microbench.py --out "$OUT/op_microbench.json" > "$OUT/logs/op_microbench.log" 2>&1
+  timeout 500 python benchmarks/offline_throughput.py --layers 40 --scenarios b1 b64 prefill \
+    --out "$OUT/offline_40l.json" > "$OUT/logs/offline.log" 2>&1
+  grep -A 4 "^scenario" "$OUT/logs/offline.log"
+fi
+
+if [[ $what == ling ]]; then
+  timeout 300 python benchmarks/ling_moe_overlap.py --out "$OUT/ling_moe_overlap.json" > "$OUT/logs/overlap.log" 2>&1
+  tail -n 8 "$OUT/logs/overlap.log"
+  timeout 500 python benchmarks/offline_throughput.py --model-type ling --layers 16 --scenarios b1 b64 prefill \
+    --out "$OUT/offline_ling16.json" > "$OUT/logs/offline_ling.log" 2>&1
+  grep -A 4 "^scenario" "$OUT/logs/offline_ling.log"
+fi
+
+if [[ $what == agreement ]]; then
+  timeout 300 python benchmarks/ling_decode_agreement.py --out "$OUT/ling_agreement.json" 2>&1 | grep -E "decode .*prefill"
+fi
+
+if [[ $what == profile ]]; then
+  for scenario in b1 b64 prefill; do
+    timeout 250 python benchmarks/profile_step.py --layers 40 --scenario $scenario --out "$OUT/profile_$scenario.json" \
+      > "$OUT/logs/profile_$scenario.log" 2>&1
+    grep -E "median_late|profiled:" "$OUT/logs/profile_$scenario.log"
+  done
+fi
+
+if [[ $what == tune ]]; then
+  mkdir -p "$OUT/moe_configs"
+  timeout 560 python benchmarks/tune_moe.py --out-dir "$OUT/moe_configs" ${TUNE_ARGS:-} > "$OUT/logs/tune.log" 2>&1
+  grep -E "compiled|T=|kept|total" "$OUT/logs/tune.log" | cut -c 1-150
+  tar czf "$OUT/moe_configs.tgz" -C "$OUT" moe_configs && rm -rf "$OUT/moe_configs"
+fi
+
+if [[ $what == serving || $what == serving-ling ]]; then
+  model=(--layers 40) && name=zaya1-8b-40layers
+  [[ $what == serving-ling ]] && model=(--model-type ling --layers 16) && name=ling-flash-16layers
+  python -m pip check 2>&1 | grep -iE "^(guidellm|datasets|pydantic|fastapi|starlette|uvicorn) "  # carried: in need?
+  timeout 560 python benchmarks/serving_benchmark.py "${model[@]}" --out "$OUT/serving_$name.json" \
+    --raw "$OUT/logs/serving_raw" > "$OUT/logs/serving.log" 2>&1
+  rc=$?
+  echo "serving_benchmark rc=$rc"
+  grep -m 1 "^server ready" "$OUT/logs/serving.log" | cut -c1-200
+  grep -m 1 "^lone-request" "$OUT/logs/serving.log"
+  sed -n '/^## serving benchmark/,$p' "$OUT/logs/serving.log"
+  [[ $rc == 0 ]] || tail -n 40 "$OUT/logs/serving.log"
+fi
+
+if [[ $what == tp ]]; then
+  timeout 300 python -m pytest -s -p no:cacheprovider tests/gpu/test_tp_gpu.py > "$OUT/logs/test_tp_gpu.log" 2>&1
+  grep -E "largest|passed|failed|skipped" "$OUT/logs/test_tp_gpu.log"
+  timeout 400 python benchmarks/offline_throughput.py --layers 40 --tp 2 --skip-hf --load-format dummy \
+    --scenarios b1 b64 prefill --out "$OUT/offline_zaya40_tp2.json" > "$OUT/logs/offline_tp2.log" 2>&1
+  grep -A 4 "^scenario" "$OUT/logs/offline_tp2.log"
+  timeout 500 python benchmarks/offline_throughput.py --model-type ling --layers 32 --tp 2 \
+    --scenarios b1 b64 prefill --out "$OUT/offline_ling_flash_tp2.json" > "$OUT/logs/offline_ling_tp2.log" 2>&1
+  grep -m 1 "memory plan" "$OUT/logs/offline_ling_tp2.log" | cut -c 1-300
+  grep -A 4 "^scenario" "$OUT/logs/offline_ling_tp2.log"
+fi
+
+tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"

@@ -1,0 +1,304 @@
+"""Offline throughput: hybridserve `LLM.generate` side by side with HF transformers, in one run, on one model.
+
+Scenarios (`--scenarios`, run in order on the same model; throughput = requested output tokens / wall time of one
+generate() call, prefill included, after a warm-up; temperature 0.6, ignore_eos):
+  b1       1 request, prompt 512, 128 new tokens (batch-1 decode)
+  b64      64 requests, prompts uniform in [100, 512], 128 new tokens
+  nano     nano-vllm's workload: 256 requests, prompt and output lengths uniform in [100, 1024]
+  prefill  64 prompts x 512 tokens, 1 new token: reported as prefill (prompt) tok/s
+  smoke    2 requests, prompts of 16-32 tokens, 4 new tokens (a quick check that the script runs, e.g. on CPU)
+With no --model, a random model of `--model-type` is made in a temporary directory (deleted at the end): ZAYA1-8B
+widths (`--layers`, default 40 = the real depth) or Ling-2.6-flash widths (`--layers` a multiple of its layer group
+of 8, default 32: 7 lightning layers then one MLA layer per group); `--width demo` takes the demo checkpoints' tiny
+widths instead (CPU smoke tests). `--load-format dummy` (the default for Ling, whose checkpoint would not fit on
+disk) writes only config.json and the tokenizer and has the engine draw random weights on the device; `auto`
+writes a random safetensors checkpoint first. Every decode scenario reports its bandwidth floor (the bytes one
+decode step must move over HBM bandwidth); on CUDA and for ZAYA1 the same prompts also go through HF transformers
+`generate` (static batches of up to 64, left-padded, after our engine has been freed); Ling-2.6 has no HF model
+class here (n/a). Results also go to --out as JSON.
+
+    python benchmarks/offline_throughput.py --layers 40 --scenarios b1 b64 prefill --out results.json
+    python benchmarks/offline_throughput.py --model-type ling --layers 16 --scenarios b1 b64 prefill
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import shutil
+import tempfile
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: hybridserve, tests.reference
+
+from hybridserve import LLM, SamplingParams  # noqa: E402
+from hybridserve.demo import (  # noqa: E402
+    copy_bundled_tokenizer,
+    demo_ling_config,
+    demo_zaya_config,
+    write_random_checkpoint,
+)
+from hybridserve.models.ling_config import parse_ling_config  # noqa: E402
+
+HBM_BYTES_PER_S = 4.3e12  # H200 device-to-device copy bandwidth measured on the lent machines (KINDS.md)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    requests: int
+    min_input: int
+    max_input: int
+    min_output: int
+    max_output: int
+    prefill: bool = False  # rate = prompt tokens / s (else output tokens / s)
+
+
+SCENARIOS = {"b1": Scenario(1, 512, 512, 128, 128), "b64": Scenario(64, 100, 512, 128, 128),
+             "nano": Scenario(256, 100, 1024, 100, 1024), "prefill": Scenario(64, 512, 512, 1, 1, prefill=True),
+             "smoke": Scenario(2, 16, 32, 4, 4)}
+DEMO_VOCAB, DEMO_EOS = 151680, [151645]  # the bundled tokenizer's (the demo checkpoints' widths)
+
+
+def zaya1_8b_config(layers: int) -> dict:
+    return {
+        "model_type": "zaya", "architectures": ["ZayaForCausalLM"], "torch_dtype": "bfloat16", "vocab_size": 262272,
+        "hidden_size": 2048, "num_hidden_layers": layers, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "head_dim": 128, "moe_intermediate_size": 2048, "num_experts": 16, "num_experts_per_tok": 1,
+        "router_hidden_size": 256, "max_position_embeddings": 131072, "tie_word_embeddings": True,
+        "eos_token_id": 106, "pad_token_id": 0, "bos_token_id": 2,
+    }
+
+
+def ling_flash_config(layers: int) -> dict:
+    """Ling-2.6-flash: the widths of tests/reference/ling_naive.flash_config, its real vocabulary and layer groups
+    of 8 (MLA layers 7, 15, ...), `layers` main layers, no MTP layer (the forward does not run it)."""
+    from tests.reference.ling_naive import flash_config
+
+    return flash_config(num_hidden_layers=layers, layer_group_size=8, vocab_size=157184, torch_dtype="bfloat16",
+                        max_position_embeddings=131072, eos_token_id=[156892, 156895], pad_token_id=156892)
+
+
+def model_config(model_type: str, width: str, layers: int | None) -> dict:
+    """The random model's config.json: full widths or the demo checkpoints' tiny ones, with `layers` layers."""
+    if model_type == "zaya":
+        layers = layers or 40
+        if width == "full":
+            return zaya1_8b_config(layers)
+        return demo_zaya_config(DEMO_VOCAB, DEMO_EOS) | {"num_hidden_layers": layers,
+                                                         "layer_types": ["hybrid"] * layers}
+    layers = layers or 32
+    if width == "full":
+        return ling_flash_config(layers)
+    return demo_ling_config(DEMO_VOCAB, DEMO_EOS) | {"num_hidden_layers": layers, "num_nextn_predict_layers": 0}
+
+
+def make_random_model(model_type: str, width: str, layers: int | None, load_format: str) -> str:
+    """A temporary directory (the caller deletes it) with the random model of `model_config` and the bundled
+    tokenizer: config.json alone for load_format dummy (the engine draws the weights), else a random checkpoint."""
+    model_dir = tempfile.mkdtemp(prefix=f"{model_type}-bench-")
+    config = model_config(model_type, width, layers)
+    if load_format == "dummy":
+        (Path(model_dir) / "config.json").write_text(json.dumps(config, indent=2))
+    else:
+        write_random_checkpoint(Path(model_dir), config)
+    copy_bundled_tokenizer(Path(model_dir))
+    return model_dir
+
+
+def workload(scenario: Scenario, seed: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(10, 20000) for _ in range(rng.randint(scenario.min_input, scenario.max_input))]
+               for _ in range(scenario.requests)]
+    return prompts, [rng.randint(scenario.min_output, scenario.max_output) for _ in prompts]
+
+
+def run_ours(model_dir: str, workloads: dict, args) -> dict[str, float]:
+    llm = LLM(model_dir, use_tqdm=False, dtype=args.dtype, device=args.device, load_format=args.load_format,
+              max_running_requests=args.max_running_requests, enforce_eager=args.enforce_eager, seed=args.seed,
+              tensor_parallel_size=args.tp)
+    rates = {}
+    for name, (prompts, outputs) in workloads.items():
+        params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True, seed=i)
+                  for i, n in enumerate(outputs)]
+        llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params[:2])  # warm-up
+        _sync(args.device)
+        start = time.perf_counter()
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        _sync(args.device)
+        elapsed = time.perf_counter() - start
+        assert [len(r.outputs[0].token_ids) for r in results] == outputs
+        rates[name] = _tokens(name, prompts, outputs) / elapsed
+        print(f"hybridserve {name}: {rates[name]:.1f} {_unit(name)}", flush=True)
+    llm.shutdown()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache() if args.device.startswith("cuda") else None
+    return rates
+
+
+def run_hf(model_dir: str, workloads: dict, args) -> dict[str, float]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if args.load_format == "dummy":  # no weights on disk: HF's own random init (the timing does not depend on it)
+        with torch.device(args.device):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.bfloat16)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(args.device)
+    model.eval()
+    model.generation_config.eos_token_id = None
+    rates = {}
+    for name, (prompts, outputs) in workloads.items():
+        size = min(args.hf_batch, len(prompts))
+        batches = [list(range(i, min(i + size, len(prompts)))) for i in range(0, len(prompts), size)]
+        _hf_generate(model, [prompts[0]], 2, args)  # warm-up
+        _sync(args.device)
+        start = time.perf_counter()
+        for batch in batches:
+            _hf_generate(model, [prompts[i] for i in batch], max(outputs[i] for i in batch), args)
+        _sync(args.device)
+        rates[name] = _tokens(name, prompts, outputs) / (time.perf_counter() - start)
+        print(f"HF transformers {name} (static batches of {size}): {rates[name]:.1f} {_unit(name)}", flush=True)
+    return rates
+
+
+def _tokens(name: str, prompts: list[list[int]], outputs: list[int]) -> int:
+    return sum(map(len, prompts)) if SCENARIOS[name].prefill else sum(outputs)
+
+
+def _unit(name: str) -> str:
+    return "prefill tok/s" if SCENARIOS[name].prefill else "output tok/s"
+
+
+def _hf_generate(model, prompts, new_tokens: int, args) -> None:
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=args.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=args.device)
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                       do_sample=True, temperature=args.temperature, top_p=1.0, top_k=0, pad_token_id=0)
+
+
+def zaya_decode_floor(config: dict, batch: int, context: int) -> float:
+    """Tokens/s if one decode step only had to move its bytes at HBM speed (users_and_perf.md §3.4)."""
+    h, layers, e = config["hidden_size"], config["num_hidden_layers"], config["num_experts"]
+    cca = h * 1024 + h * 256 + 2 * h * 128 + 1024 * h
+    router = h * 256 + 2 * 256 * 256 + 256 * (e + 1)
+    expert = 3 * h * config["moe_intermediate_size"]
+    touched = e * (1 - (1 - 1 / e) ** batch)
+    weights = 2 * (layers * (cca + router + touched * expert) + config["vocab_size"] * h)
+    kv = batch * context * layers * 512 * 2
+    return batch / ((weights + kv) / HBM_BYTES_PER_S)
+
+
+def ling_decode_floor(config: dict, batch: int, context: int) -> float:
+    """Tokens/s if one decode step only had to move its bytes (`ling_decode_bytes`) at HBM speed."""
+    return batch / (sum(ling_decode_bytes(config, batch, context).values()) / HBM_BYTES_PER_S)
+
+
+def ling_decode_bytes(config: dict, batch: int, context: int) -> dict[str, float]:
+    """Bytes one Ling decode step moves: the weights it touches (bf16; routers fp32; routed experts as the expected
+    number of distinct ones the batch picks; norms left out), every MLA layer's latent KV of the context (bf16) and
+    every lightning layer's fp32 state (read and written)."""
+    c = parse_ling_config(config)
+    h, heads, qk = c.hidden_size, c.num_heads, c.qk_nope_head_dim + c.qk_rope_head_dim
+    lightning = 5 * heads * c.head_dim * h  # Q|K|V|G in, dense out
+    q = c.q_lora_rank * h + heads * qk * c.q_lora_rank if c.q_lora_rank else heads * qk * h
+    mla = (q + (c.kv_lora_rank + c.qk_rope_head_dim) * h + heads * (c.qk_nope_head_dim + c.v_head_dim) * c.kv_lora_rank
+           + heads * c.v_head_dim * h)
+    touched = c.num_experts * (1 - (1 - c.num_experts_per_tok / c.num_experts) ** batch)
+    moe = (touched * 3 * c.moe_intermediate_size + 3 * c.shared_expert_width + 2 * c.num_experts) * h
+    dense = 3 * c.intermediate_size * h
+    weights = 2 * (sum((mla if c.is_mla(i) else lightning) + (dense if c.is_dense(i) else moe)
+                       for i in range(c.num_layers)) + c.vocab_size * h)  # + the LM head
+    kv = batch * context * len(c.mla_layers) * (c.kv_lora_rank + c.qk_rope_head_dim) * 2
+    states = batch * len(c.lightning_layers) * heads * c.head_dim ** 2 * 4 * 2
+    return {"weights": weights, "kv": kv, "states": states}
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """--model, or the random model's --model-type, --width and --layers (see make_random_model)."""
+    parser.add_argument("--model", default=None, help="HF-layout directory with its tokenizer (default: a random "
+                                                      "model, see above)")
+    parser.add_argument("--model-type", default="zaya", choices=["zaya", "ling"], help="the random model's family")
+    parser.add_argument("--width", default="full", choices=["full", "demo"],
+                        help="the random model's widths: ZAYA1-8B / Ling-2.6-flash, or the tiny demo ones")
+    parser.add_argument("--layers", type=int, default=None, help="layers of the random model (default: real depth)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_options(parser)
+    parser.add_argument("--load-format", default=None, choices=["auto", "dummy"],
+                        help="dummy: random weights drawn by the engine from config.json alone (default for ling); "
+                             "auto: a random safetensors checkpoint is written first (default for zaya)")
+    parser.add_argument("--scenarios", nargs="+", default=["b1", "b64"], choices=list(SCENARIOS))
+    parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-running-requests", type=int, default=256)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--hf-batch", type=int, default=64, help="largest static batch for HF generate")
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--enforce-eager", action="store_true", help="our engine without CUDA graphs")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="our engine's tensor-parallel size (the floor is then that of --tp GPUs)")
+    parser.add_argument("--out", default=None, help="write the results here as JSON")
+    args = parser.parse_args()
+    args.load_format = args.load_format or ("dummy" if args.model_type == "ling" else "auto")
+
+    temporary = args.model is None
+    model_dir = make_random_model(args.model_type, args.width, args.layers, args.load_format) if temporary \
+        else args.model
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        zaya = config["model_type"] == "zaya"
+        workloads = {name: workload(SCENARIOS[name], args.seed) for name in args.scenarios}
+        result = {"model": args.model or f"random {args.model_type} ({args.width} widths)",
+                  "layers": config["num_hidden_layers"], "device": args.device, "load_format": args.load_format,
+                  "cuda_graphs": not args.enforce_eager, "tensor_parallel_size": args.tp,
+                  "scenarios": {name: {"requests": len(p), "input_tokens": sum(map(len, p)),
+                                       "output_tokens": sum(o), "unit": _unit(name)}
+                                for name, (p, o) in workloads.items()}}
+        for name, rate in run_ours(model_dir, workloads, args).items():
+            entry = result["scenarios"][name]
+            entry["ours_tok_s"] = rate
+            sc = SCENARIOS[name]
+            if not sc.prefill:
+                context = (sc.min_input + sc.max_input) // 2 + (sc.min_output + sc.max_output) // 4
+                floor = zaya_decode_floor if zaya else ling_decode_floor
+                # Each of the --tp GPUs streams its shard: the bytes per step are split, the bandwidth multiplied.
+                entry["floor_tok_s"] = args.tp * floor(config, min(sc.requests, args.max_running_requests), context)
+        if not zaya:
+            for entry in result["scenarios"].values():
+                entry["hf_tok_s"] = "n/a"  # no Ling-2.6 model class in transformers here
+        elif args.device.startswith("cuda") and not args.skip_hf:
+            for name, rate in run_hf(model_dir, workloads, args).items():
+                entry = result["scenarios"][name]
+                entry["hf_tok_s"], entry["ratio"] = rate, entry["ours_tok_s"] / rate
+        print(f"{'scenario':<9} {'ours tok/s':>11} {'HF tok/s':>10} {'ours/HF':>8} {'floor tok/s':>12} {'of floor':>9}")
+        for name, e in result["scenarios"].items():
+            hf = e.get("hf_tok_s", "-")
+            hf_text = f"{hf:>10.1f} {e['ratio']:>7.2f}x" if isinstance(hf, float) else f"{hf:>10} {'-':>8}"
+            floor = f"{e['floor_tok_s']:>12.0f} {e['ours_tok_s'] / e['floor_tok_s']:>8.1%}" if "floor_tok_s" in e \
+                else f"{'-':>12} {'-':>9}"
+            print(f"{name:<9} {e['ours_tok_s']:>11.1f} {hf_text} {floor}  ({e['unit']})")
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2))
+    finally:
+        if temporary:
+            shutil.rmtree(model_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

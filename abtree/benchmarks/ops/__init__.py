@@ -1,0 +1,2 @@
+"""Per-op micro-benchmark cases: each module exposes `cases(device) -> list[OpCase]` (see
+benchmarks/op_microbench.py)."""

@@ -1,0 +1,54 @@
+"""Paged attention cases: ZAYA1-8B decode (8 q / 2 kv heads x 128, page 16) at batch 1, 64, 256 and contexts 512 and
+4096, its prefill of 8 x 1024 fresh tokens, and Ling-2.6-flash MLA absorbed decode (32 heads over one 576-wide
+latent head, V = its first 512 channels) at batch 64 and context 2048. bf16.
+
+Bytes: the K/V rows the batch needs (each once; MLA's V is part of its K row) plus q and the output. FLOPs:
+2 * Hq * (Dk + Dv) per attended query-key pair (= 4 * Hq * D when Dv = D), causal pairs for prefill.
+"""
+from __future__ import annotations
+
+import torch
+
+from benchmarks.op_microbench import OpCase
+from hybridserve.core.batch import ScheduledChunk, build_forward_batch
+from hybridserve.ops.reference import attention as reference
+from hybridserve.ops.triton import attention as kernel
+
+PAGE = 16
+
+
+def _case(name: str, rows: list[tuple[int, int]], heads: tuple[int, int], head_dim: int, v_dim: int,
+          device: torch.device, v_in_k: bool = False) -> OpCase:
+    num_q_heads, num_kv_heads = heads
+    chunks, next_page = [], 1
+    for prefix, length in rows:
+        pages = -(-(prefix + length) // PAGE)
+        chunks.append(ScheduledChunk([0] * length, prefix, list(range(next_page, next_page + pages)), 0, prefix > 0))
+        next_page += pages
+    batch = build_forward_batch(chunks, PAGE, device)
+    width = head_dim if v_in_k else head_dim + v_dim
+    store = torch.randn(next_page * PAGE, num_kv_heads, width, device=device, dtype=torch.bfloat16)
+    k = store[..., :head_dim]
+    v = store[..., :v_dim] if v_in_k else store[..., head_dim:]
+    tokens = sum(n for _, n in rows)
+    q = torch.randn(tokens, num_q_heads, head_dim, device=device, dtype=torch.bfloat16)
+    scale = head_dim ** -0.5
+    keys = sum(p + n for p, n in rows)
+    pairs = sum(n * p + n * (n + 1) // 2 for p, n in rows)
+    return OpCase(
+        op="attention", name=name,
+        kernel=lambda: kernel.paged_attention(q, k, v, batch, scale),
+        reference=lambda: reference.paged_attention(q, k, v, batch, scale),
+        bytes=2 * (keys * num_kv_heads * width + tokens * num_q_heads * (head_dim + v_dim)),
+        flops=2 * num_q_heads * (head_dim + v_dim) * pairs,
+    )
+
+
+def cases(device: torch.device) -> list[OpCase]:
+    zaya = dict(heads=(8, 2), head_dim=128, v_dim=128, device=device)
+    out = [_case(f"zaya1 decode B={b} ctx={ctx}", [(ctx - 1, 1)] * b, **zaya)
+           for ctx in (512, 4096) for b in (1, 64, 256)]
+    out.append(_case("zaya1 prefill 8x1024", [(0, 1024)] * 8, **zaya))
+    out.append(_case("ling mla absorbed decode B=64 ctx=2048", [(2047, 1)] * 64, heads=(32, 1), head_dim=576,
+                     v_dim=512, device=device, v_in_k=True))
+    return out

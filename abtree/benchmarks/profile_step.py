@@ -1,0 +1,128 @@
+"""Where one engine step's time goes: wall time per step, split into prefill and decode steps, and a torch.profiler
+table of a few decode steps (host time by op, device time by kernel), on the offline benchmark's workload.
+
+The model is the offline benchmark's ZAYA1-8B widths (`--layers` of them) with random weights drawn on the device
+(`load_format="dummy"`: the timing does not depend on the values) and the workload its scenario (`--scenario`,
+seeded sampling at temperature 0.6), so the numbers explain that benchmark's rates. The profiled steps are decode
+steps in the middle of a run, or for the prefill scenario the first steps (all prefill). The summary's
+`device_busy_ms_per_step` (kernel time summed over the profiled steps) next to `wall_ms_per_step` says whether a
+step is bound by the GPU or by the host.
+
+    python benchmarks/profile_step.py --layers 40 --scenario b64 [--out profile.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.offline_throughput import SCENARIOS, workload, zaya1_8b_config  # noqa: E402
+from hybridserve import LLM, SamplingParams  # noqa: E402
+from hybridserve.demo import copy_bundled_tokenizer  # noqa: E402
+from hybridserve.outputs import RequestOutputKind  # noqa: E402
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timed_steps(llm: LLM, prompts: list[list[int]], outputs: list[int], temperature: float) -> list[float]:
+    """Run the workload with every engine step timed (synchronised): seconds per step, in order."""
+    engine, steps = llm.engine, []
+    original = engine.step
+
+    def timed_step():
+        _sync()
+        start = time.perf_counter()
+        result = original()
+        _sync()
+        steps.append(time.perf_counter() - start)
+        return result
+
+    engine.step = timed_step
+    try:
+        params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=i)
+                  for i, n in enumerate(outputs)]
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    finally:
+        engine.step = original
+    return steps
+
+
+def _table(trace, key: str, limit: int) -> list[tuple[str, int, float]]:
+    rows = sorted(trace.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:limit]
+    return [(e.key[:100], e.count, getattr(e, key) / 1e3) for e in rows]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=40)
+    parser.add_argument("--scenario", default="b64", choices=list(SCENARIOS))
+    parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--profile-steps", type=int, default=4)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    directory = Path(tempfile.mkdtemp(prefix="zaya-profile-"))
+    try:
+        (directory / "config.json").write_text(json.dumps(zaya1_8b_config(args.layers), indent=2))
+        copy_bundled_tokenizer(directory)
+        llm = LLM(str(directory), use_tqdm=False, dtype="bfloat16", load_format="dummy",
+                  device="cuda" if torch.cuda.is_available() else "cpu")
+        prompts, outputs = workload(SCENARIOS[args.scenario], 0)
+        _timed_steps(llm, prompts[:2], [4] * len(prompts[:2]), args.temperature)  # warm-up of the Python paths
+        seconds = _timed_steps(llm, prompts, outputs, args.temperature)
+        late = sorted(seconds if args.scenario == "prefill" else seconds[-(min(outputs) - 2):])
+        summary = {"steps": len(seconds), "total_s": sum(seconds), "median_late_step_ms": 1e3 * late[len(late) // 2],
+                   "first_steps_ms": [round(1e3 * s, 2) for s in seconds[:8]]}
+        print(json.dumps(summary, indent=1))
+
+        # Profile a few decode steps in the middle of a run (prefill: the first steps).
+        params = [SamplingParams(temperature=args.temperature, max_tokens=32, ignore_eos=True, seed=i,
+                                 output_kind=RequestOutputKind.DELTA) for i in range(len(prompts))]  # as the server
+        engine = llm.engine
+        prompts, _ = workload(SCENARIOS[args.scenario], 1)  # new prompts: the first run's are in the prefix cache
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(f"profile-{i}", p, sp)
+        for _ in range(0 if args.scenario == "prefill" else 12):  # through the prefill into steady decode
+            engine.step()
+        _sync()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
+            start = time.perf_counter()
+            for _ in range(args.profile_steps):
+                engine.step()
+            _sync()
+            wall = time.perf_counter() - start
+        while engine.has_unfinished_requests():
+            engine.step()
+        host = _table(trace, "self_cpu_time_total", 30)
+        device = _table(trace, "self_device_time_total", 30)
+        busy = sum(e.self_device_time_total for e in trace.key_averages()) / 1e3
+        summary.update(wall_ms_per_step=1e3 * wall / args.profile_steps,  # under the profiler: an upper bound
+                       device_busy_ms_per_step=busy / args.profile_steps)
+        print(f"profiled: {summary['wall_ms_per_step']:.2f} ms wall, "
+              f"{summary['device_busy_ms_per_step']:.2f} ms of kernels per step")
+        print(f"host self time over {args.profile_steps} decode steps (ms):")
+        for name, count, ms in host:
+            print(f"  {ms:9.2f}  {count:6d}  {name}")
+        print("device self time (ms):")
+        for name, count, ms in device:
+            print(f"  {ms:9.2f}  {count:6d}  {name}")
+        if args.out:
+            Path(args.out).write_text(json.dumps({"summary": summary, "host": host, "device": device}, indent=1))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""EngineConfig: every engine knob with its default and validation, in one place."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+@dataclass
+class EngineConfig:
+    model: str  # HF-layout directory (the CLI and LLM() substitute the built-in demo checkpoint when none is given)
+    tokenizer: str | None = None  # defaults to the model directory
+    dtype: str = "auto"  # auto (the checkpoint's torch_dtype) | bfloat16 | float16 | float32
+    device: str = "auto"  # auto (cuda when available) | cpu | cuda | cuda:N
+    hf_overrides: dict = field(default_factory=dict)  # model-config keys merged over config.json
+    seed: int = 0  # seeds requests that bring no seed of their own
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    page_size: int = 16
+    max_running_requests: int = 256
+    max_num_batched_tokens: int = 8192  # tokens per forward (prefill chunks + decode rows)
+    kv_cache_memory_bytes: int | None = None  # cache budget on CPU (KV + state); default 1 GiB
+    gpu_memory_utilization: float = 0.9  # fraction of the GPU this engine may hold (other processes' use aside)
+    max_state_slots: int | None = None  # pin the number of state slots instead of sizing them
+    state_to_kv_ratio: float = 0.9  # state bytes : KV bytes when slots are sized from memory
+    chunked_prefill_size: int | None = None  # max prompt tokens of one request per step (default: the token budget)
+    enable_prefix_caching: bool = True
+    state_checkpoint_interval: int = 256  # sparse-state models: checkpoint every N tokens (a multiple of page_size)
+    checkpoint_slots_per_request: int = 2  # sparse-state models: slot headroom per running request for checkpoints
+    num_speculative_tokens: int = 0  # draft tokens whose intermediate states the planner reserves
+    kernel_backend: str = "auto"  # auto (Triton kernels on CUDA) | triton | torch (the pure-torch references)
+    enforce_eager: bool = False  # run decode op by op: no CUDA graphs
+    cuda_graph_max_bs: int | None = None  # largest decode batch replayed from a graph (default min(256, running cap))
+    tensor_parallel_size: int = 1  # ranks (processes, one GPU each on CUDA) that shard every layer
+    nnodes: int = 1  # machines the tensor-parallel ranks span (tensor_parallel_size / nnodes ranks on each)
+    node_rank: int = 0  # this machine's index; node 0 runs the engine (and the server), the others only ranks
+    dist_init_addr: str | None = None  # host:port of node 0's rendezvous (default: a free local port, one node)
+    disable_overlap_schedule: bool = False  # process each step before scheduling the next (no host/device overlap)
+    skip_warmup: bool = False  # skip compiling every kernel variant at start-up (they then compile in the first steps)
+    use_tqdm: bool = True  # a progress bar while the weights load
+    load_format: str = "auto"  # auto = safetensors (the checkpoint's weights) | dummy (random, from config.json alone)
+
+    def __post_init__(self) -> None:
+        def fail(name: str, why: str) -> None:
+            raise ValueError(f"invalid engine option {name}={getattr(self, name)!r}: {why}")
+
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            fail("page_size", "must be a power of two")
+        if self.max_running_requests < 1:
+            fail("max_running_requests", "must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            fail("max_num_batched_tokens", "must be >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            fail("gpu_memory_utilization", "must be in (0, 1]")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            fail("kv_cache_memory_bytes", "must be positive")
+        if self.max_state_slots is not None and self.max_state_slots < 1:
+            fail("max_state_slots", "must be >= 1")
+        if self.state_to_kv_ratio <= 0:
+            fail("state_to_kv_ratio", "must be positive")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
+            fail("chunked_prefill_size", "must be >= 1")
+        if self.state_checkpoint_interval < self.page_size or self.state_checkpoint_interval % self.page_size:
+            fail("state_checkpoint_interval", f"must be a positive multiple of page_size ({self.page_size})")
+        if self.checkpoint_slots_per_request < 0:
+            fail("checkpoint_slots_per_request", "must be >= 0")
+        if self.num_speculative_tokens < 0:
+            fail("num_speculative_tokens", "must be >= 0")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            fail("max_model_len", "must be >= 2")
+        if self.tensor_parallel_size < 1:
+            fail("tensor_parallel_size", "must be >= 1")
+        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
+            fail("nnodes", f"must be >= 1 and divide tensor_parallel_size ({self.tensor_parallel_size})")
+        if not 0 <= self.node_rank < self.nnodes:
+            fail("node_rank", f"must be in [0, nnodes={self.nnodes})")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            fail("dist_init_addr", "is needed (host:port of node 0) when the ranks span several nodes")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            fail("cuda_graph_max_bs", "must be >= 1")
+        if self.kernel_backend not in ("auto", "triton", "torch"):
+            fail("kernel_backend", "must be auto, triton or torch")
+        if self.load_format not in LOAD_FORMATS:
+            fail("load_format", f"must be one of {', '.join(LOAD_FORMATS)}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            fail("device", "must be auto, cpu, cuda or cuda:N")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("device='cuda' was requested but CUDA is not available")
+        return device

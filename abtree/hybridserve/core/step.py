@@ -1,0 +1,65 @@
+"""StepPlan: everything the model runner needs for one step, as host data (what rank 0 would broadcast), and what
+the runner hands back per chunk. Imports only `core.batch` and the leaf `sampling` module, so the scheduler and the
+runner share it without either importing the other (or `layers/`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hybridserve.core.batch import ScheduledChunk
+from hybridserve.sampling import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    seed: int
+    output_token_ids: list[int]
+    prompt_token_ids: list[int]
+    banned_token_ids: list[int]  # tokens that may not be sampled yet (stop tokens before min_tokens)
+    key: int | None = None  # the sequence (Request.serial), for state the sampler keeps across draws (penalties)
+    # The index of the token drawn (the seeded uniform number's step). None: len(output_token_ids); with overlapped
+    # scheduling the previous token may still be on its way to the host, so the scheduler counts it in.
+    token_index: int | None = None
+
+    @property
+    def index(self) -> int:
+        return len(self.output_token_ids) if self.token_index is None else self.token_index
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class PromptLogprobTargets:
+    """Score prompt tokens: logits row j of the chunk predicts `token_ids[j]`."""
+
+    top_k: int
+    token_ids: list[int]
+
+
+@dataclass
+class StepPlan:
+    chunks: list[ScheduledChunk]
+    # Per chunk: draws from its last token's logits (several when a request forks into n > 1 sequences; none for
+    # a chunk that does not finish its prompt), and the prompt tokens to score (or None).
+    samples: list[list[SamplingRow]]
+    prompt_logprobs: list[PromptLogprobTargets | None]
+    # State and page copies, all executed on the device in this order: page copies, restores, page restores
+    # (before the forward), snapshots (after it).
+    page_copies: list[tuple[int, int]] = field(default_factory=list)  # (KV page -> KV page)
+    window_page_copies: list[tuple[int, int]] = field(default_factory=list)  # the same in the window group
+    restores: list[tuple[int, int]] = field(default_factory=list)  # (slot -> working slot)
+    page_restores: list[tuple[int, int]] = field(default_factory=list)  # (page footer -> working slot)
+    snapshots: list[tuple[int, int]] = field(default_factory=list)  # (working slot -> checkpoint slot)
+    table_resets: list[int] = field(default_factory=list)  # device-table rows given to a new sequence
+
+
+@dataclass
+class ChunkResult:
+    sampled: list[SampledToken] = field(default_factory=list)  # one per SamplingRow of the chunk
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)  # per scored token: {id: logprob}
+    error: Exception | None = None  # this chunk's sampling or scoring failed (the rest of the step did not)

@@ -1,0 +1,355 @@
+"""LLMEngine: the step loop (schedule -> run -> sample -> postprocess, overlapped) and request lifecycle."""
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hybridserve.cache.kv_pool import PageAllocator
+from hybridserve.cache.prefix_cache import HybridPrefixCache
+from hybridserve.cache.state_pool import SlotAllocator
+from hybridserve.config import EngineConfig
+from hybridserve.core.step import ChunkResult, SampledToken
+from hybridserve.engine.request import Request
+from hybridserve.engine.scheduler import ScheduledStep, Scheduler
+from hybridserve.loader import read_config
+from hybridserve.models.registry import check_tensor_parallel
+from hybridserve.ops.backends import any_triton
+from hybridserve.outputs import CompletionOutput, RequestOutput, RequestOutputKind
+from hybridserve.runtime.model_runner import ModelRunner, StepHandle
+from hybridserve.runtime.tensor_parallel import rank_config, start_workers, stop_workers
+from hybridserve.sampling import SamplingParams
+from hybridserve.tokenizer import (
+    IncrementalDetokenizer,
+    StopStringMatcher,
+    load_tokenizer,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Sequence:
+    """One generated sequence plus what turns its tokens into user-facing output, and how much of it was handed
+    out already (each step's output carries only what is new)."""
+
+    request: Request
+    index: int
+    detokenizer: IncrementalDetokenizer
+    text: StopStringMatcher
+    new_logprobs: list[dict[int, float]] | None = None  # of the tokens not handed out yet
+    cumulative_logprob: float | None = None
+    num_reported: int = 0  # output tokens handed out
+    announced: bool = False  # handed out at least once (an empty sequence is announced too)
+    reported_finish: bool = False
+
+
+@dataclass(eq=False)
+class _Group:
+    """A user's request: one prompt and its n sequences (the first forks the others once the prompt is done)."""
+
+    request_id: str
+    prompt: str | None
+    params: SamplingParams
+    sequences: list[_Sequence]
+    prompt_logprobs: list[dict[int, float] | None] | None
+    error: str | None = None  # set when the request failed (and was aborted) while the others kept running
+    started: bool = False  # a delta was built (the prompt logprobs go out with the first)
+    total: RequestOutput | None = None  # the deltas so far, folded (CUMULATIVE and FINAL_ONLY requests)
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or (
+            len(self.sequences) == self.params.n and all(s.request.finished for s in self.sequences))
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        model_dir = config.model
+        self.model_dir = model_dir
+        check_tensor_parallel(read_config(model_dir, config.hf_overrides), config.tensor_parallel_size)
+        self.workers, channel = start_workers(config) if config.tensor_parallel_size > 1 else ([], None)
+        self.runner = ModelRunner(rank_config(config, 0), model_dir, channel)
+        self.tokenizer = load_tokenizer(config.tokenizer or model_dir)
+        self.model_config = self.runner.model_config
+        self.vocab_size = self.model_config.vocab_size
+        self.eos_token_ids = self._eos_token_ids(model_dir)
+        plan = self.runner.memory_plan
+        kv_tokens = plan.num_pages * config.page_size  # the full group's capacity (the window group's is no limit)
+        self.max_model_len = self._max_model_len(kv_tokens)
+        self.runner.create_tables(plan.max_running_requests, self.max_model_len)
+        if any_triton() and not config.skip_warmup:
+            start = time.perf_counter()
+            steps = self.runner.warm_up(plan.max_running_requests, self.max_model_len)
+            logger.info("warm-up: %d steps compiled the kernels in %.1f s", steps, time.perf_counter() - start)
+        self.runner.capture_graphs(plan.max_running_requests, self.max_model_len)
+        pages, slots = PageAllocator(plan.num_pages + 1), SlotAllocator(plan.num_state_slots)
+        window = self.runner.sliding_window  # a window KV group for sliding-window layers, or None
+        window_pages = PageAllocator(plan.num_window_pages + 1) if window is not None else None
+        cache = None
+        if config.enable_prefix_caching:
+            cache = HybridPrefixCache(config.page_size, pages, slots, per_page_state=self.runner.page_footers,
+                                      window_pages=window_pages, sliding_window=window)
+        self.scheduler = Scheduler(pages, slots, config.page_size, plan.max_running_requests,
+                                   config.max_num_batched_tokens, config.chunked_prefill_size, cache,
+                                   config.state_checkpoint_interval, window_pages, window, self.max_model_len)
+        self._seeds = random.Random(config.seed)
+        self._groups: dict[str, _Group] = {}
+        self._sequences: dict[str, tuple[_Group, _Sequence]] = {}  # by the scheduler's request id
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.overlap = not config.disable_overlap_schedule
+        self._in_flight: tuple[ScheduledStep, StepHandle] | None = None  # the launched step not yet processed
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks: this node's worker processes (daemons, which die with this process
+        anyway) and the other nodes' ranks."""
+        if self.runner.channel is not None:
+            stop_workers(self.workers, self.runner.channel)
+            self.workers, self.runner.channel = [], None
+
+    # --- setup helpers ---------------------------------------------------------------------------------------
+    def _eos_token_ids(self, model_dir: str) -> frozenset[int]:
+        ids = set(self.model_config.eos_token_ids)
+        generation = Path(model_dir) / "generation_config.json"
+        if generation.is_file():
+            eos = json.loads(generation.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(i for i in ids if 0 <= i < self.vocab_size)  # ids the model cannot emit never stop it
+
+    def _max_model_len(self, kv_tokens: int) -> int:
+        limit = self.model_config.max_position_embeddings
+        if self.config.max_model_len is not None:
+            if self.config.max_model_len > kv_tokens:
+                raise ValueError(f"max_model_len={self.config.max_model_len} exceeds the {kv_tokens} tokens the KV "
+                                 "cache can hold; lower max_model_len or give the cache more memory")
+            return self.config.max_model_len
+        if kv_tokens < limit:
+            logger.info("max_model_len lowered from %d to the KV cache capacity %d", limit, kv_tokens)
+        return min(limit, kv_tokens)
+
+    # --- requests --------------------------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        """Queue a request; bad prompts raise ValueError (nothing is queued then)."""
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        token_ids = self.tokenize_prompt(prompt)
+        self.validate_prompt(token_ids)
+        params.check_vocabulary(self.vocab_size, self.eos_token_ids)
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        request = Request(request_id=request_id, prompt_token_ids=token_ids, params=params, seed=seed,
+                          eos_token_ids=self.eos_token_ids, num_forks=params.n - 1)
+        group = _Group(request_id, prompt if isinstance(prompt, str) else None, params, [],
+                       [None] if params.prompt_logprobs is not None else None)
+        self._groups[request_id] = group
+        self._track(group, request)
+        self.num_prompt_tokens += len(token_ids)
+        self.scheduler.add(request)
+
+    def _track(self, group: _Group, request: Request) -> _Sequence:
+        params = group.params
+        sequence = _Sequence(request, len(group.sequences),
+                             IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                                    params.skip_special_tokens),
+                             StopStringMatcher(params.stop, params.include_stop_str_in_output),
+                             new_logprobs=[] if params.logprobs is not None else None,
+                             cumulative_logprob=0.0 if params.logprobs is not None else None)
+        group.sequences.append(sequence)
+        self._sequences[request.request_id] = (group, sequence)
+        return sequence
+
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens but the context length is "
+                             f"{self.max_model_len}; shorten the prompt")
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request wherever it is; its pages and state slots are freed at once."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return
+        for sequence in group.sequences:
+            self._sequences.pop(sequence.request.request_id, None)
+            if not sequence.request.finished:
+                self.scheduler.finish(sequence.request, "abort")
+        self._settle_discarded()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work() or self._in_flight is not None
+
+    def stats(self) -> dict[str, int]:
+        """Gauges (now) and counters (since start) for metrics."""
+        counts = self.scheduler.resource_counts()
+        return {
+            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            "kv_pages_used": counts["pages_protected"], "kv_pages_cached": counts["pages_evictable"],
+            "kv_pages_total": counts["pages_total"], "state_slots_used": counts["slots_protected"],
+            "state_slots_cached": counts["slots_evictable"], "state_slots_total": counts["slots_total"],
+            "prefix_cache_query_tokens": self.scheduler.prefix_query_tokens,
+            "prefix_cache_hit_tokens": self.scheduler.prefix_hit_tokens,
+            "prefix_cache_kv_match_tokens": self.scheduler.prefix_kv_match_tokens,
+            "prompt_tokens": self.num_prompt_tokens, "generation_tokens": self.num_generation_tokens,
+            "preemptions": self.scheduler.num_preemptions,
+        } | {f"kv_{key}": counts[key] for key in ("window_pages_total", "window_pages_free", "window_pages_cached")
+             if key in counts}  # the window group's pool (models with sliding-window layers)
+
+    # --- the step loop ---------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one forward over the scheduled batch; return outputs of the requests that made progress, each as its
+        SamplingParams.output_kind asks (what is new, everything so far, or only the finished result).
+
+        Overlapped (the default): schedule and launch step N+1, then collect and process step N while the device
+        runs N+1, so the host's scheduling, stop checks and detokenization hide behind the forward. N+1 counts
+        N's tokens before their values reach the host (the runner reads them on the device); work of a request
+        that N's token finished is discarded. A step whose prompt forks into n > 1 sequences is processed before
+        the next is scheduled (the forks copy the state the prompt left). Outputs are the same either way."""
+        if not self.overlap:
+            scheduled = self.scheduler.schedule()
+            return [] if scheduled is None else self._process(scheduled, self.runner.execute(scheduled.plan))
+        previous, self._in_flight = self._in_flight, None
+        outputs = []
+        if previous is not None and previous[0].forks:
+            outputs, previous = self._process(previous[0], self.runner.collect(previous[1])), None
+        scheduled = self.scheduler.schedule()
+        if scheduled is not None:
+            self._in_flight = (scheduled, self.runner.launch(scheduled.plan))
+        if previous is not None:
+            outputs += self._process(previous[0], self.runner.collect(previous[1]))
+        self._settle_discarded()
+        return outputs
+
+    def _settle_discarded(self) -> None:
+        """Process the step in flight now if every request in it has finished (its work is all discarded), so an
+        engine without requests holds nothing: no checkpoint slot of that step, no step to wait for."""
+        if self._in_flight is not None and all(r.finished for r in self._in_flight[0].requests):
+            scheduled, handle = self._in_flight
+            self._in_flight = None
+            self._process(scheduled, self.runner.collect(handle))
+
+    def _process(self, scheduled: ScheduledStep, results: list[ChunkResult]) -> list[RequestOutput]:
+        """Append a finished step's tokens (stop checks, forks, failures) and build the outputs it produced."""
+        self.scheduler.after_step(scheduled)
+        progressed: dict[str, _Group] = {}
+        for request, result in zip(scheduled.requests, results):
+            tracked = self._sequences.get(request.request_id)
+            if tracked is None or request.finished:
+                continue  # aborted, or finished by the step before while this one ran: its work is discarded
+            group, sequence = tracked
+            if group.error is not None:
+                continue  # another sequence of the group failed earlier in this step
+            try:
+                if result.error is not None:
+                    raise result.error
+                if result.prompt_logprobs:
+                    group.prompt_logprobs.extend(result.prompt_logprobs)
+                if result.sampled:
+                    first, *forks = result.sampled
+                    for sampled in forks:  # fork before the parent can finish and free what the children copy
+                        self._append_token(self._fork(group, request), sampled)
+                    for _ in range(request.num_forks - len(forks)):  # not drawn in this step: they draw later
+                        self._fork(group, request, drawn=False)
+                    request.num_forks = 0
+                    request.num_pending -= 1
+                    self._append_token(sequence, first)
+                    progressed[group.request_id] = group
+            except Exception as err:  # this request's failure: abort it alone, everyone else keeps going
+                self._fail(group, err)
+                progressed[group.request_id] = group
+        outputs = [output for group in progressed.values() if (output := self._output(group)) is not None]
+        for group in progressed.values():
+            if group.finished:
+                del self._groups[group.request_id]
+                for sequence in group.sequences:
+                    del self._sequences[sequence.request.request_id]
+        return outputs
+
+    def _fork(self, group: _Group, parent: Request, drawn: bool = True) -> _Sequence:
+        index = len(group.sequences)
+        child = Request(request_id=f"{group.request_id}#{index}", prompt_token_ids=parent.prompt_token_ids,
+                        params=group.params, seed=parent.seed + index, eos_token_ids=self.eos_token_ids)
+        sequence = self._track(group, child)
+        self.scheduler.fork(parent, child, drawn)
+        return sequence
+
+    def _fail(self, group: _Group, err: Exception) -> None:
+        logger.error("request %s failed; aborting it alone", group.request_id, exc_info=err)
+        group.error = f"{type(err).__name__}: {err}"
+        for sequence in group.sequences:
+            if not sequence.request.finished:
+                self.scheduler.finish(sequence.request, "abort")
+
+    def _append_token(self, tracked: _Sequence, sampled: SampledToken) -> None:
+        request, params = tracked.request, tracked.request.params
+        stops = request.stop_token_hit(sampled.token_id)
+        request.output_token_ids.append(sampled.token_id)
+        self.num_generation_tokens += 1
+        if tracked.new_logprobs is not None:
+            entry = dict(sampled.top_logprobs or [])
+            entry[sampled.token_id] = sampled.logprob
+            tracked.new_logprobs.append(entry)
+            tracked.cumulative_logprob += sampled.logprob
+        if tracked.text.add(tracked.detokenizer.add(sampled.token_id)):
+            request.stop_reason = tracked.text.matched
+            self.scheduler.finish(request, "stop")
+        elif stops:
+            request.stop_reason = None if sampled.token_id in self.eos_token_ids and \
+                sampled.token_id not in params.stop_token_ids else sampled.token_id
+            self.scheduler.finish(request, "stop")
+        elif (params.max_tokens is not None and len(request.output_token_ids) >= params.max_tokens) \
+                or request.num_tokens >= self.max_model_len:
+            self.scheduler.finish(request, "length")
+
+    def _output(self, group: _Group) -> RequestOutput | None:
+        """This step's output of a group that progressed, by its output kind (None: nothing to hand out yet)."""
+        delta = self._delta(group)
+        kind = group.params.output_kind
+        if kind is RequestOutputKind.DELTA:
+            return delta
+        if group.total is None:
+            group.total = delta
+        else:
+            group.total.add(delta)
+        if kind is RequestOutputKind.CUMULATIVE:
+            return group.total.copy()
+        return group.total if group.finished else None
+
+    def _delta(self, group: _Group) -> RequestOutput:
+        """What is new in a group since its previous delta: per sequence the new tokens, their logprobs and the text
+        that became safe to show, in time proportional to that (sequences with nothing new are left out)."""
+        completions = []
+        for seq in group.sequences:
+            request = seq.request
+            if seq.reported_finish:
+                continue
+            tokens = request.output_token_ids[seq.num_reported:]
+            text = seq.text.release(request.finished)
+            if seq.announced and not (tokens or text or request.finished):
+                continue
+            logprobs = seq.new_logprobs
+            if logprobs is not None:
+                seq.new_logprobs = []
+            seq.num_reported += len(tokens)
+            seq.announced, seq.reported_finish = True, request.finished
+            completions.append(CompletionOutput(seq.index, text, tokens, request.finish_reason, request.stop_reason,
+                                                seq.cumulative_logprob, logprobs))
+        prompt_logprobs = list(group.prompt_logprobs) if group.prompt_logprobs and not group.started else None
+        group.started = True
+        first = group.sequences[0].request
+        return RequestOutput(request_id=group.request_id, prompt=group.prompt,
+                             prompt_token_ids=first.prompt_token_ids, outputs=completions, finished=group.finished,
+                             num_cached_tokens=first.num_cached_tokens or 0, prompt_logprobs=prompt_logprobs,
+                             error=group.error)

@@ -1,0 +1,102 @@
+"""Linear layers that know how they are split across tensor-parallel ranks.
+
+Column-parallel layers split the output features, row-parallel layers split the input features and sum the
+partial outputs. Each layer's weight loader cuts the full checkpoint tensor down to this rank's shard, so the
+checkpoint loader never needs to know about parallelism.
+"""
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import torch
+from torch import nn
+
+from hybridserve.core.parallel import all_reduce, divide, tp_rank, tp_size
+from hybridserve.layers.weights import (
+    check_shape,
+    new_parameter,
+    shard_slice,
+    tp_shard_loader,
+)
+from hybridserve.ops.linear import linear
+
+
+class ReplicatedLinear(nn.Module):
+    """Every rank holds the whole weight."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.weight = new_parameter(out_features, in_features, dtype=dtype)
+        self.bias = new_parameter(out_features, dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Output features split contiguously over ranks; the output stays sharded."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        local = divide(out_features, tp_size(), "output features")
+        self.weight = new_parameter(local, in_features, loader=tp_shard_loader(0))
+        self.bias = new_parameter(local, loader=tp_shard_loader(0)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(nn.Module):
+    """Several column-parallel projections fused into one GEMM (gate+up, ZAYA's q|k|v|v, Ling's Q|K|V|G blocks).
+
+    Each block is sharded on its own, so a rank holds [block0 shard | block1 shard | ...]; a block marked in
+    `replicated` is kept whole on every rank instead. `pieces` says how a checkpoint stores the blocks: each piece
+    is a run of consecutive blocks kept in one tensor, loaded with its index as shard_id (default: one tensor per
+    block). A tensor holding every block concatenated loads with shard_id None.
+    """
+
+    def __init__(self, in_features: int, block_sizes: list[int], bias: bool = False,
+                 replicated: list[bool] | None = None, pieces: list[tuple[int, ...]] | None = None):
+        super().__init__()
+        self.block_sizes = list(block_sizes)
+        self.replicated = list(replicated) if replicated is not None else [False] * len(block_sizes)
+        if len(self.replicated) != len(self.block_sizes):
+            raise ValueError("replicated needs one flag per block")
+        self.local_sizes = [n if whole else divide(n, tp_size(), "block output features")
+                            for n, whole in zip(block_sizes, self.replicated)]
+        self.pieces = pieces or [(i,) for i in range(len(block_sizes))]
+        if [b for piece in self.pieces for b in piece] != list(range(len(block_sizes))):
+            raise ValueError(f"pieces {self.pieces} must list the {len(block_sizes)} blocks once each, in order")
+        ids = frozenset(range(len(self.pieces)))
+        self.weight = new_parameter(sum(self.local_sizes), in_features, loader=self._load, shard_ids=ids)
+        self.bias = new_parameter(sum(self.local_sizes), loader=self._load, shard_ids=ids) if bias else None
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable | None = None) -> None:
+        blocks = range(len(self.block_sizes)) if shard_id is None else self.pieces[shard_id]
+        check_shape((sum(self.block_sizes[b] for b in blocks), *param.shape[1:]), loaded)
+        for block, full in zip(blocks, loaded.split([self.block_sizes[b] for b in blocks], dim=0)):
+            shard = full if self.replicated[block] else shard_slice(full, 0, tp_rank(), tp_size())
+            target = param.data.narrow(0, sum(self.local_sizes[:block]), self.local_sizes[block])
+            check_shape(target.shape, shard)
+            target.copy_(shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Input features split over ranks; partial outputs are summed (unless the caller defers the reduce)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce_results: bool = True):
+        super().__init__()
+        local = divide(in_features, tp_size(), "input features")
+        self.reduce_results = reduce_results
+        self.weight = new_parameter(out_features, local, loader=tp_shard_loader(1))
+        self.bias = new_parameter(out_features) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = linear(x, self.weight)
+        if self.reduce_results:
+            out = all_reduce(out)
+        # The bias is replicated, so it is added once, after the sum.
+        return out if self.bias is None else out + self.bias

@@ -1,0 +1,334 @@
+"""Batched sampling from fp32 logits: penalties, temperature, top-k, top-p, min-p, greedy, and logprobs.
+
+Each draw uses one uniform number derived on the host from (request seed, token index) with splitmix64, and
+inverts the CDF of the filtered distribution. The draw for a request therefore never depends on what else is in
+the batch or on the device, and needs no per-request generator objects.
+"""
+from __future__ import annotations
+
+import torch
+
+from hybridserve.core.step import SampledToken, SamplingRow
+
+_MASK64 = (1 << 64) - 1
+
+
+def splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def uniform_for(seed: int, step: int) -> float:
+    """A uniform number in [0, 1) that depends only on the request's seed and the token index."""
+    return (splitmix64(splitmix64(seed & _MASK64) ^ step) >> 11) / float(1 << 53)
+
+
+def _pack(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> torch.Tensor:
+    """[rows, 2 + 2k] float64 on the device: each row's chosen token, its logprob and its top-k (ids, logprobs)
+    (ids travel as float64, exact for any vocabulary), so that one device-to-host copy carries them all."""
+    columns = [chosen[:, None].double(), logprobs.gather(-1, chosen[:, None]).double()]
+    if k:
+        values, ids = logprobs.topk(k, dim=-1)
+        columns += [ids.double(), values.double()]
+    return torch.cat(columns, dim=1)
+
+
+def _unpack(host: list[list[float]], k: int) -> tuple[list[int], list[float], list[list]]:
+    return ([int(r[0]) for r in host], [r[1] for r in host],
+            [list(zip(map(int, r[2:2 + k]), r[2 + k:])) for r in host])
+
+
+def logprob_dicts(logprobs: torch.Tensor, chosen: list[int], k: int) -> list[dict[int, float]]:
+    """Per row {token: logprob} for the chosen token and the row's top-k (the chosen one included)."""
+    packed = _pack(logprobs, torch.tensor(chosen, device=logprobs.device), k)
+    _, chosen_lp, tops = _unpack(packed.tolist(), k)
+    return [dict(top) | {token: lp} for token, lp, top in zip(chosen, chosen_lp, tops)]
+
+
+class Draws:
+    """One sampler call's tokens, still on the device (`tokens`, which the next step may read as its inputs), and
+    what comes back to the host: the tokens alone, or packed with the logprobs the rows asked for. `start_copy`
+    queues the one device-to-host copy (pinned, asynchronous on CUDA); `result` waits for it."""
+
+    def __init__(self, tokens: torch.Tensor, rows: list[SamplingRow], packed: torch.Tensor | None, top_k: int):
+        self.tokens, self._rows, self._top_k = tokens, rows, top_k
+        self._device_out = packed if packed is not None else tokens
+        self._host: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
+
+    @classmethod
+    def placeholder(cls, rows: int, device: torch.device) -> Draws:
+        """Token 0 for `rows` rows whose draw failed (the engine aborts their request and discards them)."""
+        return cls(torch.zeros(rows, dtype=torch.long, device=device), [], None, 0)
+
+    def start_copy(self) -> None:
+        out = self._device_out
+        if out.device.type != "cuda":
+            self._host = out
+            return
+        self._host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        self._host.copy_(out, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    def result(self) -> list[SampledToken]:
+        if self._host is None:
+            self.start_copy()
+        if self._copied is not None:
+            self._copied.synchronize()
+        if self._device_out is self.tokens:
+            return [SampledToken(t) for t in self._host.tolist()]
+        token_list, chosen_lp, tops = _unpack(self._host.tolist(), self._top_k)
+        out = [SampledToken(t) for t in token_list]
+        for i, row in enumerate(self._rows):
+            if row.params.logprobs is not None:
+                out[i].logprob = chosen_lp[i]
+                out[i].top_logprobs = tops[i][: row.params.logprobs]
+        return out
+
+
+# Rows sampled together: bounds the [rows, vocab] temporaries (sorted copies, float64 blocks) of one call.
+_MAX_ELEMENTS_PER_CALL = 1 << 25
+
+
+def _upload(values: list, device: torch.device, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Host values -> a device tensor in one copy (pinned and asynchronous on CUDA, no sync)."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
+def penalty_rows(max_running: int) -> int:
+    """Rows of penalty counts for `max_running` running sequences: two per place. A step takes rows for its new
+    sequences before the rows of the sequences that drew in the step before (and not in this one) are given back,
+    so two steps' sequences can hold rows at once; with that many every penalised sequence always has its row,
+    whose counts then include its previous token even while that token is still on its way to the host."""
+    return 2 * max_running
+
+
+class PenaltyCounts:
+    """Each penalised sequence's output-token counts and prompt-token flags on the device, kept across its draws:
+    each drawn token is counted on the device as it is drawn (`record`), and a draw adds from the host lists only
+    tokens not counted yet (rebuilding them from the whole token lists every step made long generations
+    quadratic). Rows live in [capacity, vocab] tensors allocated on first use (5 bytes per vocabulary entry and
+    row); a sequence without a draw in a step (finished, preempted) gives its
+    row back at `end_step` and is rebuilt from its lists if it draws again."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.counts: torch.Tensor | None = None  # [capacity, vocab] fp32
+        self.seen: torch.Tensor | None = None  # [capacity, vocab] bool: prompt tokens
+        self._rows: dict[int, list[int]] = {}  # key -> [row, output tokens counted]
+        self._drawn: set[int] = set()
+
+    def rows(self, rows: list[SamplingRow], vocab: int, device: torch.device) -> list[int | None]:
+        """The state row of each sampling row, brought up to date (None: no key, or no room; compute afresh)."""
+        if self.counts is None or self.counts.shape[1] != vocab or self.counts.device != device:
+            self.counts = torch.zeros(self.capacity, vocab, device=device)
+            self.seen = torch.zeros(self.capacity, vocab, dtype=torch.bool, device=device)
+            self._rows.clear()
+        free = sorted(set(range(self.capacity)) - {r for r, _ in self._rows.values()}, reverse=True)
+        out, add_rows, add_tokens, flag_rows, flag_tokens, cleared = [], [], [], [], [], []
+        for row in rows:
+            entry = self._rows.get(row.key) if row.key is not None else None
+            if entry is None and row.key is not None and free:
+                if row.index != len(row.output_token_ids):
+                    raise RuntimeError("a sequence with a token in flight has no penalty counts to hold it")
+                entry = self._rows[row.key] = [free.pop(), 0]
+                cleared.append(entry[0])
+                flag_rows += [entry[0]] * len(row.prompt_token_ids)
+                flag_tokens += row.prompt_token_ids
+            if entry is None:
+                out.append(None)
+                continue
+            new = row.output_token_ids[entry[1]:]  # empty while the last drawn token is still in flight
+            add_rows += [entry[0]] * len(new)
+            add_tokens += new
+            entry[1] = max(entry[1], len(row.output_token_ids))
+            self._drawn.add(row.key)
+            out.append(entry[0])
+        if cleared:
+            index = _upload(cleared, device, torch.long)
+            self.counts.index_fill_(0, index, 0.0)
+            self.seen.index_fill_(0, index, False)
+        if flag_rows:
+            self.seen.index_put_(tuple(_upload([flag_rows, flag_tokens], device, torch.long)),
+                                 torch.tensor(True, device=device))
+        if add_rows:
+            self.counts.index_put_(tuple(_upload([add_rows, add_tokens], device, torch.long)),
+                                   torch.tensor(1.0, device=device), accumulate=True)
+        return out
+
+    def record(self, counted: list[tuple[int, int]], tokens: torch.Tensor) -> None:
+        """Count the tokens just drawn (batch row -> state row) on the device, before the host sees them: the
+        next step may draw before they are appended to the sequence's list (overlapped scheduling)."""
+        batch_rows, state_rows = zip(*counted)
+        device = tokens.device
+        self.counts.index_put_((_upload(list(state_rows), device, torch.long),
+                                tokens.index_select(0, _upload(list(batch_rows), device, torch.long))),
+                               torch.tensor(1.0, device=device), accumulate=True)
+        counted_rows = set(state_rows)
+        for entry in self._rows.values():
+            if entry[0] in counted_rows:
+                entry[1] += 1
+
+    def end_step(self) -> None:
+        """Free the rows of sequences that drew nothing since the previous call."""
+        for key in [k for k in self._rows if k not in self._drawn]:
+            del self._rows[key]
+        self._drawn.clear()
+
+
+class Sampler:
+    def __init__(self, max_running: int = 128):
+        self.penalties = PenaltyCounts(penalty_rows(max_running))
+
+    def end_step(self) -> None:
+        self.penalties.end_step()
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
+        """Draw and wait for the tokens on the host."""
+        return [token for draws in self.draw(logits, rows) for token in draws.result()]
+
+    def draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[Draws]:
+        """Queue one token per row on the device (rows in groups that bound the [rows, vocab] temporaries). The
+        penalty counts take the drawn tokens only once every group is drawn: a call that fails part-way (the
+        caller then retries request by request) counts nothing."""
+        step = max(1, _MAX_ELEMENTS_PER_CALL // logits.shape[-1])
+        groups = [self._draw_rows(logits[start:start + step], rows[start:start + step])
+                  for start in range(0, len(rows), step)]
+        for draws, counted in groups:
+            if counted:
+                self.penalties.record(counted, draws.tokens)
+        return [draws for draws, _ in groups]
+
+    def _draw_rows(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[Draws, list[tuple[int, int]]]:
+        """The rows' draws and (batch row, penalty-state row) of those whose counts must take the drawn token."""
+        device = logits.device
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(r.params.logprobs is not None for r in rows) else None
+        logits, counted = self._apply_penalties(logits, rows)
+        banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids]
+        if banned:
+            logits = logits.index_put(tuple(_upload(list(zip(*banned)), device, torch.long)),
+                                      torch.tensor(float("-inf"), device=device))
+        drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if len(drawn) == len(rows):
+            tokens = self._sample(logits, rows)
+        else:
+            tokens = logits.argmax(dim=-1)
+            if drawn:
+                index = _upload(drawn, device, torch.long)
+                tokens = tokens.index_copy(0, index, self._sample(logits[index], [rows[i] for i in drawn]))
+        if raw_logprobs is None:
+            return Draws(tokens, rows, None, 0), counted
+        top_k = max(r.params.logprobs or 0 for r in rows)
+        return Draws(tokens, rows, _pack(raw_logprobs, tokens, top_k), top_k), counted
+
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]
+                         ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """The penalised logits, and (batch row, state row) of the rows whose counts must take the drawn token."""
+        idx = [i for i, r in enumerate(rows) if r.params.uses_penalties]
+        if not idx:
+            return logits, []
+        logits = logits.clone()
+        device = logits.device
+        sub = logits[idx]
+        state = self.penalties.rows([rows[i] for i in idx], logits.shape[-1], device)
+        kept = [j for j, s in enumerate(state) if s is not None]
+        counts = torch.zeros_like(sub)
+        seen = torch.zeros_like(sub, dtype=torch.bool)
+        if kept:
+            index, state_index = _upload(kept, device, torch.long), _upload([state[j] for j in kept], device,
+                                                                             torch.long)
+            counts[index] = self.penalties.counts[state_index]
+            seen[index] = self.penalties.seen[state_index]
+        for j, i in enumerate(idx):  # rows without kept state (forks' first draws, tests): from their lists
+            if state[j] is None:
+                if rows[i].index != len(rows[i].output_token_ids):
+                    raise RuntimeError("a penalised draw with a token still in flight needs its kept counts")
+                out_ids = torch.tensor(rows[i].output_token_ids, dtype=torch.long, device=device)
+                counts[j].index_add_(0, out_ids, torch.ones_like(out_ids, dtype=counts.dtype))
+                seen[j, torch.tensor(rows[i].prompt_token_ids, dtype=torch.long, device=device)] = True
+        seen |= counts > 0
+
+        def column(name: str) -> torch.Tensor:
+            return torch.tensor([getattr(rows[i].params, name) for i in idx], device=device)[:, None]
+
+        rep = column("repetition_penalty")
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        sub = sub - column("frequency_penalty") * counts - column("presence_penalty") * (counts > 0)
+        logits[idx] = sub
+        return logits, [(idx[j], state[j]) for j in kept]
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """One token per row (every row samples), by inverting the CDF of each row's filtered distribution at the
+        row's own uniform number. Only rows with top-k or top-p need the vocabulary sorted; the others invert the
+        CDF in vocabulary order. Which path a row takes depends on its own parameters only, so a draw never
+        depends on the rest of the batch."""
+        vocab = logits.shape[-1]
+        params = _upload([[r.params.temperature, r.params.top_k if 0 < r.params.top_k < vocab else vocab,
+                           r.params.top_p, r.params.min_p, uniform_for(r.seed, r.index)]
+                          for r in rows], logits.device)
+        probs = torch.softmax(logits / params[:, :1].float(), dim=-1)
+        needs_sort = [0 < r.params.top_k < vocab or r.params.top_p < 1.0 for r in rows]
+        if not any(needs_sort):
+            return _invert(probs, params)
+        if all(needs_sort):
+            return _sorted_draw(probs, params)
+        picks = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        for wanted, draw in ((True, _sorted_draw), (False, _invert)):
+            index = _upload([i for i, s in enumerate(needs_sort) if s == wanted], logits.device, torch.long)
+            picks[index] = draw(probs[index], params[index])
+        return picks
+
+
+def _min_p_filter(probs: torch.Tensor, top: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    return probs.masked_fill(probs < min_p * top, 0.0)
+
+
+# Entries per block of the two-level CDF in `_pick`.
+_CDF_BLOCK = 1024
+
+
+def _pick(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index where each row's CDF (float64) first exceeds u * total, never on a zeroed entry.
+
+    Two levels, so that no float64 scan runs over the whole vocabulary (on the H200 a [64, 262144] float64 cumsum
+    took 0.5 ms of a 10.8 ms decode step): block sums and their CDF find the block that holds u * total, then only
+    that block's entries are scanned. Same inversion as one flat CDF up to float64 rounding."""
+    rows, vocab = probs.shape
+    blocks = -(-vocab // _CDF_BLOCK)
+    padded = torch.nn.functional.pad(probs, (0, blocks * _CDF_BLOCK - vocab)).double().view(rows, blocks, _CDF_BLOCK)
+    block_mass = padded.sum(dim=-1)
+    block_cdf = block_mass.cumsum(dim=-1)
+    target = u * block_cdf[:, -1:]
+    block = torch.searchsorted(block_cdf, target, right=True).clamp(max=blocks - 1)
+    entries = padded.gather(1, block[:, :, None].expand(rows, 1, _CDF_BLOCK)).squeeze(1)
+    cdf = entries.cumsum(dim=-1) + (block_cdf.gather(-1, block) - block_mass.gather(-1, block))
+    # Rounding must not step past the block's last kept entry, nor the row's.
+    last_in_block = _CDF_BLOCK - 1 - (entries > 0).flip(-1).int().argmax(dim=-1, keepdim=True)
+    pick = block * _CDF_BLOCK + torch.minimum(torch.searchsorted(cdf, target, right=True), last_in_block)
+    last_kept = vocab - 1 - (probs > 0).flip(-1).int().argmax(dim=-1, keepdim=True)
+    return torch.minimum(pick, last_kept)
+
+
+def _invert(probs: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """Rows with neither top-k nor top-p: min-p against the row's top probability, then the CDF in vocab order."""
+    probs = _min_p_filter(probs, probs.amax(dim=-1, keepdim=True), params[:, 3:4].float())
+    return _pick(probs, params[:, 4:5]).squeeze(-1)
+
+
+def _sorted_draw(probs: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """Rows with top-k or top-p: top-k, renormalise, top-p (the smallest prefix holding top_p of the mass), min-p,
+    then the CDF in descending-probability order."""
+    vocab = probs.shape[-1]
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=probs.device)[None, :]
+    sorted_probs = sorted_probs.masked_fill(rank >= params[:, 1:2], 0.0)
+    sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill((mass_before > params[:, 2:3]) & (rank > 0), 0.0)
+    sorted_probs = _min_p_filter(sorted_probs, sorted_probs[:, :1], params[:, 3:4].float())
+    return order.gather(-1, _pick(sorted_probs, params[:, 4:5])).squeeze(-1)

@@ -1,0 +1,28 @@
+"""ZAYA1's CCA convolution (two causal convs over time on the raw q|k, plus head-mix residuals) and value lag,
+over packed rows, with the carried window and lag read and written in the state pool by slot."""
+from __future__ import annotations
+
+import torch
+
+from hybridserve.core.batch import ForwardBatch
+from hybridserve.ops import backends
+from hybridserve.ops.reference import conv as reference
+
+
+def cca_conv(proj: torch.Tensor, weight0: torch.Tensor, bias0: torch.Tensor, weight1: torch.Tensor,
+             bias1: torch.Tensor, lag_bias: torch.Tensor | None, q_heads: int, kv_head_offset: int,
+             batch: ForwardBatch, conv_state: torch.Tensor, lag_state: torch.Tensor,
+             conv_footer: torch.Tensor | None = None, lag_footer: torch.Tensor | None = None):
+    """proj [T, C + 2 * Vh] = [q | k | v_current | v_delayed]; weight0 [C, 1, K0], bias0 [C]; weight1 [C, D, K1],
+    bias1 [C]; lag_bias [Vh] (v_delayed's bias) or None; conv_state [slots, C, P] and lag_state [slots, Vh] by
+    `batch.state_slots`, updated in place; footers [pages, ...] by page, when given.
+
+    -> query [T, Hq, D], key [T, Hk, D] (fp32 from the kernel, proj's dtype from the reference) and value
+    [T, Hk, D] in proj's dtype: this rank's KV heads, the first at `kv_head_offset` of all KV heads.
+    """
+    args = (proj, weight0, bias0, weight1, bias1, lag_bias, q_heads, kv_head_offset, batch, conv_state, lag_state,
+            conv_footer, lag_footer)
+    if backends.use_triton("conv", proj.device):
+        from hybridserve.ops.triton import conv as kernel
+        return kernel.cca_conv(*args)
+    return reference.cca_conv(*args)

@@ -1,0 +1,28 @@
+"""Routed SwiGLU experts: each token's weighted sum over its chosen experts."""
+from __future__ import annotations
+
+import torch
+
+from hybridserve.ops import backends
+from hybridserve.ops.reference import moe as reference
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                  topk_weights: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+    """x [T, H]; w13 [E, 2I, H] (gate rows first); w2 [E, H, I]; topk_ids/weights [T, K] -> [T, H] in x's dtype.
+
+    `reduce=False`: [T, P, H] rows whose sum over P (in fp32, rounded once) is that output, for a consumer that
+    sums them on its way (ops.ling_norm.add_rms_norm): the kernel's K weighted rows per token, the reference's sum
+    as P = 1.
+
+    On CUDA up to `ops.triton.moe_gemv.MAX_PAIRS` (token, choice) pairs (decode) take the GEMV form, more the
+    grouped-GEMM form (`ops.triton.moe`); the switch depends on host-known sizes only."""
+    if backends.use_triton("moe", x.device):
+        from hybridserve.ops.triton import moe_gemv
+        if topk_ids.numel() <= moe_gemv.MAX_PAIRS and x.stride(1) == 1 and w13.is_contiguous() \
+                and w2.is_contiguous():
+            return moe_gemv.fused_experts(x, w13, w2, topk_ids, topk_weights, reduce=reduce)
+        from hybridserve.ops.triton import moe as kernel
+        return kernel.fused_experts(x, w13, w2, topk_ids, topk_weights, reduce=reduce)
+    out = reference.fused_experts(x, w13, w2, topk_ids, topk_weights)
+    return out if reduce else out[:, None]

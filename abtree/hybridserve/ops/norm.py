@@ -1,0 +1,32 @@
+"""The fp32 residual update fused with the RMSNorm after it (one pass over the row; the residual stays fp32).
+
+    u = update (+ skip_weight * skip_input) (+ update_bias) (* update_scale)
+    x = u + ((residual + residual_bias) * residual_scale)           (x = u without a residual)
+    h = norm_weight * to_dtype(x / sqrt(mean(x^2) + eps))            (statistics in fp32; h in norm_weight's dtype)
+
+ZAYA1's ResidualScaling is the full form (x_new = (u + b_h) * s_h + (x + b_r) * s_r, MOD's scaled-identity skip
+term added to the routed update); a plain pre-norm residual add is the form without biases and scales.
+"""
+from __future__ import annotations
+
+import torch
+
+from hybridserve.ops import backends
+from hybridserve.ops.reference import norm as reference
+
+
+def residual_rms_norm(update: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                      residual: torch.Tensor | None = None, update_bias: torch.Tensor | None = None,
+                      update_scale: torch.Tensor | None = None, residual_bias: torch.Tensor | None = None,
+                      residual_scale: torch.Tensor | None = None, skip_weight: torch.Tensor | None = None,
+                      skip_input: torch.Tensor | None = None, fp32_copy: bool = False):
+    """update [T, H] (any float dtype), residual [T, H] fp32, vectors [H], skip_weight [T, 1] fp32 with
+    skip_input [T, H] -> (x [T, H] fp32, h [T, H] in norm_weight's dtype, h as fp32 if `fp32_copy` else None)."""
+    if (skip_weight is None) != (skip_input is None):
+        raise ValueError("skip_weight and skip_input come together")
+    args = (update, norm_weight, eps, residual, update_bias, update_scale, residual_bias, residual_scale,
+            skip_weight, skip_input, fp32_copy)
+    if backends.use_triton("norm", update.device):
+        from hybridserve.ops.triton import norm as kernel
+        return kernel.residual_rms_norm(*args)
+    return reference.residual_rms_norm(*args)

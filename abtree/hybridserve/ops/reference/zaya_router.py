@@ -1,0 +1,51 @@
+"""ZAYA1's EDA router: the pure-torch reference, all fp32 (spec §4.2).
+
+    z = down_proj(x32) (+ carry * router_states_scale)      -> the EDA carry handed to the next layer's router
+    logits = out_proj(GELU(fc2(GELU(fc1(RMSNorm(z))))))      exact (erf) GELU; E experts + the MOD skip class E
+    p = softmax(logits); choice = argmax(p + balancing_biases); weight = p[choice]
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from hybridserve.ops.reference.norm import rms_normalize
+
+
+class Routing(NamedTuple):
+    choice: torch.Tensor  # [T] int64: the expert, or E for the skip class
+    weight: torch.Tensor  # [T, 1] fp32: the (unrenormalised) probability of the choice
+    expert_ids: torch.Tensor  # [T, 1] int64: the choice, skip mapped to expert 0 (which it then runs with weight 0)
+    expert_weights: torch.Tensor  # [T, 1] fp32: the weight, 0 for skip tokens
+    skip_weight: torch.Tensor  # [T, 1] fp32: the weight for skip tokens, else 0 (MOD's scaled identity)
+    carry: torch.Tensor  # [T, R] fp32
+
+
+def routing_from_probs(probs: torch.Tensor, balancing_biases: torch.Tensor, carry: torch.Tensor) -> Routing:
+    choice = (probs + balancing_biases).argmax(dim=-1)
+    weight = probs.gather(-1, choice[:, None])
+    skip = (choice == probs.shape[-1] - 1)[:, None]
+    return Routing(choice, weight, choice[:, None].masked_fill(skip, 0), weight.masked_fill(skip, 0.0),
+                   torch.where(skip, weight, 0.0), carry)
+
+
+def router_probs(z: torch.Tensor, norm_weight: torch.Tensor, eps: float, fc1_weight: torch.Tensor,
+                 fc1_bias: torch.Tensor, fc2_weight: torch.Tensor, fc2_bias: torch.Tensor,
+                 out_weight: torch.Tensor) -> torch.Tensor:
+    """softmax over the E + 1 classes of the router MLP applied to z (after the carry term)."""
+    u = norm_weight * rms_normalize(z, eps).to(norm_weight.dtype)
+    u = F.gelu(F.linear(u, fc1_weight, fc1_bias))
+    return torch.softmax(F.linear(F.gelu(F.linear(u, fc2_weight, fc2_bias)), out_weight), dim=-1)
+
+
+def eda_route(x32: torch.Tensor, down_weight: torch.Tensor, down_bias: torch.Tensor, carry: torch.Tensor | None,
+              states_scale: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, fc1_weight: torch.Tensor,
+              fc1_bias: torch.Tensor, fc2_weight: torch.Tensor, fc2_bias: torch.Tensor, out_weight: torch.Tensor,
+              balancing_biases: torch.Tensor) -> Routing:
+    z = F.linear(x32, down_weight, down_bias)
+    if states_scale is not None and carry is not None:
+        z = z + carry * states_scale
+    probs = router_probs(z, norm_weight, eps, fc1_weight, fc1_bias, fc2_weight, fc2_bias, out_weight)
+    return routing_from_probs(probs, balancing_biases, z)

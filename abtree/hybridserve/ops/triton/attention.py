@@ -1,0 +1,246 @@
+"""Paged softmax attention in Triton: varlen flash attention over the paged KV cache, split-K for long keys.
+
+One kernel serves decode, prefill and mixed batches. Programs run over (query block, row, KV head x split); a
+program's M rows are BLOCK_Q tokens x the G query heads that share one KV head, so each K/V tile is loaded once
+for the whole query group (GQA; MLA's absorbed form is G = all heads over one latent head). A row's queries sit at
+positions kv_len - query_len .. kv_len - 1 and see keys causally (and, with a window W, only keys j > i - W), so a
+program reads only the keys its queries can see: pages entirely before the window are never touched (their page
+table entries may be the dummy page). Decode rows are 1-token rows with BLOCK_Q = 1; when there are too few
+programs to fill the GPU, the key range is cut into splits (flash-decoding) whose partial (output, log-sum-exp)
+pairs a second kernel merges. Splits that get no keys contribute nothing, so a split count fixed for the longest
+context (CUDA graphs) stays correct for short ones.
+
+Head dims need not be powers of two: the key dim is loaded as a power-of-two main part plus a padded tail (MLA:
+576 = 512 + 64), and when V is the first channels of the K row (MLA's latent cache: v_cache is a strided view of
+k_cache) the V tile is the K tile already loaded.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from hybridserve.core.batch import ForwardBatch
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 64
+MIN_KEYS_PER_SPLIT = 128  # below this a split's loads no longer hide the extra partial write and merge
+MERGE_BLOCK_DV = 64
+
+
+# Integers that change from step to step are not specialised on (Triton would compile a variant per class: 1,
+# divisible by 16, other), so the variants compiled at start-up are all there are.
+@triton.jit(do_not_specialize=["stride_pt", "num_splits"])
+def _attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    query_start_loc_ptr, kv_lens_ptr, page_table_ptr,
+    stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_ot, stride_oh, stride_pt,
+    scale_log2, window, num_splits, num_q_heads,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, D_TAIL_PAD: tl.constexpr,
+    DV: tl.constexpr, DV_PAD: tl.constexpr, V_IN_K: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    row = tl.program_id(1)
+    kv_head = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
+    q_start = tl.load(query_start_loc_ptr + row)
+    q_len = tl.load(query_start_loc_ptr + row + 1) - q_start
+    if q_block * BLOCK_Q >= q_len:
+        return
+    kv_len = tl.load(kv_lens_ptr + row).to(tl.int32)
+
+    # This program's keys: what its first query sees (window) up to its last query; then this split's share,
+    # cut on BLOCK_N boundaries (an empty share leaves the loop unrun).
+    first_pos = kv_len - q_len + q_block * BLOCK_Q
+    hi = tl.minimum(first_pos + BLOCK_Q, kv_len)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(first_pos - window + 1, 0)
+    per_split = ((hi - lo + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    split_lo = lo + split * per_split
+    split_hi = tl.minimum(split_lo + per_split, hi)
+
+    # M rows: token-major, query heads of this KV head minor (GROUP_PAD >= GROUP; padding rows are masked).
+    m = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    tok = q_block * BLOCK_Q + m // GROUP_PAD
+    head = kv_head * GROUP + m % GROUP_PAD
+    m_valid = (m % GROUP_PAD < GROUP) & (tok < q_len)
+    q_pos = kv_len - q_len + tok
+    q_rows = (q_start + tok).to(tl.int64)
+    d = tl.arange(0, D_MAIN)
+    q_base = q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh
+    kv_dtype = k_ptr.dtype.element_ty
+    q_main = tl.load(q_base + d[None, :], mask=m_valid[:, None], other=0.0).to(kv_dtype)
+    if D_TAIL > 0:
+        dt = tl.arange(0, D_TAIL_PAD)
+        q_tail = tl.load(q_base + D_MAIN + dt[None, :], mask=m_valid[:, None] & (dt[None, :] < D_TAIL),
+                         other=0.0).to(kv_dtype)
+    dv = tl.arange(0, DV_PAD)
+
+    m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_Q * GROUP_PAD], 0.0, tl.float32)
+    acc = tl.full([BLOCK_Q * GROUP_PAD, DV_PAD], 0.0, tl.float32)
+    k_head = k_ptr + kv_head * stride_kh
+    for start in range(split_lo, split_hi, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        j_valid = j < split_hi
+        page = tl.load(page_table_ptr + row * stride_pt + j // PAGE_SIZE, mask=j_valid, other=0)
+        kv_rows = page.to(tl.int64) * PAGE_SIZE + j % PAGE_SIZE
+        k_main = tl.load(k_head + kv_rows[:, None] * stride_kr + d[None, :], mask=j_valid[:, None], other=0.0)
+        s = tl.dot(q_main, tl.trans(k_main), input_precision=PRECISION)
+        if D_TAIL > 0:
+            k_tail = tl.load(k_head + kv_rows[:, None] * stride_kr + D_MAIN + dt[None, :],
+                             mask=j_valid[:, None] & (dt[None, :] < D_TAIL), other=0.0)
+            s += tl.dot(q_tail, tl.trans(k_tail), input_precision=PRECISION)
+        visible = j_valid[None, :] & (j[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            visible &= j[None, :] > q_pos[:, None] - window
+        s = tl.where(visible, s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet stays at zero
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if V_IN_K:
+            v = k_main
+        else:
+            v = tl.load(v_ptr + kv_head * stride_vh + kv_rows[:, None] * stride_vr + dv[None, :],
+                        mask=j_valid[:, None] & (dv[None, :] < DV), other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv_dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    o_mask = m_valid[:, None] & (dv[None, :] < DV)
+    if SPLIT:
+        part = (q_rows * num_q_heads + head) * num_splits + split
+        tl.store(part_o_ptr + part[:, None] * DV + dv[None, :], o, mask=o_mask)
+        tl.store(part_lse_ptr + part, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=m_valid)
+    else:
+        out = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :]
+        tl.store(out, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, num_q_heads, num_splits,
+                         DV: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_DV: tl.constexpr):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    s_valid = s < num_splits
+    part = (token.to(tl.int64) * num_q_heads + head) * num_splits + s
+    lse = tl.load(part_lse_ptr + part, mask=s_valid, other=float("-inf"))
+    top = tl.max(lse, 0)
+    weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # empty splits weigh 0, the top one 1
+    dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    o = tl.load(part_o_ptr + part[:, None] * DV + dv[None, :], mask=s_valid[:, None] & (dv[None, :] < DV),
+                other=0.0)
+    # A row without keys (kv_len 0: CUDA-graph padding) has only empty splits and gets zeros, as unsplit.
+    merged = tl.sum(o * weight[:, None], 0) / tl.maximum(tl.sum(weight, 0), 1.0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dv, merged.to(out_ptr.dtype.element_ty),
+             mask=dv < DV)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_q: int  # tokens per program
+    group_pad: int  # query heads per program (power of two >= G); block_q * group_pad >= 16 for tl.dot
+    block_n: int  # keys per tile
+    num_warps: int
+    num_stages: int
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def launch_config(decode: bool, group: int, d_main: int, dv_pad: int) -> LaunchConfig:
+    """Tile shapes from the batch kind and head dims (a plain function: deterministic, CUDA-graph friendly)."""
+    wide = max(d_main, dv_pad) > 128  # MLA's 512-channel latent: smaller tiles keep acc and K on chip
+    group_pad = _pow2(group)
+    rows = 16 if decode else (32 if wide else 128)
+    block_q = 1 if decode else max(1, rows // group_pad)
+    group_pad = max(group_pad, 16 // block_q)
+    return LaunchConfig(block_q, group_pad, block_n=32 if wide else 64,
+                        num_warps=4 if decode and not wide else 8, num_stages=2 if wide else 3)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def choose_splits(batch: ForwardBatch, num_kv_heads: int, block_q: int, sm_count: int,
+                  sliding_window: int | None = None) -> int:
+    """Key splits per (query block, KV head): enough programs for ~2 waves, at least MIN_KEYS_PER_SPLIT keys each.
+
+    Only host fields are read. For CUDA graphs, capture with `batch.max_kv_len` = max_model_len: the count is then
+    fixed per batch size, and splits beyond a shorter row's keys are empty and ignored.
+    """
+    programs = num_kv_heads * sum(-(-n // block_q) for n in batch.query_lens)
+    if programs >= sm_count:
+        return 1
+    keys = batch.max_kv_len if sliding_window is None else min(batch.max_kv_len, sliding_window + block_q - 1)
+    return max(1, min(-(-2 * sm_count // programs), -(-keys // MIN_KEYS_PER_SPLIT), MAX_SPLITS))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+                    scale: float, sliding_window: int | None = None, num_splits: int | None = None) -> torch.Tensor:
+    """q [T, Hq, D]; k_cache [rows, Hk, D]; v_cache [rows, Hk, Dv] (this step's K/V already written) -> [T, Hq, Dv].
+
+    Same contract as `ops.reference.attention.paged_attention`. `num_splits` overrides the split-K heuristic
+    (any count >= 1 is correct; splits without keys contribute nothing). Rows with kv_len 0 (padding) give zeros.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, v_dim = k_cache.shape[1], v_cache.shape[-1]
+    if k_cache.shape[-1] != head_dim or v_cache.shape[:2] != k_cache.shape[:2] or num_q_heads % num_kv_heads:
+        raise ValueError(f"attention shapes disagree: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
+                         f"v_cache {tuple(v_cache.shape)}")
+    if head_dim < 16 or v_dim < 1:
+        raise ValueError(f"the attention kernel needs a head dim of at least 16; got {head_dim}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache need unit stride along their last dim")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1; got {sliding_window}")
+    if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}]; got {num_splits}")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    group = num_q_heads // num_kv_heads
+    d_main = 1 << (head_dim.bit_length() - 1)
+    d_tail = head_dim - d_main
+    dv_pad = max(16, _pow2(v_dim))
+    config = launch_config(batch.is_decode, group, d_main, dv_pad)
+    splits = num_splits or choose_splits(batch, num_kv_heads, config.block_q, _sm_count(q.device), sliding_window)
+    # V is the K tile already loaded when it is the first channels of the same rows (MLA's latent cache).
+    v_in_k = (v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride()
+              and v_dim == d_main)
+    out = q.new_empty(num_tokens, num_q_heads, v_dim)
+    if splits > 1:
+        part_o = torch.empty(num_tokens, num_q_heads, splits, v_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_tokens, num_q_heads, splits, dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused
+    grid = (triton.cdiv(batch.max_query_len, config.block_q), batch.num_seqs, num_kv_heads * splits)
+    _attention_kernel[grid](
+        q, k_cache, v_cache, out, part_o, part_lse,
+        batch.query_start_loc, batch.kv_lens, batch.page_table,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        out.stride(0), out.stride(1), batch.page_table.stride(0),
+        scale * LOG2E, sliding_window or 0, splits, num_q_heads,
+        GROUP=group, GROUP_PAD=config.group_pad, BLOCK_Q=config.block_q, BLOCK_N=config.block_n,
+        PAGE_SIZE=batch.page_size, D_MAIN=d_main, D_TAIL=d_tail,
+        D_TAIL_PAD=max(16, _pow2(d_tail)) if d_tail else 0, DV=v_dim, DV_PAD=dv_pad, V_IN_K=v_in_k,
+        HAS_WINDOW=sliding_window is not None, SPLIT=splits > 1,
+        PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if splits > 1:
+        merge_grid = (num_tokens, num_q_heads, triton.cdiv(v_dim, MERGE_BLOCK_DV))
+        _merge_splits_kernel[merge_grid](part_o, part_lse, out, out.stride(0), out.stride(1), num_q_heads, splits,
+                                         DV=v_dim, SPLITS_PAD=_pow2(MAX_SPLITS), BLOCK_DV=MERGE_BLOCK_DV)
+    return out

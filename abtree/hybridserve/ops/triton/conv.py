@@ -1,0 +1,374 @@
+"""ZAYA1's CCA convolution and value lag as one Triton kernel over packed rows (contract: ops/reference/conv.py).
+
+Grid: (token blocks, work items). The first items are conv heads (D channels each: both conv stages, the head-mix
+residual in the epilogue); the remaining items are blocks of value channels (v_current copied, v_delayed shifted by
+one token). The kernel has two forms, chosen on the host by the token count alone (`cca_conv`):
+
+- heads (prefill and large steps): one item per head, stage 2 as a [D, D] tl.dot per tap over a block of tokens;
+- columns (decode-sized steps, up to COLUMNS_MAX_TOKENS tokens): each head's D output columns are split over
+  several items, about PROGRAMS programs in all (one per SM of an H200). An item recomputes stage 1 for all of its
+  head's input channels (cheap: K0 multiply-adds per channel and tap) and does stage 2 only for its columns, reading
+  only their rows of the stage-2 weight (contiguous: D * K1 values per column), as broadcast multiply-adds into a
+  [tokens, columns, chunk] fp32 register tile, without padding one token to tl.dot's 16. At one token a step the
+  heads form ran ~12 programs that each streamed a whole head's weight serially.
+
+Ownership makes the in-place state update race-free without a second launch: only a row's first P tokens read
+its carried window (and only its first token the lag), so every token with local index < P belongs to the token
+block of the row's first token, which is also the one whose programs write the row's new window and lag. Token
+blocks therefore overlap by P - 1 tokens (none when every row has one token): program p looks at tokens
+[p * S, p * S + BLOCK_T) with stride S = BLOCK_T - OVERLAP and processes the token t iff
+(t - min(local(t), OVERLAP)) // S == p (each token exactly once). In the heads form the one program of a (token
+block, head) loads all of the old state before a barrier and stores the new one after it. In the columns form
+several programs read the head's window, so each bumps the (token block, head) arrival counter after its reads
+(acq_rel); the last to arrive writes the new window and the page footers, and resets the counter to 0 so that the
+next call (and every CUDA-graph replay) starts from zero. The counters are one persistent int32 buffer per device:
+calls on one device must not overlap in time (one forward stream, as the engine runs). Page footers are stored
+from values loaded before the new window is written.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import triton
+import triton.language as tl
+
+from hybridserve.core.batch import ForwardBatch
+
+# Launch constants of the columns form, sized for an H200 (132 SMs); benchmarks/ops/conv.py times both forms.
+# Steps of at most this many tokens run the columns form (H200, 40-layer graphs: 1.8x at 1 token, 1.3x at 8,
+# 0.6x at 64).
+COLUMNS_MAX_TOKENS = 16
+PROGRAMS = 128  # conv programs to aim for (the value blocks come on top)
+MIN_COLUMNS = 4  # output columns per program at least
+TILE_ELEMENTS = 8192  # a program's [tokens, columns, chunk] product tile: 64 fp32 registers a thread at 4 warps
+PIPELINE_STAGES = 4  # stage-2 chunks in flight per program when its loop has several
+COLUMN_WARPS = 4
+COUNTERS = 1 << 14  # arrival counters per device: token blocks x heads of one call
+
+
+@triton.jit
+def _raw(proj_ptr, proj_s0, state_ptr, cs0, cs1, cs2, start, back, slot, init, valid, ch, ch_ok,
+         P: tl.constexpr):
+    """Raw q|k input (fp32) of the token at chunk index `back` of each row: this step's projection when
+    back >= 0, else column P + back of the carried window (zero for a row without initial state)."""
+    in_chunk = back >= 0
+    new = tl.load(proj_ptr + (start + back) * proj_s0 + ch, mask=valid & in_chunk & ch_ok, other=0.0)
+    old = tl.load(state_ptr + slot * cs0 + ch * cs1 + (P + back) * cs2, mask=valid & (~in_chunk) & init & ch_ok,
+                  other=0.0)
+    return tl.where(in_chunk, new.to(tl.float32), old.to(tl.float32))
+
+
+@triton.jit
+def _stage2_dot(g, local, start2, slot2, init2, mine2, proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr, conv_ptr, cs0,
+                cs1, cs2, D: tl.constexpr, K0: tl.constexpr, K1: tl.constexpr, P: tl.constexpr,
+                BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    """Both conv stages of head g, all D output columns: stage 1 (depthwise, K0 taps) at tokens t - m, then
+    stage 2's tap K1 - 1 - m on it as a [D, D] tl.dot. -> [BLOCK_T, BLOCK_D] fp32, without bias."""
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    ch = g * D + d
+    ch2, ok2 = ch[None, :], d_ok[None, :]
+    b0 = tl.load(b0_ptr + ch, mask=d_ok, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+    for m in tl.static_range(K1):
+        u = tl.zeros([BLOCK_T, BLOCK_D], tl.float32) + b0[None, :]
+        for n in tl.static_range(K0):
+            w0 = tl.load(w0_ptr + ch * K0 + (K0 - 1 - n), mask=d_ok, other=0.0).to(tl.float32)
+            x = _raw(proj_ptr, proj_s0, conv_ptr, cs0, cs1, cs2, start2, (local - m - n)[:, None], slot2, init2,
+                     mine2, ch2, ok2, P)
+            u += w0[None, :] * x
+        d_in, d_out = d[:, None], d[None, :]
+        w1 = tl.load(w1_ptr + ((g * D + d_out) * D + d_in) * K1 + (K1 - 1 - m), mask=(d_in < D) & (d_out < D),
+                     other=0.0).to(tl.float32)
+        acc += tl.dot(u, w1, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _stage2_columns(g, cols, col_ok, local, start2, slot2, init2, mine2, proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr,
+                    conv_ptr, cs0, cs1, cs2, D: tl.constexpr, K0: tl.constexpr, K1: tl.constexpr, P: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """Both conv stages of head g for output columns `cols` only. Stage 2's weight rows are read flat: index
+    j = i * K1 + tap of a column's D * K1 values multiplies stage 1 at input channel i and lag m = K1 - 1 - tap,
+    which is recomputed here per chunk of j. Products accumulate per j lane and are summed once at the end.
+    -> [BLOCK_T, BLOCK_O] fp32, without bias."""
+    KD: tl.constexpr = D * K1
+    rows = (g * D + cols)[:, None] * KD
+    acc = tl.zeros([BLOCK_T, BLOCK_O, BLOCK_K], tl.float32)
+    for k0 in tl.range(0, KD, BLOCK_K, num_stages=STAGES):
+        j = k0 + tl.arange(0, BLOCK_K)
+        j_ok = j < KD
+        ch = g * D + j // K1
+        m = K1 - 1 - j % K1
+        u = tl.zeros([BLOCK_T, BLOCK_K], tl.float32) + tl.load(b0_ptr + ch, mask=j_ok, other=0.0).to(tl.float32)
+        for n in tl.static_range(K0):
+            w0 = tl.load(w0_ptr + ch * K0 + (K0 - 1 - n), mask=j_ok, other=0.0).to(tl.float32)
+            x = _raw(proj_ptr, proj_s0, conv_ptr, cs0, cs1, cs2, start2, local[:, None] - m[None, :] - n, slot2,
+                     init2, mine2, ch[None, :], j_ok[None, :], P)
+            u += w0[None, :] * x
+        w1 = tl.load(w1_ptr + rows + j[None, :], mask=col_ok[:, None] & j_ok[None, :], other=0.0).to(tl.float32)
+        acc += u[:, None, :] * w1[None, :, :]
+    return tl.sum(acc, axis=2)
+
+
+@triton.jit
+def _head_mix(proj_ptr, proj_s0, tok, g, cols, ok2, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr):
+    """Head-mix residuals of head g at output columns `cols` from the current token's raw q|k:
+    q_res[h] = (q[h] + k[h // G]) / 2, k_res[j] = the mean of q_res over j's G query heads."""
+    G: tl.constexpr = HQ // HK
+    row = proj_ptr + tok[:, None] * proj_s0
+    c = cols[None, :]
+    if g < HQ:
+        q = tl.load(row + g * D + c, mask=ok2, other=0.0).to(tl.float32)
+        k = tl.load(row + (HQ + g // G) * D + c, mask=ok2, other=0.0).to(tl.float32)
+        res = (q + k) * 0.5
+    else:
+        k = tl.load(row + g * D + c, mask=ok2, other=0.0).to(tl.float32)
+        res = tl.zeros_like(k)
+        for i in tl.static_range(G):
+            q = tl.load(row + ((g - HQ) * G + i) * D + c, mask=ok2, other=0.0).to(tl.float32)
+            res += (q + k) * 0.5
+        res = res / G
+    return res
+
+
+@triton.jit
+def _write_windows(g, tok, local, start, seq, mine, starter, slot, init, proj_ptr, proj_s0, conv_ptr, cs0, cs1,
+                   cs2, cfoot_ptr, cf0, cf1, cf2, qsl_ptr, pos_ptr, pt_ptr, pt_s0, page_size, D: tl.constexpr,
+                   P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, HAS_FOOTER: tl.constexpr):
+    """Head g's page footers (the window after each page's last token) and the new window of every row whose
+    first token is in this block; all reads of the old window come before the first store to it."""
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    # 3-D views: tokens x window columns x channels.
+    p = tl.arange(0, BLOCK_P)[None, :, None]
+    p_ok = p < P
+    start3, slot3, init3 = start[:, None, None], slot[:, None, None], init[:, None, None]
+    ch3, ok3 = (g * D + d)[None, None, :], d_ok[None, None, :]
+    if HAS_FOOTER:
+        # The window after a page's last token t: raw rows t - P + 1 .. t (column p = row t - (P - 1 - p)).
+        pos = tl.load(pos_ptr + tok, mask=mine, other=0)
+        is_end = mine & ((pos + 1) % page_size == 0)
+        page = tl.load(pt_ptr + seq * pt_s0 + pos // page_size, mask=is_end, other=0)
+        back = local[:, None, None] - (P - 1 - p)
+        footer = _raw(proj_ptr, proj_s0, conv_ptr, cs0, cs1, cs2, start3, back, slot3, init3,
+                      is_end[:, None, None] & p_ok, ch3, ok3, P)
+        tl.store(cfoot_ptr + page[:, None, None] * cf0 + ch3 * cf1 + p * cf2, footer.to(cfoot_ptr.dtype.element_ty),
+                 mask=is_end[:, None, None] & p_ok & ok3)
+    # The row's new window: raw rows S - P .. S - 1 of the chunk (older ones from the old window).
+    length = tl.load(qsl_ptr + seq + 1, mask=starter, other=0) - start
+    back = length[:, None, None] - P + p
+    window = _raw(proj_ptr, proj_s0, conv_ptr, cs0, cs1, cs2, start3, back, slot3, init3,
+                  starter[:, None, None] & p_ok, ch3, ok3, P)
+    tl.debug_barrier()  # every read of the old window above happens before it is overwritten below
+    tl.store(conv_ptr + slot3 * cs0 + ch3 * cs1 + p * cs2, window.to(conv_ptr.dtype.element_ty),
+             mask=starter[:, None, None] & p_ok & ok3)
+
+
+@triton.jit
+def _conv_head(g, cb, tok, local, start, seq, mine, starter, proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr, b1_ptr,
+               qk_out_ptr, conv_ptr, cs0, cs1, cs2, cfoot_ptr, cf0, cf1, cf2, slots_ptr, init_ptr, qsl_ptr,
+               pos_ptr, pt_ptr, pt_s0, page_size, counter_ptr,
+               HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, K0: tl.constexpr, K1: tl.constexpr,
+               P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+               COLUMNS: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+               HAS_FOOTER: tl.constexpr, PRECISION: tl.constexpr):
+    """Head g's output columns of column block cb (all of them in the heads form), then its state."""
+    slot = tl.load(slots_ptr + seq, mask=mine, other=0)
+    init = tl.load(init_ptr + seq, mask=mine, other=0) != 0
+    start2, slot2, init2, mine2 = start[:, None], slot[:, None], init[:, None], mine[:, None]
+    if COLUMNS:
+        cols = cb * BLOCK_O + tl.arange(0, BLOCK_O)
+        col_ok = cols < D
+        acc = _stage2_columns(g, cols, col_ok, local, start2, slot2, init2, mine2, proj_ptr, proj_s0, w0_ptr,
+                              b0_ptr, w1_ptr, conv_ptr, cs0, cs1, cs2, D, K0, K1, P, BLOCK_T, BLOCK_O, BLOCK_K,
+                              STAGES)
+    else:
+        cols = tl.arange(0, BLOCK_D)
+        col_ok = cols < D
+        acc = _stage2_dot(g, local, start2, slot2, init2, mine2, proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr,
+                          conv_ptr, cs0, cs1, cs2, D, K0, K1, P, BLOCK_T, BLOCK_D, PRECISION)
+    acc += tl.load(b1_ptr + g * D + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    ok2 = mine2 & col_ok[None, :]
+    acc += _head_mix(proj_ptr, proj_s0, tok, g, cols, ok2, HQ, HK, D)
+    tl.store(qk_out_ptr + (tok[:, None] * (HQ + HK) + g) * D + cols[None, :], acc, mask=ok2)
+    if COLUMNS:
+        tl.debug_barrier()  # every thread's reads of the old window precede the release below
+        counter = counter_ptr + tl.program_id(0) * (HQ + HK) + g
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+        if arrived == (D + BLOCK_O - 1) // BLOCK_O - 1:  # the head's other column blocks are done with the old window
+            _write_windows(g, tok, local, start, seq, mine, starter, slot, init, proj_ptr, proj_s0, conv_ptr, cs0,
+                           cs1, cs2, cfoot_ptr, cf0, cf1, cf2, qsl_ptr, pos_ptr, pt_ptr, pt_s0, page_size, D, P,
+                           BLOCK_D, BLOCK_P, HAS_FOOTER)
+            tl.store(counter, 0)
+    else:
+        _write_windows(g, tok, local, start, seq, mine, starter, slot, init, proj_ptr, proj_s0, conv_ptr, cs0, cs1,
+                       cs2, cfoot_ptr, cf0, cf1, cf2, qsl_ptr, pos_ptr, pt_ptr, pt_s0, page_size, D, P, BLOCK_D,
+                       BLOCK_P, HAS_FOOTER)
+
+
+@triton.jit
+def _value_block(vb, tok, local, start, seq, mine, starter, proj_ptr, proj_s0, lag_bias_ptr, v_out_ptr,
+                 lag_ptr, lag_s0, lfoot_ptr, lf0, slots_ptr, init_ptr, qsl_ptr, pos_ptr, pt_ptr, pt_s0, page_size,
+                 kv_head_offset,
+                 HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, VH: tl.constexpr, BLOCK_D: tl.constexpr,
+                 HAS_LAG_BIAS: tl.constexpr, HAS_FOOTER: tl.constexpr):
+    c = vb * BLOCK_D + tl.arange(0, BLOCK_D)
+    c_ok = c < VH
+    current_col = (HQ + HK) * D + c
+    delayed_col = current_col + VH
+    slot = tl.load(slots_ptr + seq, mask=mine, other=0)
+    init = tl.load(init_ptr + seq, mask=mine, other=0) != 0
+    mine2, c2, ok2 = mine[:, None], c[None, :], c_ok[None, :]
+    row = proj_ptr + tok[:, None] * proj_s0
+
+    # Value channel c of [v_current | v_delayed] belongs to KV head c // D; this rank stores its own heads only.
+    head = c // D - kv_head_offset
+    keep = ok2 & (head >= 0)[None, :] & (head < HK)[None, :]
+    current = tl.load(row + current_col[None, :], mask=mine2 & keep, other=0.0)
+    tl.store(v_out_ptr + (tok[:, None] * HK + head[None, :]) * D + (c % D)[None, :], current, mask=mine2 & keep)
+
+    inside = (local >= 1)[:, None]
+    shifted = tl.load(row - proj_s0 + delayed_col[None, :], mask=mine2 & inside & ok2, other=0.0)
+    carried = tl.load(lag_ptr + slot[:, None] * lag_s0 + c2, mask=mine2 & (~inside) & init[:, None] & ok2, other=0.0)
+    if HAS_LAG_BIAS:
+        fresh = tl.load(lag_bias_ptr + c, mask=c_ok, other=0.0)[None, :]
+    else:
+        fresh = tl.zeros([1, BLOCK_D], lag_ptr.dtype.element_ty)
+    delayed = tl.where(inside, shifted, tl.where(init[:, None], carried, fresh.to(carried.dtype)))
+    head = (VH + c) // D - kv_head_offset
+    keep = ok2 & (head >= 0)[None, :] & (head < HK)[None, :]
+    tl.store(v_out_ptr + (tok[:, None] * HK + head[None, :]) * D + ((VH + c) % D)[None, :],
+             delayed.to(v_out_ptr.dtype.element_ty), mask=mine2 & keep)
+
+    if HAS_FOOTER:
+        pos = tl.load(pos_ptr + tok, mask=mine, other=0)
+        is_end = mine & ((pos + 1) % page_size == 0)
+        page = tl.load(pt_ptr + seq * pt_s0 + pos // page_size, mask=is_end, other=0)
+        own = tl.load(row + delayed_col[None, :], mask=is_end[:, None] & ok2, other=0.0)
+        tl.store(lfoot_ptr + page[:, None] * lf0 + c2, own.to(lfoot_ptr.dtype.element_ty), mask=is_end[:, None] & ok2)
+    # The new lag: v_delayed of the row's last token.
+    last = tl.load(qsl_ptr + seq + 1, mask=starter, other=1) - 1
+    newest = tl.load(proj_ptr + last[:, None] * proj_s0 + delayed_col[None, :], mask=starter[:, None] & ok2,
+                     other=0.0)
+    tl.debug_barrier()  # the old lag was read above
+    tl.store(lag_ptr + slot[:, None] * lag_s0 + c2, newest.to(lag_ptr.dtype.element_ty), mask=starter[:, None] & ok2)
+
+
+@triton.jit(do_not_specialize=["pt_s0", "num_tokens"])  # per-step integers: one variant for all steps
+def _cca_conv_kernel(proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr, b1_ptr, lag_bias_ptr, qk_out_ptr, v_out_ptr,
+                     conv_ptr, cs0, cs1, cs2, lag_ptr, lag_s0, cfoot_ptr, cf0, cf1, cf2, lfoot_ptr, lf0,
+                     seq_ids_ptr, qsl_ptr, slots_ptr, init_ptr, pos_ptr, pt_ptr, pt_s0, page_size,
+                     num_tokens, kv_head_offset, counter_ptr,
+                     HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, VH: tl.constexpr, K0: tl.constexpr,
+                     K1: tl.constexpr, P: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_T: tl.constexpr,
+                     BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, COLUMNS: tl.constexpr, BLOCK_O: tl.constexpr,
+                     BLOCK_K: tl.constexpr, STAGES: tl.constexpr, HAS_LAG_BIAS: tl.constexpr,
+                     HAS_FOOTER: tl.constexpr, PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    item = tl.program_id(1)
+    STRIDE: tl.constexpr = BLOCK_T - OVERLAP
+    tok = pid * STRIDE + tl.arange(0, BLOCK_T)
+    valid = tok < num_tokens
+    seq = tl.load(seq_ids_ptr + tok, mask=valid, other=0)
+    start = tl.load(qsl_ptr + seq, mask=valid, other=0)
+    local = tok - start
+    mine = valid & ((tok - tl.minimum(local, OVERLAP)) // STRIDE == pid)
+    starter = mine & (local == 0)
+    BLOCKS: tl.constexpr = (D + BLOCK_O - 1) // BLOCK_O  # column blocks per head (1 in the heads form)
+    if item < (HQ + HK) * BLOCKS:
+        _conv_head(item // BLOCKS, item % BLOCKS, tok, local, start, seq, mine, starter, proj_ptr, proj_s0, w0_ptr,
+                   b0_ptr, w1_ptr, b1_ptr, qk_out_ptr, conv_ptr, cs0, cs1, cs2, cfoot_ptr, cf0, cf1, cf2, slots_ptr,
+                   init_ptr, qsl_ptr, pos_ptr, pt_ptr, pt_s0, page_size, counter_ptr, HQ, HK, D, K0, K1, P, BLOCK_T,
+                   BLOCK_D, BLOCK_P, COLUMNS, BLOCK_O, BLOCK_K, STAGES, HAS_FOOTER, PRECISION)
+    else:
+        _value_block(item - (HQ + HK) * BLOCKS, tok, local, start, seq, mine, starter, proj_ptr, proj_s0,
+                     lag_bias_ptr, v_out_ptr, lag_ptr, lag_s0, lfoot_ptr, lf0, slots_ptr, init_ptr, qsl_ptr, pos_ptr,
+                     pt_ptr, pt_s0, page_size, kv_head_offset, HQ, HK, D, VH, BLOCK_D, HAS_LAG_BIAS, HAS_FOOTER)
+
+
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device) -> torch.Tensor:
+    """The columns form's per-(token block, head) arrival counters (zero between calls)."""
+    if device not in _counters:
+        _counters[device] = torch.zeros(COUNTERS, device=device, dtype=torch.int32)
+    return _counters[device]
+
+
+def _block_tokens(num_tokens: int, history: int) -> int:
+    """Tokens a heads-form program looks at: 16 (the smallest tl.dot) for decode-sized steps, 32 for prefill."""
+    return max(16 if num_tokens <= 512 else 32, triton.next_power_of_2(history + 1))
+
+
+def column_tiles(tokens: int, channels: int, d: int, k1: int, overlap: int) -> tuple[int, int, int]:
+    """(tokens, output columns, stage-2 chunk) per columns-form program: about PROGRAMS programs over all output
+    columns, tiles as square as powers of two allow (a program reads its columns' weight rows once for all of its
+    tokens), columns within one head, a token block longer than the overlap, and a chunk of the flat D * K1 weight
+    row that keeps the product tile near TILE_ELEMENTS. Bucketed by the next power of two of the token count."""
+    span = triton.next_power_of_2(tokens)
+    area = max(1, span * channels // PROGRAMS)
+    bt = max(min(span, 1 << ((area.bit_length() - 1) // 2)), triton.next_power_of_2(overlap + 1))
+    bo = min(triton.next_power_of_2(d), max(MIN_COLUMNS, triton.next_power_of_2(-(-area // bt))))
+    return bt, bo, min(max(8, TILE_ELEMENTS // (bt * bo)), triton.next_power_of_2(d * k1))
+
+
+def cca_conv(proj: torch.Tensor, weight0: torch.Tensor, bias0: torch.Tensor, weight1: torch.Tensor,
+             bias1: torch.Tensor, lag_bias: torch.Tensor | None, q_heads: int, kv_head_offset: int,
+             batch: ForwardBatch, conv_state: torch.Tensor, lag_state: torch.Tensor,
+             conv_footer: torch.Tensor | None = None, lag_footer: torch.Tensor | None = None,
+             form: Literal["heads", "columns"] | None = None):
+    """ops.conv.cca_conv on the GPU. `form` forces one of the kernel's two forms (tests, benchmarks); by default
+    steps of at most COLUMNS_MAX_TOKENS tokens take the columns form, larger ones the heads form."""
+    tokens, channels = proj.shape[0], weight0.shape[0]
+    d, k0, k1 = weight1.shape[1], weight0.shape[-1], weight1.shape[-1]
+    k_heads = channels // d - q_heads
+    lag_width = lag_state.shape[-1]
+    history = (k0 - 1) + (k1 - 1)
+    if form not in (None, "heads", "columns"):
+        raise ValueError(f"form must be 'heads', 'columns' or None, not {form!r}")
+    if proj.stride(1) != 1 or proj.shape[1] != channels + 2 * lag_width:
+        raise ValueError(f"proj must be [T, {channels} + 2 * {lag_width}] with unit column stride")
+    if conv_state.shape[-2:] != (channels, history) or lag_state.stride(-1) != 1:
+        raise ValueError(f"conv state must be [slots, {channels}, {history}]; lag state [slots, {lag_width}]")
+    if not (weight0.is_contiguous() and weight1.is_contiguous()):
+        raise ValueError("the conv weights must be contiguous")
+    if (conv_footer is None) != (lag_footer is None):
+        raise ValueError("page footers come as a pair (conv and lag) or not at all")
+    qk = torch.empty(tokens, q_heads + k_heads, d, device=proj.device, dtype=torch.float32)
+    value = torch.empty(tokens, k_heads, d, device=proj.device, dtype=proj.dtype)
+    if tokens == 0:
+        return qk[:, :q_heads], qk[:, q_heads:], value
+    columns = tokens <= COLUMNS_MAX_TOKENS if form is None else form == "columns"
+    block_d = max(16, triton.next_power_of_2(d))
+    # A row of one token has no later token reading its carried window, so token blocks need not overlap.
+    overlap = max(history - 1, 0) if batch.max_query_len > 1 else 0
+    if columns:
+        block_t, block_o, block_k = column_tiles(tokens, channels, d, k1, overlap)
+        launch = dict(COLUMNS=True, BLOCK_O=block_o, BLOCK_K=block_k,
+                      STAGES=PIPELINE_STAGES if block_k < d * k1 else 1, PRECISION="ieee", num_warps=COLUMN_WARPS)
+    else:
+        block_t, block_o = _block_tokens(tokens, history), block_d
+        launch = dict(COLUMNS=False, BLOCK_O=block_o, BLOCK_K=1, STAGES=1,
+                      PRECISION="ieee" if proj.dtype == torch.float32 else "tf32",
+                      num_warps=8 if block_d >= 128 else 4)
+    token_blocks = triton.cdiv(tokens, block_t - overlap)
+    heads = q_heads + k_heads
+    if columns and token_blocks * heads > COUNTERS:
+        raise ValueError(f"{token_blocks} token blocks x {heads} heads exceed the {COUNTERS} arrival counters")
+    has_footer = conv_footer is not None
+    cfoot = conv_footer if has_footer else conv_state
+    lfoot = lag_footer if has_footer else lag_state
+    grid = (token_blocks, heads * triton.cdiv(d, block_o) + triton.cdiv(lag_width, block_d))
+    _cca_conv_kernel[grid](
+        proj, proj.stride(0), weight0, bias0, weight1, bias1, lag_bias if lag_bias is not None else bias0,
+        qk, value, conv_state, *conv_state.stride(), lag_state, lag_state.stride(0), cfoot, *cfoot.stride(),
+        lfoot, lfoot.stride(0), batch.seq_ids, batch.query_start_loc, batch.state_slots, batch.has_initial_state,
+        batch.positions, batch.page_table, batch.page_table.stride(0), batch.page_size, tokens, kv_head_offset,
+        _arrival_counters(proj.device) if columns else qk,
+        HQ=q_heads, HK=k_heads, D=d, VH=lag_width, K0=k0, K1=k1, P=history, OVERLAP=overlap, BLOCK_T=block_t,
+        BLOCK_D=block_d, BLOCK_P=triton.next_power_of_2(max(history, 1)), HAS_LAG_BIAS=lag_bias is not None,
+        HAS_FOOTER=has_footer, **launch)
+    return qk[:, :q_heads], qk[:, q_heads:], value

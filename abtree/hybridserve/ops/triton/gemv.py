@@ -1,0 +1,80 @@
+"""Memory-bound matrix-vector products for decode sizes: the shared inner loop and launch tiles of the dense small-M
+linear (`ops.triton.linear`) and the routed experts' decode form (`ops.triton.moe_gemv`).
+
+At a few tokens a step a 16-bit weight is read once and used for a handful of multiply-adds, so what costs is how
+many of its bytes are in flight, not arithmetic. Each launch is cut over output columns into about `PROGRAMS`
+programs (two per SM of an H200, 132 SMs), each streaming only its rows of the weight. No program pads its tokens to
+tl.dot's 16 rows: products are broadcast multiply-adds into a [tokens, columns, K chunk] fp32 register tile of
+about `TILE_ELEMENTS`, summed over K once at the end (a reduction per chunk would cost more shuffles than the
+multiply-adds). Operands are widened to fp32 before the multiply (a product of two bf16 or fp16 values is exact in
+fp32), so results differ from an fp32 reference only by the order of the sum, and are rounded once by the caller.
+A loop of several chunks pipelines their loads (cp.async, `PIPELINE_STAGES` deep); one chunk (K small against the
+tile) has every load in flight at once. Every choice is a pure function of host-known sizes: the same tiles at
+every CUDA-graph replay, one compiled variant per token-count bucket.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+import triton.language as tl
+
+PROGRAMS = 256  # programs per launch to aim for: about two per SM of an H200
+TILE_ELEMENTS = 8192  # a program's [tokens, columns, K chunk] fp32 product tile: 64 registers a thread at 4 warps
+PIPELINE_STAGES = 4  # K chunks in flight per program when its loop has several
+MAX_COLUMNS = 64  # output columns (weight rows) per program at most: wider tiles give too few programs anyway
+MIN_CHUNK = 64  # K lanes of a chunk at least (128 bytes of a 16-bit row): fewer tokens*columns where it would not fit
+MIN_PROGRAM_ELEMENTS = 8192  # weight elements a program streams at least (16 KB of bf16): no finer split pays
+NUM_WARPS = 4
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Launch tiles of one GEMV launch: BT tokens x BN weight rows per program, K chunks of BK, pipeline depth."""
+
+    BT: int
+    BN: int
+    BK: int
+    STAGES: int
+    num_warps: int = NUM_WARPS
+
+    def __post_init__(self):
+        for name in ("BT", "BN", "BK"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"GEMV tile {name} must be a power of two; got {value}")
+        if self.STAGES < 1 or self.num_warps < 1:
+            raise ValueError(f"GEMV STAGES and num_warps must be positive; got {self}")
+
+
+def tiles(tokens: int, rows: int, depth: int, min_rows: int = 1) -> Tiles:
+    """Tiles for `tokens` tokens against `rows` weight rows of length `depth`: the widest power-of-two BN up to
+    MAX_COLUMNS (and keeping a K chunk of MIN_CHUNK) that still gives cdiv(rows, BN) >= PROGRAMS, but at least
+    `min_rows` and the rows of MIN_PROGRAM_ELEMENTS (short rows: fewer, fuller programs); a K chunk filling
+    TILE_ELEMENTS. Tokens count by the next power of two (BT), so the warm-up's power-of-two ladder compiles every
+    variant a run needs, and a decode batch padded to its CUDA-graph size keeps the tiles, hence the sums, of the
+    eager step."""
+    bt = triton.next_power_of_2(max(tokens, 1))
+    widest = min(MAX_COLUMNS, TILE_ELEMENTS // (bt * MIN_CHUNK))
+    bn = max(min_rows, min(widest, triton.next_power_of_2(triton.cdiv(MIN_PROGRAM_ELEMENTS, depth))))
+    while 2 * bn <= widest and triton.cdiv(rows, 2 * bn) >= PROGRAMS:
+        bn *= 2
+    bk = min(max(MIN_CHUNK, TILE_ELEMENTS // (bt * bn)), triton.next_power_of_2(depth))
+    return Tiles(bt, bn, bk, PIPELINE_STAGES if bk < depth else 1)
+
+
+@triton.jit
+def dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, stride_w, rows, row_ok, K: tl.constexpr, BT: tl.constexpr,
+             BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+    """[BT, BN] fp32: sum over k < K of x[tokens, k] * w[rows, k] (rows `stride_x` / `stride_w` apart, unit K
+    stride; masked tokens and rows give 0), products in fp32 accumulated per K lane and summed once at the end."""
+    acc = tl.zeros((BT, BN, BK), dtype=tl.float32)
+    x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_x
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        k = k0 + tl.arange(0, BK)
+        k_ok = k < K
+        x = tl.load(x_rows + k[None, :], mask=token_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += x[:, None, :] * w[None, :, :]
+    return tl.sum(acc, axis=2)

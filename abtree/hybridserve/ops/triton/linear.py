@@ -1,0 +1,67 @@
+"""Dense linear layers at decode sizes: out = x @ W^T (+ bias) for at most `MAX_TOKENS` tokens, 16-bit weights.
+
+cuBLAS picks GEMM tiles for a 1-16 row problem that leave most of the H200's memory system idle (ZAYA1's fused
+q|k|v|v projection, 6.3 MB of bf16, streamed at ~1 TB/s). Here every program takes all the tokens and a few weight
+rows (`gemv.tiles`: about `gemv.PROGRAMS` programs), so each weight byte is read once, by one program, with its loads
+in flight together (`gemv.dot_rows`). fp32 accumulation; bias added in fp32; the result rounded once to x's dtype.
+No split-K: the shapes served (ZAYA1 and Ling-2.6 projections, 1536 to 16384 columns) give enough programs by
+columns alone, and a sum never leaves its program (deterministic, no second launch).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hybridserve.ops.triton.gemv import Tiles, dot_rows, tiles
+
+MAX_TOKENS = 16  # the most tokens the kernel takes (its register tiles)
+# Where ops.linear runs it rather than cuBLAS's tensor-core GEMM (the reference, F.linear), placed from
+# benchmarks/ops/linear.py on an H200: ZAYA1's projections (4-6 MB) run 1.1-1.9x faster at 1-4 tokens and slower
+# from 8; Ling-2.6-flash's 134 MB q|k|v|g already streams at 84% of the floor in cuBLAS and lost 10% at one token.
+FASTER_UP_TO_TOKENS = 4
+FASTER_UP_TO_WEIGHT_BYTES = 64 << 20
+
+
+@triton.jit(do_not_specialize=["num_tokens"])  # one variant per token bucket (BT), not per token count
+def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, n, stride_x, stride_o, K: tl.constexpr,
+                   BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+                   HAS_BIAS: tl.constexpr):
+    tokens = tl.arange(0, BT)
+    token_ok = tokens < num_tokens
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    row_ok = rows < n
+    acc = dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, K, rows, row_ok, K, BT, BN, BK, STAGES)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + tokens[:, None] * stride_o + rows[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=token_ok[:, None] & row_ok[None, :])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           config: Tiles | None = None) -> torch.Tensor:
+    """x [..., K] (at most MAX_TOKENS rows; unit last stride) @ weight [N, K]^T (+ bias [N]) -> [..., N] in x's
+    dtype. `config` overrides `gemv.tiles`' choice (tests, tuning)."""
+    n, k = weight.shape
+    if x.shape[-1] != k or weight.stride(1) != 1 or weight.stride(0) != k:
+        raise ValueError(f"linear: x {tuple(x.shape)} and a contiguous weight [N, {x.shape[-1]}] needed; got "
+                         f"weight {tuple(weight.shape)} strides {weight.stride()}")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"linear: x is {x.dtype}, weight {weight.dtype}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"linear: bias {tuple(bias.shape)} does not match {n} outputs")
+    flat = x.reshape(-1, k)
+    tokens = flat.shape[0]
+    if tokens > MAX_TOKENS:
+        raise ValueError(f"linear: the GEMV kernel takes at most {MAX_TOKENS} tokens; got {tokens}")
+    if flat.stride(1) != 1:
+        raise ValueError(f"linear: x needs a unit last stride; got strides {x.stride()}")
+    out = torch.empty(tokens, n, device=x.device, dtype=x.dtype)
+    if tokens:
+        t = config or tiles(tokens, n, k)
+        if t.BT < tokens:
+            raise ValueError(f"linear: tiles {t} take fewer than {tokens} tokens")
+        _linear_kernel[(triton.cdiv(n, t.BN),)](
+            flat, weight, bias if bias is not None else weight, out, tokens, n, flat.stride(0), out.stride(0), K=k,
+            BT=t.BT, BN=t.BN, BK=t.BK, STAGES=t.STAGES, HAS_BIAS=bias is not None, num_warps=t.num_warps)
+    return out.view(*x.shape[:-1], n)

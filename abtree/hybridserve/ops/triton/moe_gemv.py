@@ -1,0 +1,121 @@
+"""Routed SwiGLU experts for a few (token, choice) pairs: the decode form of `ops.triton.moe` (same contract).
+
+At one to a few tokens the grouped-GEMM form spends a launch sorting the pairs by expert and pads each pair to a
+16-row tl.dot block, and its output tiles are too few to keep the weight stream busy (ZAYA1-8B, one token: 25 MB of
+expert weights at ~1.4 TB/s). Here each program reads its pair's expert id straight from topk_ids and streams only
+its rows of that expert's weights (`gemv.dot_rows`: fp32 products, no padding), two launches in all:
+1. gate/up, grid (pair, intermediate block): the block's gate rows and up rows interleaved in one tile, so one
+   pipelined loop reads both; SiLU(gate) * up in fp32 (as `ops.triton.moe`), rounded to x's dtype into [T*K, I].
+2. down, grid (output row, hidden block): times the routing weight in fp32, each pair's row rounded once to x's
+   dtype. With `reduce` an output row is a token and its program adds its K rows in choice order in fp32 and rounds
+   once: the sum `ops.ling_norm.add_rms_norm` makes of the unreduced rows, bit for bit in 16-bit dtypes (in fp32
+   nothing rounds a row before the sum, and the compiler may fuse its product into it), with no atomics and no
+   third launch. Unreduced, an output row is a pair.
+The pair index is the fastest grid axis, so pairs that share an expert (more tokens than experts) read the same
+weight block at about the same time, the second from L2. Tiles depend on the weight shapes only (enough programs
+for one pair; more pairs only add programs), so a pair's row is the same bits whatever else is in the batch: a
+decode step padded to its CUDA-graph size computes what the eager step does. A pair with weight 0 (ZAYA1's MOD
+skip) or an expert id outside [0, E) reads no weights: its row is an exact zero. Grids come from T, K and the weight
+shapes only: CUDA-graph
+capturable, no host sync, deterministic.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hybridserve.ops.triton.gemv import Tiles, dot_rows, tiles
+from hybridserve.ops.triton.moe import expert_shapes
+
+# The most (token, choice) pairs ops.moe gives this form; beyond, the grouped-GEMM form (`ops.triton.moe`), whose
+# expert blocks share each weight tile among their rows. benchmarks/ops/moe.py times both forms at decode sizes; on
+# an H200 this form is 1.6x / 1.4x faster at ZAYA1's 1 / 2 pairs, level at 4, 8 (and Ling's 8 at one token), 0.9x at 16.
+MAX_PAIRS = 8
+
+
+@triton.jit
+def _pair(ids_ptr, weights_ptr, pair, EXPERTS: tl.constexpr):
+    """(expert id as int64, routing weight, whether the pair contributes: a nonzero weight and a valid id)."""
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    weight = tl.load(weights_ptr + pair)
+    return expert, weight, (weight != 0.0) & (expert >= 0) & (expert < EXPERTS)
+
+
+@triton.jit
+def _gemv_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, weights_ptr, act_ptr, stride_x, inter, TOP_K: tl.constexpr,
+                         EXPERTS: tl.constexpr, H: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                         STAGES: tl.constexpr):
+    """act[pair, cols] = SiLU(gate) * up of BN / 2 intermediate columns; w13 rows 2j (gate) and 2j + 1 (up) of the
+    tile are column j's."""
+    pair = tl.program_id(0)
+    expert, _, live = _pair(ids_ptr, weights_ptr, pair, EXPERTS)
+    if live:  # else the down launch skips the pair too: its act row is never read
+        lane = tl.arange(0, BN)
+        col = tl.program_id(1) * (BN // 2) + lane // 2
+        one = tl.arange(0, 1)
+        dots = dot_rows(x_ptr + (pair // TOP_K).to(tl.int64) * stride_x, 0, one, one == 0,
+                        w13_ptr + expert * 2 * inter * H, H, col + (lane % 2) * inter, col < inter, H, 1, BN, BK,
+                        STAGES)
+        gate, up = tl.split(tl.reshape(dots, (BN // 2, 2)))
+        out = (gate / (1.0 + tl.exp(-gate)) * up).to(act_ptr.dtype.element_ty)  # the grouped form's SiLU(gate)*up
+        half = tl.program_id(1) * (BN // 2) + tl.arange(0, BN // 2)
+        tl.store(act_ptr + pair.to(tl.int64) * inter + half, out, mask=half < inter)
+
+
+@triton.jit
+def _gemv_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, CHOICES: tl.constexpr,
+                      EXPERTS: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      STAGES: tl.constexpr):
+    """out[row, cols] = the sum over the row's CHOICES pairs, in order, of (act[pair] @ w2[e]^T * weight) rounded
+    to out's dtype, summed in fp32 and rounded once (one pair: its weighted row)."""
+    row = tl.program_id(0)
+    col = tl.program_id(1) * BN + tl.arange(0, BN)
+    col_ok = col < hidden
+    one = tl.arange(0, 1)
+    total = tl.zeros([BN], dtype=tl.float32)
+    for choice in tl.static_range(CHOICES):
+        pair = row * CHOICES + choice
+        expert, weight, live = _pair(ids_ptr, weights_ptr, pair, EXPERTS)
+        if live:
+            dots = dot_rows(act_ptr + pair.to(tl.int64) * I, 0, one, one == 0, w2_ptr + expert * hidden * I, I,
+                            col, col_ok, I, 1, BN, BK, STAGES)
+            total += tl.reshape(dots * weight, (BN,)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row.to(tl.int64) * hidden + col, total.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+def gate_up_tiles(inter: int, hidden: int) -> Tiles:
+    """BN interleaved gate|up rows (BN / 2 intermediate columns) per program; at least one column."""
+    return tiles(1, 2 * inter, hidden, min_rows=2)
+
+
+def down_tiles(hidden: int, inter: int) -> Tiles:
+    return tiles(1, hidden, inter)
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                  topk_weights: torch.Tensor, reduce: bool = True,
+                  config: tuple[Tiles, Tiles] | None = None) -> torch.Tensor:
+    """x [T, H]; w13 [E, 2I, H] (gate rows first); w2 [E, H, I]; topk_ids/weights [T, K] -> [T, H] in x's dtype,
+    or with `reduce=False` the K weighted rows [T, K, H] (see `ops.moe.fused_experts`). Any T*K works (ops.moe
+    takes this form up to MAX_PAIRS). `config`: (gate/up, down) tiles instead of `gate_up_tiles` / `down_tiles`
+    (tests, tuning)."""
+    tokens, hidden, experts, inter, top_k = expert_shapes(x, w13, w2, topk_ids, topk_weights)
+    if x.stride(1) != 1 or not (w13.is_contiguous() and w2.is_contiguous()):
+        raise ValueError("the GEMV experts need contiguous weights and x rows of unit column stride")
+    pairs = tokens * top_k
+    out = torch.empty(tokens if reduce else pairs, hidden, dtype=x.dtype, device=x.device)
+    if pairs:
+        up_tiles, down = config or (gate_up_tiles(inter, hidden), down_tiles(hidden, inter))
+        if up_tiles.BN < 2 or up_tiles.BT != 1 or down.BT != 1:
+            raise ValueError(f"GEMV expert tiles need BT = 1 and at least 2 gate/up rows; got {up_tiles}, {down}")
+        ids = topk_ids.reshape(-1).contiguous()
+        weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+        act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+        _gemv_gate_up_kernel[(pairs, triton.cdiv(2 * inter, up_tiles.BN))](
+            x, w13, ids, weights, act, x.stride(0), inter, TOP_K=top_k, EXPERTS=experts, H=hidden, BN=up_tiles.BN,
+            BK=up_tiles.BK, STAGES=up_tiles.STAGES, num_warps=up_tiles.num_warps)
+        _gemv_down_kernel[(out.shape[0], triton.cdiv(hidden, down.BN))](
+            act, w2, ids, weights, out, hidden, CHOICES=top_k if reduce else 1, EXPERTS=experts, I=inter,
+            BN=down.BN, BK=down.BK, STAGES=down.STAGES, num_warps=down.num_warps)
+    return out if reduce else out.view(tokens, top_k, hidden)

@@ -1,0 +1,247 @@
+"""ZAYA1's EDA router, down-projection included, in fp32 Triton kernels (contract: ops/reference/zaya_router.py).
+
+Decode (at most `FUSED_MAX_TOKENS` tokens, the CUDA-graph batch sizes): three launches of one kernel, `_dense_kernel`.
+    1. z = x32 @ Wd^T + bd (+ carry * scale)         the EDA carry handed to the next layer's router
+    2. u1 = GELU(fc1(RMSNorm(z)))                     every program recomputes its rows' rstd (RMSNorm needs all
+                                                      of z, which only exists after launch 1)
+    3. u2 = GELU(fc2(u1)), then per token block the last program to finish it computes the E + 1 class logits,
+       softmax, the biased argmax and the routing outputs.
+At a few tokens a step what costs is reading the weights (the down-projection's is 2 MB of fp32) and the launches,
+not arithmetic. So each launch is split over output columns and tokens into about `PROGRAMS` programs (one per SM
+of an H200), each reading only its slice of the weight, and no program pads its rows to tl.dot's 16: products are
+broadcast multiply-adds into a [tokens, columns, K chunk] fp32 register tile, reduced over K once at the end (a
+reduction per chunk would cost more shuffles than multiply-adds). One token (the commonest decode) reads its whole
+K in a single chunk, every load in flight at once; larger buckets loop over K with the chunks' loads pipelined
+(cp.async, PIPELINE_STAGES deep), since a loop of plain loads waits one memory round trip per chunk. The
+class selection rides on launch 3 instead of a launch of its own: each program stores its u2 columns, then bumps
+its token block's arrival counter (acq_rel: the stores before it are visible to whoever acquires it later); the
+program that arrives last reads the whole u2 rows back through L2 and resets the counter to 0, so the next call (and
+every CUDA-graph replay) starts from zero. The counters are one persistent int32 buffer per device: calls on one
+device must not overlap in time (one forward stream, as the engine runs).
+
+Prefill (more tokens): the three matmuls become FLOP-bound (8192 tokens: 8.6 GFLOP in the down-projection; at
+512 tokens 0.54 GFLOP, 8 us at the H200's fp32 FMA peak) and cuBLAS's fp32 GEMM (TF32 stays off) does them
+better than FMA tiles sized to spread weight reads, while a few more launches no longer matter; around them one
+ops.norm kernel adds the carry and normalises, and `_select_kernel` applies fc2's GELU on load and selects.
+Six launches where the torch reference takes about fifteen. The switch depends only on the host-known token count.
+
+Numerics are fp32 end to end (a top-1 choice flips on a near-tie, and a flip changes a token by a whole expert);
+only summation orders differ from the reference.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from hybridserve.ops.reference.zaya_router import Routing
+from hybridserve.ops.triton.norm import residual_rms_norm
+
+# The largest decode batch captured in a CUDA graph (and the last tile bucket the launch constants below were sized
+# for); beyond it the prefill form (cuBLAS matmuls) runs. benchmarks/ops/zaya_router.py times both forms on each side.
+FUSED_MAX_TOKENS = 256
+PROGRAMS = 128  # programs per fused launch to aim for: about one per SM of an H200 (132 SMs)
+TILE_ELEMENTS = 8192  # a program's [tokens, columns, K chunk] product tile: 64 fp32 registers a thread at 4 warps
+PIPELINE_STAGES = 6  # K chunks in flight (cp.async) per program when its loop has several: latency, not FLOPs
+SELECT_TOKENS = 16  # tokens per program of the prefill form's selection
+
+
+@triton.jit
+def _gelu(x):
+    return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+
+
+@triton.jit
+def _rows_times_cols(x_ptr, w_ptr, vec_ptr, rows, row_ok, cols, col_ok, K: tl.constexpr, BT: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, X_VEC: tl.constexpr,
+                     X_GELU: tl.constexpr, CACHE: tl.constexpr):
+    """([BT, BN] fp32: sum over k of x'[rows, k] * w[cols, k] (both row-major with K columns), [BT]: sum over k of
+    x[rows, k]^2), where x' is x (times vec[k], with X_VEC) (GELU'd, with X_GELU). Products are accumulated per K
+    lane, summed once at the end (no shuffles inside the loop); STAGES > 1 pipelines the chunks' loads (cp.async),
+    so that more than one chunk is in flight. The squares cost nothing where unused (dead code)."""
+    acc = tl.zeros((BT, BN, BK), dtype=tl.float32)
+    squares = tl.zeros((BT, BK), dtype=tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        k = k0 + tl.arange(0, BK)
+        k_ok = k < K
+        x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
+                    cache_modifier=CACHE)
+        squares += x * x
+        if X_VEC:
+            x *= tl.load(vec_ptr + k, mask=k_ok, other=0.0)[None, :]
+        if X_GELU:
+            x = _gelu(x)  # GELU(0) = 0: masked lanes stay out of the sum
+        w = tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += x[:, None, :] * w[None, :, :]
+    return tl.sum(acc, axis=2), tl.sum(squares, axis=1)
+
+
+@triton.jit
+def _select(u_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr, rows, row_ok,
+            K: tl.constexpr, CLASSES: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+            U_GELU: tl.constexpr, CACHE: tl.constexpr):
+    """Class logits of u's `rows` (GELU'd on load with U_GELU), softmax, argmax over p + balancing biases (the
+    first of equal maxima, as torch's argmax), and the routing outputs."""
+    c = tl.arange(0, BC)
+    c_valid = c < CLASSES
+    logits, _ = _rows_times_cols(u_ptr, wo_ptr, u_ptr, rows, row_ok, c, c_valid, K, BT, BC, BK, 1, False, U_GELU,
+                                 CACHE)
+    c_ok = c_valid[None, :]
+    logits = tl.where(c_ok, logits, float("-inf"))
+    e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    probs = e / tl.sum(e, axis=1)[:, None]
+    biased = tl.where(c_ok, probs + tl.load(bias_ptr + c, mask=c_valid, other=0.0)[None, :], float("-inf"))
+    choice = tl.argmax(biased, axis=1, tie_break_left=True)
+    weight = tl.sum(tl.where(c[None, :] == choice[:, None], probs, 0.0), axis=1)
+    skip = choice == CLASSES - 1
+    tl.store(choice_ptr + rows, choice.to(tl.int64), mask=row_ok)
+    tl.store(weight_ptr + rows, weight, mask=row_ok)
+    tl.store(ids_ptr + rows, tl.where(skip, 0, choice).to(tl.int64), mask=row_ok)
+    tl.store(expert_w_ptr + rows, tl.where(skip, 0.0, weight), mask=row_ok)
+    tl.store(skip_w_ptr + rows, tl.where(skip, weight, 0.0), mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])  # one variant for every token count of a tile bucket
+def _dense_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr, norm_ptr, eps,
+                  counter_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr,
+                  K: tl.constexpr, N: tl.constexpr, CLASSES: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, STAGES: tl.constexpr, BC: tl.constexpr, BKC: tl.constexpr, CARRY: tl.constexpr,
+                  NORM: tl.constexpr, GELU: tl.constexpr, SELECT: tl.constexpr):
+    """out[rows, cols] = act(x'[rows] @ w[cols]^T + b[cols]) (+ carry[rows, cols] * scale[cols], with CARRY) for
+    this program's BT tokens and BN columns; x' = norm_weight * x * rstd(x) with NORM, act = GELU with GELU.
+    With SELECT, the token block's last program to finish then selects its classes from the whole out rows."""
+    rows = tl.program_id(1) * BT + tl.arange(0, BT)
+    row_ok = rows < num_tokens
+    cols = tl.program_id(0) * BN + tl.arange(0, BN)
+    col_ok = cols < N
+    acc, squares = _rows_times_cols(x_ptr, w_ptr, norm_ptr, rows, row_ok, cols, col_ok, K, BT, BN, BK, STAGES, NORM,
+                                    False, "")
+    if NORM:  # rstd after the product: (x * w_norm) @ W^T * rstd = (w_norm * x * rstd) @ W^T
+        acc *= tl.rsqrt(squares / K + eps)[:, None]
+    acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    tile = rows[:, None] * N + cols[None, :]
+    ok = row_ok[:, None] & col_ok[None, :]
+    if CARRY:
+        scale = tl.load(scale_ptr + cols, mask=col_ok, other=0.0)
+        acc += tl.load(carry_ptr + tile, mask=ok, other=0.0) * scale[None, :]
+    if GELU:
+        acc = _gelu(acc)
+    tl.store(out_ptr + tile, acc, mask=ok)
+    if SELECT:
+        tl.debug_barrier()  # every thread's stores precede the release below
+        arrived = tl.atomic_add(counter_ptr + tl.program_id(1), 1, sem="acq_rel")
+        if arrived == tl.num_programs(0) - 1:
+            _select(out_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr, rows,
+                    row_ok, N, CLASSES, BT, BC, BKC, False, ".cg")  # .cg: the other programs' u2, from L2
+            tl.store(counter_ptr + tl.program_id(1), 0)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _select_kernel(u_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr, num_tokens,
+                   K: tl.constexpr, CLASSES: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    _select(u_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr, rows,
+            rows < num_tokens, K, CLASSES, BT, BC, BK, True, "")
+
+
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device) -> torch.Tensor:
+    """The per-token-block arrival counters of launch 3 (zero between calls; a block holds at least one token)."""
+    if device not in _counters:
+        _counters[device] = torch.zeros(FUSED_MAX_TOKENS, device=device, dtype=torch.int32)
+    return _counters[device]
+
+
+def _loop(rows: int, cols: int, k: int) -> dict:
+    """BK and STAGES of a fused launch's K loop: pipelined when it has more than one chunk."""
+    chunk = _chunk(rows, cols, k)
+    return dict(BK=chunk, STAGES=PIPELINE_STAGES if chunk < k else 1)
+
+
+def _chunk(rows: int, cols: int, k: int) -> int:
+    """K chunk of a [rows, cols, chunk] product tile of about TILE_ELEMENTS (at least 8 lanes, one 32-byte sector
+    of a row; at most K)."""
+    return min(max(8, TILE_ELEMENTS // (rows * cols)), triton.next_power_of_2(k))
+
+
+def fused_tiles(tokens: int, n: int) -> tuple[int, int]:
+    """(tokens, columns) per program of a fused launch with N output columns: about PROGRAMS programs, as square
+    as powers of two allow (a program reads (BT + BN) * K inputs for BT * BN * K products). Bucketed by the next
+    power of two of the token count, as the warm-up ladder is."""
+    area = max(1, triton.next_power_of_2(tokens) * n // PROGRAMS)
+    bt = min(triton.next_power_of_2(tokens), 1 << ((area.bit_length() - 1) // 2))
+    return bt, min(triton.next_power_of_2(n), triton.next_power_of_2(-(-area // bt)))
+
+
+def _outputs(tokens: int, planes: int, width: int, device: torch.device):
+    """(choice [T], ids [T, 1], weight, expert weight, skip weight [T, 1], `planes` fp32 [T, width] buffers) in two
+    allocations (each a few us of host time, 40 layers a step). Every piece starts on a 16-byte boundary (rows padded
+    to `padded`): Triton specialises pointers on that, so every token count shares the same variants."""
+    padded = -(-tokens // 4) * 4
+    choice, ids = torch.empty(2, padded, 1, device=device, dtype=torch.int64)[:, :tokens]
+    buffer = torch.empty(padded * (3 + planes * width), device=device, dtype=torch.float32)
+    weight, expert_w, skip_w = buffer[:3 * padded].view(3, padded, 1)[:, :tokens]
+    return choice[:, 0], ids, weight, expert_w, skip_w, buffer[3 * padded:].view(planes, padded, width)[:, :tokens]
+
+
+def eda_route(x32: torch.Tensor, down_weight: torch.Tensor, down_bias: torch.Tensor, carry: torch.Tensor | None,
+              states_scale: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, fc1_weight: torch.Tensor,
+              fc1_bias: torch.Tensor, fc2_weight: torch.Tensor, fc2_bias: torch.Tensor, out_weight: torch.Tensor,
+              balancing_biases: torch.Tensor) -> Routing:
+    has_carry = states_scale is not None and carry is not None
+    tensors = (x32, down_weight, down_bias, norm_weight, fc1_weight, fc1_bias, fc2_weight, fc2_bias, out_weight,
+               balancing_biases) + ((carry, states_scale) if has_carry else ())
+    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+        raise ValueError("the router kernels take contiguous fp32 tensors")
+    route = fused_route if x32.shape[0] <= FUSED_MAX_TOKENS else gemm_route
+    return route(x32, down_weight, down_bias, carry if has_carry else None, states_scale if has_carry else None,
+                 norm_weight, eps, fc1_weight, fc1_bias, fc2_weight, fc2_bias, out_weight, balancing_biases)
+
+
+def fused_route(x32, down_weight, down_bias, carry, states_scale, norm_weight, eps, fc1_weight, fc1_bias, fc2_weight,
+                fc2_bias, out_weight, balancing_biases) -> Routing:
+    """The decode form: three `_dense_kernel` launches (module docstring). Arguments as `eda_route`'s, checked."""
+    tokens, hidden = x32.shape
+    width, classes = down_weight.shape[0], out_weight.shape[0]
+    choice, ids, weight, expert_w, skip_w, (z, u1, u2) = _outputs(tokens, 3, width, x32.device)
+    if tokens:
+        bt, bn = fused_tiles(tokens, width)
+        grid = (triton.cdiv(width, bn), triton.cdiv(tokens, bt))
+        bc = triton.next_power_of_2(classes)
+        dummy = x32
+        select = (_arrival_counters(x32.device), out_weight, balancing_biases, choice, weight, ids, expert_w, skip_w)
+        common = dict(N=width, CLASSES=classes, BT=bt, BN=bn, BC=bc, BKC=_chunk(bt, bc, width), num_warps=4)
+        _dense_kernel[grid](x32, down_weight, down_bias, z, tokens, carry if carry is not None else dummy,
+                            states_scale if carry is not None else dummy, dummy, eps, *(dummy,) * 8,
+                            K=hidden, **_loop(bt, bn, hidden), CARRY=carry is not None, NORM=False, GELU=False,
+                            SELECT=False, **common)
+        _dense_kernel[grid](z, fc1_weight, fc1_bias, u1, tokens, dummy, dummy, norm_weight, eps, *(dummy,) * 8,
+                            K=width, **_loop(bt, bn, width), CARRY=False, NORM=True, GELU=True, SELECT=False,
+                            **common)
+        _dense_kernel[grid](u1, fc2_weight, fc2_bias, u2, tokens, dummy, dummy, dummy, eps, *select,
+                            K=width, **_loop(bt, bn, width), CARRY=False, NORM=False, GELU=True, SELECT=True,
+                            **common)
+    return Routing(choice, weight, ids, expert_w, skip_w, z)
+
+
+def gemm_route(x32, down_weight, down_bias, carry, states_scale, norm_weight, eps, fc1_weight, fc1_bias, fc2_weight,
+               fc2_bias, out_weight, balancing_biases) -> Routing:
+    """The prefill form: cuBLAS fp32 matmuls, ops.norm's kernel for carry + RMSNorm, `_select_kernel` for fc2's
+    GELU and the selection. Arguments as `eda_route`'s, checked."""
+    tokens = x32.shape[0]
+    width, classes = down_weight.shape[0], out_weight.shape[0]
+    z = F.linear(x32, down_weight, down_bias)
+    if carry is None:
+        new_carry, normed, _ = residual_rms_norm(z, norm_weight, eps)
+    else:
+        new_carry, normed, _ = residual_rms_norm(carry, norm_weight, eps, residual=z, update_scale=states_scale)
+    u2 = F.linear(F.gelu(F.linear(normed, fc1_weight, fc1_bias)), fc2_weight, fc2_bias)
+    choice, ids, weight, expert_w, skip_w, _ = _outputs(tokens, 0, width, x32.device)
+    bc = triton.next_power_of_2(classes)
+    _select_kernel[(triton.cdiv(tokens, SELECT_TOKENS),)](
+        u2, out_weight, balancing_biases, choice, weight, ids, expert_w, skip_w, tokens, K=width, CLASSES=classes,
+        BT=SELECT_TOKENS, BC=bc, BK=_chunk(SELECT_TOKENS, bc, width), num_warps=4)
+    return Routing(choice, weight, ids, expert_w, skip_w, new_carry)

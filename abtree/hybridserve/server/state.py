@@ -1,0 +1,106 @@
+"""ServerOptions (the operator's settings) and ServerState: what every route shares (the engine, metrics, the prompt
+worker, the API calls in flight), the readiness gate and the shutdown drain."""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from hybridserve.sampling import SamplingParamError, SamplingParams
+from hybridserve.server.async_engine import AsyncEngine, EngineInfo
+from hybridserve.server.replicas import ReplicaSet
+from hybridserve.server.errors import APIError, not_ready, shutting_down
+from hybridserve.server.metrics import ServerMetrics
+from hybridserve.server.prompts import PromptWorker
+from hybridserve.server.protocol import invalid_field
+
+if TYPE_CHECKING:
+    from hybridserve.server.generation import Generation
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    served_model_name: str
+    api_key: str | None = None  # required on /v1 and the tokenizer routes when set
+    allowed_hosts: tuple[str, ...] | None = None  # Host header names answered (None: any)
+    max_request_body_bytes: int = 4 * MiB
+    max_n: int = 256  # sequences (prompts x n) one request may ask for
+    default_max_tokens: int = 4096  # for requests that give no max_tokens (clamped by the context)
+    trust_request_chat_template: bool = False
+    chat_template: str | None = None  # replaces the model's chat template
+    shutdown_grace_s: float = 1.0  # in-flight requests may finish this long after SIGTERM / Ctrl+C
+    data_parallel_size: int = 1  # engine replicas behind the server
+
+    def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ValueError(f"--dp {self.data_parallel_size}: at least one replica is needed")
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine | ReplicaSet
+    metrics: ServerMetrics
+    options: ServerOptions
+    prompts: PromptWorker = field(default_factory=PromptWorker)
+    created: int = field(default_factory=lambda: int(time.time()))
+    generations: set[Generation] = field(default_factory=set)  # API calls with requests in the engine
+    draining: bool = False  # shutting down: nothing new is admitted
+    loop: asyncio.AbstractEventLoop | None = None  # the event loop serving the app, once it started
+    _drain_task: asyncio.Task | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.options.served_model_name
+
+    def info(self) -> EngineInfo:
+        """The loaded model, or a 503 while it loads, after the engine failed, or while shutting down."""
+        if self.draining:
+            raise shutting_down()
+        if self.engine.error is not None:
+            raise not_ready(f"the engine has failed ({self.engine.error}); restart the server")
+        if self.engine.info is None:
+            raise not_ready("the model is still loading; retry when GET /health returns 200")
+        return self.engine.info
+
+    def model(self, requested: str | None) -> EngineInfo:
+        """`info()` for a request naming `requested` (None: the served model); unknown names are a 404."""
+        info = self.info()
+        if requested is not None and requested != self.model_name:
+            raise APIError(f"the model '{requested}' does not exist; this server serves '{self.model_name}'",
+                           status=404, type="not_found_error", param="model", code="model_not_found")
+        return info
+
+    def check_choices(self, num_prompts: int, n: int) -> None:
+        if num_prompts * n > self.options.max_n:
+            raise APIError(f"this request asks for {num_prompts} prompt(s) x n={n} = {num_prompts * n} sequences; "
+                           f"this server allows at most {self.options.max_n} per request (--max-n)", param="n")
+
+    def default_max_tokens(self, params: SamplingParams) -> SamplingParams:
+        """Requests without max_tokens get the server's default (the engine still stops at the context's end)."""
+        if params.max_tokens is not None:
+            return params
+        try:
+            return replace(params, max_tokens=self.options.default_max_tokens)
+        except SamplingParamError as err:  # min_tokens above the default
+            raise invalid_field(err) from None
+
+    def begin_shutdown(self) -> None:
+        """Start `drain` on the event loop (callable from a signal handler)."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self.drain())
+
+    async def drain(self) -> None:
+        """Stop admitting; let the calls in flight finish for the grace period, then end them with a 503 (a
+        final error event and [DONE] for streams)."""
+        self.draining = True
+        deadline = time.monotonic() + self.options.shutdown_grace_s
+        while self.generations and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for generation in list(self.generations):
+            generation.interrupt(shutting_down())

@@ -1,0 +1,38 @@
+"""Session-wide fixtures: one tiny ZAYA1 checkpoint (HF layout, with a real tokenizer) for engine tests."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Before anything imports Triton (torch._dynamo does, through transformers): `triton.language` decorates its own
+# helpers (tl.sum, tl.sigmoid, ...) for the interpreter only if this is set when it is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from tests.helpers import add_tokenizer  # noqa: E402
+from tests.models.zaya_fixtures import random_hf_zaya, save_hf, tiny_config  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def zaya_dir(tmp_path_factory):
+    directory = save_hf(random_hf_zaya(tiny_config("base"), seed=21), tmp_path_factory.mktemp("zaya-engine"))
+    add_tokenizer(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def ling_dir(tmp_path_factory):
+    from tests.reference.ling_naive import (
+        random_ling_checkpoint,
+        tiny_ling_config,
+        write_checkpoint,
+    )
+
+    config = tiny_ling_config()
+    directory = tmp_path_factory.mktemp("ling-engine")
+    write_checkpoint(directory, config, random_ling_checkpoint(config, seed=22))
+    add_tokenizer(directory)
+    return directory

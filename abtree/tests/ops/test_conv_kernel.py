@@ -1,0 +1,172 @@
+"""CCA conv + value lag kernel vs the reference (ops/reference/conv.py), over packed varlen rows, in both of the
+kernel's forms (heads: a tl.dot per head; columns: each head's output columns split over programs).
+
+Every case runs the reference in fp32 on the same (dtype-rounded) inputs. The kernel computes in fp32 from the
+raw inputs, so q/k agree to fp32 rounding (1e-5 of the output scale) in fp32 and through the interpreter; on the
+GPU the heads form takes a TF32 tl.dot for the [D, D] stage-2 product of 16-bit inputs (10-bit mantissa: 3e-3 of
+the output scale bounds its error over D = 16..128 terms), while the columns form stays fp32 (1e-5). Values, the
+carried window, the lag and page footers are copies of input values, so they must match exactly.
+"""
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+
+from hybridserve.core.batch import ScheduledChunk, build_forward_batch
+from hybridserve.ops.reference import conv as reference
+from hybridserve.ops.triton import conv as kernel
+from tests.ops.conftest import DEVICE, KERNEL_DTYPES, ON_GPU
+
+P = 2  # cca_time0 = cca_time1 = 2
+POISON = float("nan")
+FORMS = ["heads", "columns"]
+
+
+def _weights(q_heads: int, k_heads: int, d: int, bias: bool, gen: torch.Generator):
+    c = (q_heads + k_heads) * d
+    w0 = torch.randn(c, 1, 2, generator=gen)
+    b0 = torch.randn(c, generator=gen) * 0.1
+    w1 = torch.randn(c, d, 2, generator=gen) / d ** 0.5
+    b1 = torch.randn(c, generator=gen) * 0.1
+    return w0, b0, w1, b1
+
+
+def _batch(rows: list[tuple[int, int, bool]], page_size: int, device: torch.device = DEVICE):
+    """rows: (prefix_len, new tokens, has_initial_state); slots 1.., pages handed out in order from 1."""
+    chunks, next_page = [], 1
+    for slot, (prefix, length, init) in enumerate(rows, start=1):
+        pages = list(range(next_page, next_page + -(-(prefix + length) // page_size)))
+        next_page += len(pages)
+        chunks.append(ScheduledChunk([0] * length, prefix, pages, slot, init, []))
+    return build_forward_batch(chunks, page_size, device, history_len=P)
+
+
+def run_conv_case(rows, dtype, form, page_size=4, q_heads=4, k_heads=2, d=16, full_k_heads=None, kv_head_offset=0,
+                  bias=True, footers=True, seed=0):
+    """Kernel (in `form`, None: chosen by the token count) vs reference on `rows` (see _batch), with every slot and
+    page of the pools not used by a row (and every fresh row's slot) poisoned; returns the batch."""
+    gen = torch.Generator().manual_seed(seed)
+    slots = len(rows) + 3
+    pages = sum(-(-(prefix + n) // page_size) for prefix, n, _ in rows) + 3
+    full_k_heads = full_k_heads or k_heads
+    lag_width = full_k_heads * d // 2
+    c = (q_heads + k_heads) * d
+    batch = _batch(rows, page_size)
+    tokens = sum(n for _, n, _ in rows)
+    proj = torch.randn(tokens, c + 2 * lag_width, generator=gen).to(dtype)
+    weights = [w.to(dtype) for w in _weights(q_heads, k_heads, d, bias, gen)]
+    lag_bias = (torch.randn(lag_width, generator=gen) * 0.1).to(dtype) if bias else None
+    conv = torch.randn(slots, c, P, generator=gen).to(dtype)
+    lag = torch.randn(slots, lag_width, generator=gen).to(dtype)
+    for slot, (_, _, init) in enumerate(rows, start=1):
+        if not init:  # a fresh row must never read its slot
+            conv[slot], lag[slot] = POISON, POISON
+    conv_footer = torch.full((pages, c, P), -7.0).to(dtype) if footers else None
+    lag_footer = torch.full((pages, lag_width), -7.0).to(dtype) if footers else None
+
+    def f32(t):
+        return None if t is None else t.float().clone()
+
+    ref_state = [f32(conv), f32(lag), f32(conv_footer), f32(lag_footer)]
+    ref = reference.cca_conv(proj.float(), *[w.float() for w in weights], f32(lag_bias), q_heads, kv_head_offset,
+                             _batch(rows, page_size, torch.device("cpu")), *ref_state)
+    dev = [None if t is None else t.to(DEVICE) for t in (conv, lag, conv_footer, lag_footer)]
+    got = kernel.cca_conv(proj.to(DEVICE), *[w.to(DEVICE) for w in weights],
+                          None if lag_bias is None else lag_bias.to(DEVICE), q_heads, kv_head_offset, batch, *dev,
+                          form=form)
+    tol = 3e-3 if ON_GPU and dtype != torch.float32 and form != "columns" else 1e-5
+    for name, want, have in zip(("query", "key"), ref[:2], got[:2]):
+        scale = want.abs().max().item()
+        assert (have.float().cpu() - want).abs().max().item() <= tol * scale, name
+    assert got[2].dtype == dtype and torch.equal(got[2].float().cpu(), ref[2]), "value"
+    for name, want, have in zip(("conv", "lag", "conv footer", "lag footer"), ref_state, dev):
+        if want is not None:  # untouched slots and pages keep their (poison / sentinel) contents, NaN included
+            assert torch.equal(have.float().cpu().nan_to_num(123.0), want.nan_to_num(123.0)), name
+    assert not kernel._arrival_counters(DEVICE).any()  # back at zero for the next call (and graph replay)
+    return batch
+
+
+# (prefix_len, new tokens, has_initial_state) rows; chunk lengths 1, P - 1, P, P + 1 and long.
+FRESH = [(0, 1, False), (0, 2, False), (0, 3, False), (0, 37, False)]
+RESUMED = [(5, 1, True), (3, 2, True), (4, 3, True), (7, 37, True), (1, 1, True)]
+DECODE = [(3, 1, True), (15, 1, True), (0, 1, False), (8, 1, True), (31, 1, True)]
+MIXED = [(0, 5, False), (6, 1, True), (2, 2, True), (0, 1, False), (11, 19, True), (3, 1, True)]
+
+
+@pytest.fixture
+def few_programs(monkeypatch):
+    """Columns-form tiles for 8 programs instead of an H200's 128: at these narrow widths that means whole heads
+    and longer token blocks, far fewer programs for the interpreter (the tiling changes no result beyond fp32
+    summation order). The decode tests below keep the real constants, several programs per head."""
+    monkeypatch.setattr(kernel, "PROGRAMS", 8)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("rows", [FRESH, RESUMED, DECODE, MIXED], ids=["fresh", "resumed", "decode", "mixed"])
+def test_conv_kernel_matches_reference(rows, dtype, form, few_programs):
+    run_conv_case(rows, dtype, form)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_footers_at_page_ends(page_size, form, few_programs):
+    """Pages completed by a row's first token (window partly from the old state), mid-chunk and at its end."""
+    rows = [(page_size - 1, 1, True), (page_size - 2, page_size + 3, True), (0, 2 * page_size, False),
+            (2 * page_size - 1, 2, True)]
+    batch = run_conv_case(rows, torch.float32, form, page_size=page_size)
+    assert batch.page_end_tokens.numel() >= 4  # the case exercises several footers
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_tensor_parallel_rank_heads_and_no_bias(form, few_programs):
+    """Rank 1 of 2: local q/k heads, the full replicated value projections, this rank's KV heads (2 of 4)."""
+    run_conv_case(MIXED, torch.float32, form, q_heads=2, k_heads=2, d=8, full_k_heads=4, kv_head_offset=2,
+                  bias=False)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_single_kv_head_group_of_one_without_footers(form, few_programs):
+    run_conv_case(MIXED, torch.float32, form, q_heads=1, k_heads=1, d=12, footers=False)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_blocks_of_many_rows_split_across_programs(form):
+    """More rows than one program's token block: first tokens of rows land at every block position, including the
+    overlap column; in the columns form each head's output columns span two programs (arrival counters with
+    overlapping token blocks)."""
+    rows = [(i % 5, 1 + (i % 3), i % 4 != 0) for i in range(11)]
+    run_conv_case(rows, torch.float32, form)
+
+
+def _decode_rows(count: int) -> list[tuple[int, int, bool]]:
+    """`count` one-token rows: resumed ones, every other one completing a page of 4, and every fifth fresh."""
+    return [(0, 1, False) if i % 5 == 2 else (3 + 2 * i, 1, True) for i in range(count)]
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("count", [1, 3, 16])
+def test_decode_steps(count, form):
+    """Decode steps at the real launch constants: the columns form splits each head over 4 programs (2 at 16 rows,
+    in token blocks of 2), the last to arrive writing the window and the footers; no token blocks overlap."""
+    batch = run_conv_case(_decode_rows(count), torch.float32, form)
+    assert batch.page_end_tokens.numel() == {1: 1, 3: 1, 16: 6}[count]  # rows 0, 4, 6, 8, 10, 14 complete a page
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_decode_tensor_parallel_rank(form):
+    run_conv_case(_decode_rows(5), torch.float32, form, q_heads=2, k_heads=2, d=8, full_k_heads=4,
+                  kv_head_offset=2)
+
+
+def test_form_chosen_by_token_count(monkeypatch):
+    monkeypatch.setattr(kernel, "COLUMNS_MAX_TOKENS", 2)
+    with mock.patch.object(kernel, "column_tiles", wraps=kernel.column_tiles) as tiles:
+        run_conv_case(_decode_rows(2), torch.float32, None)
+        assert tiles.call_count == 1
+        run_conv_case([(3, 1, True), (5, 2, True)], torch.float32, None)
+        assert tiles.call_count == 1
+    with pytest.raises(ValueError, match="form"):
+        run_conv_case(_decode_rows(1), torch.float32, "rows")

@@ -1,0 +1,68 @@
+"""Launch budgets per decoder layer and decode step, counted on CPU (benchmarks/layer_launches.py).
+
+ZAYA1: 2 GEMV linears (fused q|k|v|v projection, o_proj; cuBLAS GEMMs beyond decode sizes), 7 ZAYA kernels (CCA conv,
+QKNorm+RoPE+KV write, two
+residual+norm, the EDA router's three: down-projection + carry, norm + fc1, fc2 + class selection, each split by
+columns), plus one call each into attention and MoE (whose launches are theirs)."""
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.layer_launches import decode_step_launches
+from tests.ops.conftest import ON_GPU  # sets TRITON_INTERPRET before the kernels are imported
+
+
+@pytest.mark.skipif(ON_GPU, reason="counts interpreted launches; on a GPU: benchmarks/decode_launches.py")
+def test_zaya_decode_layer_launch_budget():
+    counts = decode_step_launches("zaya", num_layers=3, batch_size=3)[1]  # a middle layer
+    assert counts == {
+        "triton._linear_kernel": 2,  # the fused q|k|v|v projection, o_proj
+        "triton._cca_conv_kernel": 1,
+        "triton._qk_norm_rope_cache_kernel": 1,
+        "triton._residual_rms_norm_kernel": 2,
+        "triton._dense_kernel": 3,  # the EDA router
+        "entry.paged_attention": 1,
+        "entry.fused_experts": 1,
+    }
+
+
+# Ling-2.6, the layout benchmarks/decode_launches.py measures on the GPU (4 layers in one group: lightning 0-2, MLA
+# 3; layer 0's FFN dense, the others MoE with a shared expert). The norm kernel (_add_rms_norm_kernel) is every
+# RMSNorm: alone, or fused with the residual add before it, which also adds the previous MoE's shared expert and
+# sums its routed rows, and writes the fp32 copy the router reads. Before this budget the step was 129 launches
+# (fp16 count: 18 + 20 + 20 + 69, plus 2 outside): torch RMSNorms and RoPE, SiLU and multiply apart, casts, cats.
+# Every 16-bit projection of a decode step is the GEMV linear kernel; the router's fp32 logits stay a torch GEMM.
+_LIGHTNING = {
+    "triton._linear_kernel": 2,  # the Q|K|V|G projection, dense (o_proj)
+    "triton._add_rms_norm_kernel": 2,  # input norm (layer 0: no residual yet), post-attention norm
+    "triton._decode_kernel": 1,  # the lightning recurrence step, with the QK RMSNorm + RoPE on load
+    "triton._group_rms_norm_kernel": 1,  # GroupRMSNorm fused with the sigmoid output gate
+}
+_MOE = {
+    "aten.mm": 1,  # router logits (fp32, from the norm's fp32 copy)
+    "triton._linear_kernel": 2,  # shared expert gate|up and down
+    "triton._grouped_topk_kernel": 1,
+    "triton._gemv_gate_up_kernel": 1,  # the routed experts' decode form: no alignment launch
+    "triton._gemv_down_kernel": 1,  # its K rows per token are summed by the next norm, with the shared expert
+    "triton._silu_and_mul_kernel": 1,  # the shared expert's activation
+}
+LING_BUDGET = {
+    "outside": {"aten.embedding": 1, "triton._add_rms_norm_kernel": 1},  # final norm (+ layer 3's MoE parts)
+    0: _LIGHTNING | {"triton._linear_kernel": 4, "triton._silu_and_mul_kernel": 1},  # + dense FFN: gate|up, down
+    1: _LIGHTNING | _MOE | {"triton._linear_kernel": 4},
+    2: _LIGHTNING | _MOE | {"triton._linear_kernel": 4},
+    3: _MOE | {
+        "triton._linear_kernel": 5,  # + fused q_a|kv_a projection, q_b, dense
+        "triton._add_rms_norm_kernel": 3,  # input and post-attention norms, q_a_layernorm
+        "triton._mla_latent_kernel": 1,  # kv_a_layernorm + RoPE + latent cache write, the query's RoPE
+        "aten.bmm": 2,  # q_nope W_UK written into the attention query in place, the output's W_UV
+        "triton._attention_kernel": 1,
+    },
+}
+
+
+@pytest.mark.skipif(ON_GPU, reason="counts interpreted launches; on a GPU: benchmarks/decode_launches.py")
+def test_ling_decode_layer_launch_budget():
+    counts = decode_step_launches("ling", num_layers=4, batch_size=3)
+    assert counts == LING_BUDGET
+    assert sum(sum(c.values()) for c in counts.values()) == 54  # 57 before the MoE decode form dropped alignment

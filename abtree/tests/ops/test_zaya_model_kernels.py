@@ -1,0 +1,73 @@
+"""A tiny ZAYA1 model with its kernels (conv, norm, zaya_qk, zaya_router; through the interpreter) equals the same
+model on its torch references over fresh, chunked, mixed and decode steps: logits, state slots and page footers.
+Both are fp32; the kernels sum in other orders, hence 1e-4 on logits of unit scale."""
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+
+from hybridserve.cache.state_pool import StatePool
+from hybridserve.demo import write_random_checkpoint
+from hybridserve.ops import backends
+from hybridserve.runtime.model_loader import build_model
+from tests.helpers import CacheHarness
+from tests.ops.conftest import ON_GPU
+
+ZAYA_KERNELS = ("conv", "norm", "zaya_qk", "zaya_router")
+CONFIG = {"model_type": "zaya", "architectures": ["ZayaForCausalLM"], "vocab_size": 96, "hidden_size": 48,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+          "moe_intermediate_size": 32, "num_experts": 3, "num_experts_per_tok": 1, "router_hidden_size": 16,
+          "attention_bias": True, "layer_types": ["hybrid", "hybrid_sliding"], "sliding_window": 5,
+          "eos_token_id": 1, "rope_parameters": {"hybrid": {"rope_type": "default", "rope_theta": 1e4,
+                                                            "partial_rotary_factor": 0.5}}}
+
+
+def _harness(directory, kernels: bool) -> tuple[CacheHarness, StatePool]:
+    model, _ = build_model(directory, torch.float32, torch.device("cpu"), {"mod_skip_mode": "scaled_identity"})
+    with _kernels(kernels):
+        harness = CacheHarness(model, page_size=4)
+    footers = StatePool(model.state_spec(torch.float32), 64, torch.device("cpu"))
+    layers = range(len(model.model.layers))
+    model.bind_caches([harness.kv.layer(i) for i in layers], [harness.state.layer(i) for i in layers],
+                      [footers.layer(i) for i in layers])
+    return harness, footers
+
+
+def _kernels(on: bool):
+    return mock.patch.object(backends, "use_triton", lambda op, device: on and op in ZAYA_KERNELS)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter runs CPU tensors; on a GPU tests/gpu covers the model")
+def test_model_on_kernels_equals_model_on_references(tmp_path):
+    def skip_often(weights):  # MOD's skip class chosen for some tokens, so its fused term is exercised
+        for name in weights:
+            if name.endswith("balancing_biases"):
+                weights[name][-1] = 0.3
+
+    write_random_checkpoint(tmp_path, CONFIG, seed=3, adjust=skip_often)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (9, 3, 6)]
+    steps = [  # (slot, tokens, prefix) per row
+        [(1, prompts[0][:5], 0), (2, prompts[1], 0)],
+        [(1, prompts[0][5:], 5), (2, [7], 3), (3, prompts[2], 0)],
+        [(1, [4], 9), (2, [8], 4), (3, [9], 6)],
+    ]
+    from hybridserve.ops.triton import conv, norm, zaya_qk, zaya_router
+    entries = [(conv, "cca_conv"), (norm, "residual_rms_norm"), (zaya_qk, "qk_norm_rope_cache"),
+               (zaya_router, "eda_route")]
+    results = {}
+    for kernels in (False, True):
+        harness, footers = _harness(tmp_path, kernels)
+        spies = [mock.patch.object(module, name, wraps=getattr(module, name)) for module, name in entries]
+        with _kernels(kernels), spies[0] as a, spies[1] as b, spies[2] as c, spies[3] as d:
+            logits = [harness.run([harness.chunk(*row) for row in step]) for step in steps]
+        assert all(spy.called == kernels for spy in (a, b, c, d))
+        results[kernels] = (torch.cat(logits), harness.state.buffers, footers.buffers)
+    (want, want_state, want_footers), (got, got_state, got_footers) = results[False], results[True]
+    assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+    for name in want_state:
+        assert torch.allclose(got_state[name], want_state[name], atol=1e-5), name
+        assert torch.allclose(got_footers[name], want_footers[name], atol=1e-5), name
+        assert want_footers[name].abs().sum() > 0

@@ -1,0 +1,148 @@
+"""EDA router kernels vs the reference (ops/reference/zaya_router.py), fp32 throughout, down-projection included.
+
+Both forms are checked: the fused decode form (three launches, the last program of a token block selecting) at
+token counts around its tile buckets, and the cuBLAS prefill form above FUSED_MAX_TOKENS. The carry and the
+probabilities are fp32 arithmetic in another summation order (and FMA contractions): 1e-5 relative and absolute on
+values of unit scale. The choice is discrete: it must equal the reference's wherever the reference's best and
+second-best p + bias differ by more than 1e-5 (every other difference is a genuine near-tie), and the inputs are
+drawn so that such ties are rare. Exact ties (equal p + bias) take the first class, as torch's argmax.
+"""
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+import triton
+
+from hybridserve.ops.reference import zaya_router as reference
+from hybridserve.ops.triton import zaya_router as kernel
+from tests.ops.conftest import DEVICE
+
+
+def router_inputs(tokens: int, hidden: int, width: int, experts: int, skip_bias: float, seed: int = 0,
+                  device=DEVICE) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(device)
+
+    biases = rand(experts + 1, scale=0.05)
+    biases[-1] = skip_bias
+    return dict(x32=rand(tokens, hidden), down_weight=rand(width, hidden, scale=2 * hidden ** -0.5),
+                down_bias=rand(width, scale=0.1), carry=rand(tokens, width), states_scale=rand(width, scale=0.5),
+                norm_weight=1 + rand(width, scale=0.1), eps=1e-5, fc1_weight=rand(width, width, scale=width ** -0.5),
+                fc1_bias=rand(width, scale=0.1), fc2_weight=rand(width, width, scale=width ** -0.5),
+                fc2_bias=rand(width, scale=0.1), out_weight=rand(experts + 1, width, scale=4 * width ** -0.5),
+                balancing_biases=biases)
+
+
+def check_routing(got: reference.Routing, want: reference.Routing, probs_biased: torch.Tensor) -> None:
+    """Compare a routing (any device) to the reference; `probs_biased` = the reference's p + bias [T, E + 1]."""
+    got = reference.Routing(*(t.cpu() for t in got))
+    assert torch.allclose(got.carry, want.carry, rtol=1e-5, atol=1e-5)
+    top2 = probs_biased.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 1e-5
+    assert clear.float().mean().item() >= 0.9
+    assert torch.equal(got.choice[clear], want.choice[clear])
+    same = got.choice == want.choice
+    assert torch.allclose(got.weight[same], want.weight[same], rtol=1e-5, atol=1e-7)
+    for name in ("expert_ids", "expert_weights", "skip_weight"):
+        assert torch.allclose(getattr(got, name)[same].double(), getattr(want, name)[same].double(), rtol=1e-5,
+                              atol=1e-7), name
+    assert got.choice.dtype == got.expert_ids.dtype == torch.int64
+
+
+def biased_probs(args: dict, carry: torch.Tensor) -> torch.Tensor:
+    """The reference's p + balancing_biases for the z that includes the carry term (the routing's carry)."""
+    names = ("norm_weight", "eps", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "out_weight")
+    return reference.router_probs(carry, *(args[n] for n in names)) + args["balancing_biases"]
+
+
+def run_both(args: dict, route=None) -> tuple[reference.Routing, reference.Routing]:
+    """(kernel routing, reference routing) of CPU `args`, through `route` (default: the kernels' entry point); the
+    kernel's inputs must come back unchanged."""
+    want = reference.eda_route(**args)
+    inputs = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    got = (route or kernel.eda_route)(**inputs)
+    for name, value in inputs.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value.cpu(), args[name]), name
+    return got, want
+
+
+# (hidden, router width, experts, skip bias, tile elements): the first at the module's tiles (K in one chunk; N = 40
+# is several column blocks with a partial last one) at token counts in five tile buckets, some with a partial last
+# token block; the second with tiny tiles, so that K runs over several chunks, the last partial.
+CASES = [(tokens, 72, 40, 4, -1.0, None) for tokens in (1, 3, 16, 17, 64)] + [
+    (tokens, 40, 24, 6, 0.15, 64) for tokens in (1, 17, 64)]
+
+
+@pytest.mark.parametrize("with_carry", [True, False])
+@pytest.mark.parametrize("tokens, hidden, width, experts, skip_bias, tile", CASES)
+def test_fused_form_matches_reference(tokens, with_carry, hidden, width, experts, skip_bias, tile):
+    args = router_inputs(tokens, hidden, width, experts, skip_bias, seed=tokens, device="cpu")
+    if not with_carry:
+        args["carry"] = None
+    with mock.patch.object(kernel, "TILE_ELEMENTS", tile or kernel.TILE_ELEMENTS), \
+            mock.patch.object(kernel, "gemm_route", side_effect=AssertionError("the prefill form ran")):
+        got, want = run_both(args)
+    check_routing(got, want, biased_probs(args, want.carry))
+    assert not kernel._arrival_counters(DEVICE).any()  # reset by each block's last program, for the next call
+    if skip_bias > 0 and tokens > 16:  # the skip class is chosen for some tokens and mapped to expert 0, weight 0
+        skip = want.choice == experts
+        assert 0 < skip.sum() < len(skip)
+        assert (want.expert_ids[skip] == 0).all() and (want.expert_weights[skip] == 0).all()
+
+
+@pytest.mark.parametrize("with_carry", [True, False])
+def test_prefill_form_matches_reference(with_carry):
+    args = router_inputs(kernel.FUSED_MAX_TOKENS + 1, 40, 24, 6, 0.15, device="cpu")
+    if not with_carry:
+        args["carry"] = None
+    with mock.patch.object(kernel, "fused_route", side_effect=AssertionError("the decode form ran")):
+        got, want = run_both(args)
+    check_routing(got, want, biased_probs(args, want.carry))
+
+
+@pytest.mark.parametrize("route", ["fused_route", "gemm_route"])
+def test_ties_take_the_first_class_and_skip_maps_to_expert_zero(route):
+    """Zero out_proj: every class has p = 1 / (E + 1) exactly, so p + bias ties exactly where the biases do."""
+    experts, tokens = 5, 19
+    args = router_inputs(tokens, 40, 24, experts, 0.0, device="cpu")
+    args["out_weight"].zero_()
+    args["balancing_biases"] = torch.tensor([0.0, 0.0, 0.5, 0.5, 0.0, 0.5])  # tie of 2, 3 and the skip class
+    got, want = run_both(args, getattr(kernel, route))
+    uniform = torch.full((tokens, 1), 1 / (experts + 1))
+    assert (want.choice == 2).all() and torch.equal(got.choice.cpu(), want.choice)
+    assert torch.allclose(got.expert_weights.cpu(), uniform, rtol=1e-6) and not got.skip_weight.cpu().any()
+    args["balancing_biases"] = torch.tensor([0.0, 0.0, 0.5, 0.5, 0.0, 0.6])  # every token takes the skip class
+    got, _ = run_both(args, getattr(kernel, route))
+    got = reference.Routing(*(t.cpu() for t in got))
+    assert (got.choice == experts).all() and not got.expert_ids.any() and not got.expert_weights.any()
+    assert torch.allclose(got.skip_weight, uniform, rtol=1e-6) and torch.equal(got.weight, got.skip_weight)
+
+
+def test_fused_form_repeats_bitwise():
+    """A second call (as a CUDA-graph replay is) sees its counters at zero and computes the same bits."""
+    args = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v
+            for k, v in router_inputs(17, 72, 40, 4, 0.05, device="cpu").items()}
+    first, second = kernel.eda_route(**args), kernel.eda_route(**args)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_fused_tiles_spread_over_the_programs():
+    """ZAYA1-8B's router width 256: about PROGRAMS programs per launch at every decode bucket, never pad rows."""
+    for tokens in (1, 2, 3, 4, 8, 16, 17, 32, 64, 128, 256):
+        bt, bn = kernel.fused_tiles(tokens, 256)
+        programs = -(-256 // bn) * -(-tokens // bt)
+        assert bt <= triton.next_power_of_2(tokens) and kernel.PROGRAMS // 2 <= programs <= kernel.PROGRAMS, tokens
+
+
+def test_router_kernel_refuses_other_dtypes():
+    args = router_inputs(4, 32, 16, 2, -1.0)
+    with pytest.raises(ValueError, match="fp32"):
+        kernel.eda_route(**{**args, "fc1_weight": args["fc1_weight"].half()})
+    with pytest.raises(ValueError, match="contiguous"):
+        kernel.eda_route(**{**args, "x32": args["x32"].t().contiguous().t()})

@@ -1,0 +1,123 @@
+"""Real `hybridserve serve` processes on free localhost ports, shared by the server tests.
+
+- `demo_server`: the built-in demo checkpoint (no MODEL_DIR; its vocabulary matches the real Qwen3 tokenizer, so
+  text prompts and chat work), float32 so greedy outputs compare exactly.
+- `tiny_server`: the tiny ZAYA1 checkpoint of `zaya_dir` (vocab 128: token-id prompts only), fast enough for the
+  64-client, disconnect and chaos tests.
+- `guarded_server`: the demo with the operator's hardening options on (an API key from the environment, a small
+  context, body limit, --max-n and default max_tokens, an operator chat template, request templates trusted): the
+  API-key, template and schemathesis tests.
+
+Each server runs with one intra-op thread: two servers and the test client share the CI machine's 2 cores, and
+oversubscribed OpenMP threads spin, slowing tiny ops a hundredfold.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from hybridserve.runtime.tensor_parallel import free_local_port
+
+STARTUP_TIMEOUT_S = 120
+SMALL_CACHE = ["--kv-cache-memory-bytes", str(64 << 20)]  # quick to allocate and to free
+API_KEY = "test-key-0123"
+OPERATOR_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+
+
+class Server:
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
+        self.port = free_local_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        command = [sys.executable, "-m", "hybridserve.cli", "serve", *args, "--device", "cpu", "--port",
+                   str(self.port)]
+        with open(log_path, "wb") as log:  # a file, not a pipe: a full pipe would block the server
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def wait_ready(self) -> None:
+        """Poll GET /health (503 while loading, 200 when ready), as a deployment's readiness probe does."""
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                pytest.fail(f"server exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        pytest.fail(f"server not ready after {STARTUP_TIMEOUT_S} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def client(self, api_key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=120)
+
+    def post(self, path: str, **kwargs) -> httpx.Response:
+        return httpx.post(f"{self.url}{path}", timeout=120, **kwargs)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of GET /metrics by name (histograms as NAME_count, NAME_sum, ...; labelled samples as
+        NAME{label="value"})."""
+        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        samples = [s for family in text_string_to_metric_families(text) for s in family.samples if "le" not in s.labels]
+        return {s.name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items())) + "}" if s.labels else ""):
+                s.value for s in samples}
+
+
+def serve(args: list[str], tmp_path_factory, env: dict[str, str] | None = None) -> Server:
+    """A started server (ready: /health is 200), stopped by the caller."""
+    server = Server(args, tmp_path_factory.mktemp("server") / "server.log", env)
+    try:
+        server.wait_ready()
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+@pytest.fixture(scope="session")
+def demo_server(tmp_path_factory):
+    server = serve(["--dtype", "float32", *SMALL_CACHE], tmp_path_factory)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_server(zaya_dir, tmp_path_factory):
+    server = serve([str(zaya_dir), "--dtype", "float32", "--served-model-name", "tiny-zaya", "--page-size", "4",
+                    *SMALL_CACHE], tmp_path_factory)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def guarded_server(tmp_path_factory):
+    template = tmp_path_factory.mktemp("template") / "chat.jinja"
+    template.write_text(OPERATOR_TEMPLATE)
+    server = serve(["--dtype", "float32", *SMALL_CACHE, "--max-model-len", "48", "--max-n", "4",
+                    "--max-request-body-bytes", "65536", "--default-max-tokens", "8", "--chat-template", str(template),
+                    "--trust-request-chat-template"], tmp_path_factory, env={"HYBRIDSERVE_API_KEY": API_KEY})
+    yield server
+    server.stop()

@@ -1,0 +1,42 @@
+"""benchmarks/offline_throughput.py: runs end to end on CPU for both model types (tiny widths, config-only directory,
+dummy weights), and the Ling bandwidth floor counts the model's weights."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.offline_throughput import ling_decode_bytes, ling_flash_config
+from hybridserve.models.registry import model_family
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("model_type", ["zaya", "ling"])
+def test_smoke_run_on_cpu_writes_the_results(tmp_path, model_type):
+    out = tmp_path / "result.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "offline_throughput.py"), "--device", "cpu",
+                    "--width", "demo", "--layers", "2", "--model-type", model_type, "--load-format", "dummy",
+                    "--scenarios", "smoke", "--skip-hf", "--temperature", "0", "--dtype", "float32", "--out", str(out)],
+                   check=True, timeout=120, capture_output=True)
+    result = json.loads(out.read_text())
+    smoke = result["scenarios"]["smoke"]
+    assert result["layers"] == 2 and result["load_format"] == "dummy"
+    assert smoke["output_tokens"] == 8 and smoke["ours_tok_s"] > 0 and smoke["floor_tok_s"] > 0
+    assert ("hf_tok_s" not in smoke) if model_type == "zaya" else smoke["hf_tok_s"] == "n/a"
+
+
+def test_ling_floor_weights_are_the_model_parameters_when_every_expert_is_touched():
+    config = ling_flash_config(16)
+    family = model_family(config)
+    with torch.device("meta"):
+        model = family.model_class(family.parse_config(config))
+    counted = sum(p.numel() * (2 if name.endswith("mlp.gate.weight") else 1) for name, p in model.named_parameters()
+                  if p.dim() >= 2 and "word_embeddings" not in name)  # routers fp32 (2 bf16 units); no input lookup
+    assert model.model.layers[7].attention.__class__.__name__ == "MultiLatentAttention"  # groups of 8
+    weights = ling_decode_bytes(config, batch=10**6, context=0)["weights"] / 2  # in bf16 units
+    assert weights == pytest.approx(counted, rel=1e-6)
