@@ -74,9 +74,9 @@ class MtpDrafter:
                              ("verify_base", verify_base), ("table_rows", table_rows)):
             pack.add(name, values)
         t = pack.upload(batch.input_ids.device)
-        ids = torch.empty_like(batch.input_ids)
-        ids[:-1] = batch.input_ids[1:]
-        ids[-1] = 0  # a row end: set below (or a chunk whose next token is unknown: its entry is never read)
+        # Each position's next token; a row's end is set below (or, in a chunk whose next token is unknown, never
+        # read). Not `ids[-1] = 0`: a host scalar stored into a device tensor waits for the stream.
+        ids = torch.cat((batch.input_ids[1:], batch.input_ids.new_zeros(1)))
         ids[t["known_rows"]] = t["known_tokens"]
         if drawn_rows:
             ids[t["drawn_rows"]] = drawn[t["drawn_index"]]
