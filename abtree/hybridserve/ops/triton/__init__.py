@@ -1,1 +1,0 @@
-"""Triton kernels (CUDA; testable on CPU through TRITON_INTERPRET=1). Imported only through the `ops` entry points."""
