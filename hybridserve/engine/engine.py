@@ -1,6 +1,7 @@
 """LLMEngine: the step loop (schedule -> run -> sample -> postprocess, overlapped) and request lifecycle."""
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import random
@@ -27,7 +28,7 @@ from hybridserve.spec.drafts import DraftSource, Speculation, draft_source
 from hybridserve.spec.verify import accepted_length
 from hybridserve.structured.bitmask import TokenMask
 from hybridserve.structured.compiler import shared_compiler
-from hybridserve.structured.matcher import GrammarState
+from hybridserve.structured.matcher import GrammarState, MaskFiller
 from hybridserve.tokenizer import (
     IncrementalDetokenizer,
     StopStringMatcher,
@@ -132,6 +133,7 @@ class LLMEngine:
             logger.info("overlapped scheduling is off with speculative decoding (each step's drafts depend on the "
                         "step before's accepted tokens)")
         self._in_flight: tuple[ScheduledStep, StepHandle] | None = None  # the launched step not yet processed
+        self._filler: MaskFiller | None = None
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks: this node's worker processes (daemons, which die with this process
@@ -298,19 +300,26 @@ class LLMEngine:
                 draw_rows += range(draw, draw + len(rows))
             draw += len(rows)
         mask = TokenMask.allocate(draw_rows, self.vocab_size) if draw_rows else None
-        row, failed = 0, []
-        for group, state, count in constrained:
-            if group.error is None:  # (else another sequence of the group failed just above: rows stay all-allowed)
-                try:
-                    state.fill(mask.bits, row)
-                except Exception as err:  # its draws are discarded: leave them unconstrained
-                    self._fail(group, err)
-                    failed.append(group)
+        failed = []
+        if constrained:
+            firsts = list(itertools.accumulate([count for _, _, count in constrained[:-1]], initial=0))
+            errors = self._mask_filler().fill([state for _, state, _ in constrained], mask.bits, firsts)
+            for i, ((group, _, count), row) in enumerate(zip(constrained, firsts)):
+                if i in errors:  # its draws are discarded: leave them unconstrained
+                    if group.error is None:
+                        self._fail(group, errors[i])
+                        failed.append(group)
                     mask.bits[row] = -1
-            mask.bits[row + 1:row + count] = mask.bits[row]  # a prompt's forks draw from the same (initial) state
-            row += count
+                if count > 1:  # a prompt's forks draw from the same (initial) state
+                    mask.bits[row + 1:row + count] = mask.bits[row]
         self.runner.draw_masked(mask)
         return self._outputs(failed)
+
+    def _mask_filler(self) -> MaskFiller:
+        """Created on first use: xgrammar is imported only by engines that serve a grammar."""
+        if self._filler is None:
+            self._filler = MaskFiller()
+        return self._filler
 
     def _settle_discarded(self) -> None:
         """Process the step in flight now if every request in it has finished (its work is all discarded), so an

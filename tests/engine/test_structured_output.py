@@ -187,29 +187,49 @@ def test_an_uncompilable_spec_is_refused_before_anything_is_queued(demo_dir):
     _run(engine, {"bad": ("x", SamplingParams(max_tokens=2))})  # the id was never taken
 
 
-def test_a_grammar_failure_fails_its_request_alone(demo_dir, mixed_outputs, monkeypatch):
+@pytest.mark.parametrize("failure", ["dead_end", "exception"])
+def test_a_grammar_failure_fails_its_request_alone(demo_dir, mixed_outputs, monkeypatch, failure):
+    """From its third mask on, the regex request's grammar breaks: its row comes back empty from the batch fill (a
+    dead end), or the batch fill raises (then rows are filled one by one, and only that state raises)."""
+    import xgrammar
+
     baseline = mixed_outputs
     engine = _engine(demo_dir)
     regex = engine.grammars.compile(_mixed()["regex"][1].structured_output)
     init, fill = GrammarState.__init__, GrammarState.fill
+    batch_fill = xgrammar.BatchGrammarMatcher.batch_fill_next_token_bitmask
     doomed: list[GrammarState] = []
+    broken: list[GrammarState] = []
 
     def tracking_init(self, compiled):
         init(self, compiled)
         if compiled is regex:
             doomed.append(self)
 
-    def failing(self, bitmask, row):
-        if self in doomed and len(self._matcher.find_jump_forward_string()) < 99:
-            self.fills = getattr(self, "fills", 0) + 1
-            if self.fills == 3:
-                raise RuntimeError("injected grammar failure")
+    def failing_batch(self, matchers, bitmask, rows):
+        batch_fill(self, matchers, bitmask, rows)
+        for state in doomed:
+            if any(m is state._matcher for m in matchers):
+                state.fills = getattr(state, "fills", 0) + 1
+                if state.fills >= 3 and state not in broken:
+                    broken.append(state)
+        for matcher, row in zip(matchers, rows):
+            if any(matcher is state._matcher for state in broken):
+                if failure == "exception":
+                    raise RuntimeError("injected grammar failure")
+                bitmask[row] = 0
+
+    def failing_fill(self, bitmask, row):
+        if self in broken:
+            raise RuntimeError("injected grammar failure")
         return fill(self, bitmask, row)
 
     monkeypatch.setattr(GrammarState, "__init__", tracking_init)
-    monkeypatch.setattr(GrammarState, "fill", failing)
+    monkeypatch.setattr(GrammarState, "fill", failing_fill)
+    monkeypatch.setattr(xgrammar.BatchGrammarMatcher, "batch_fill_next_token_bitmask", failing_batch)
     outputs = _run(engine, _mixed())
-    assert doomed and "injected grammar failure" in (outputs["regex"].error or "")
+    expected = "injected grammar failure" if failure == "exception" else "dead end"
+    assert broken and expected in (outputs["regex"].error or "")
     assert outputs["regex"].outputs[0].finish_reason == "abort"
     for request_id, output in outputs.items():
         if request_id != "regex":
