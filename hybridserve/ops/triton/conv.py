@@ -21,9 +21,8 @@ blocks therefore overlap by P - 1 tokens (none when every row has one token): pr
 block, head) loads all of the old state before a barrier and stores the new one after it. In the columns form
 several programs read the head's window, so each bumps the (token block, head) arrival counter after its reads
 (acq_rel); the last to arrive writes the new window and the page footers, and resets the counter to 0 so that the
-next call (and every CUDA-graph replay) starts from zero. The counters are one persistent int32 buffer per device:
-calls on one device must not overlap in time (one forward stream, as the engine runs). Page footers are stored
-from values loaded before the new window is written.
+next call (and every CUDA-graph replay) starts from zero (ops/triton/counters.py). Page footers are stored from
+values loaded before the new window is written.
 
 Verify rows (speculative decoding, `batch.verify`): each token stores the window and lag after it in its own slot
 (`token_slots`: the row's working slot for its first token, intermediate slots for its drafts), and the row's
@@ -39,6 +38,7 @@ import triton
 import triton.language as tl
 
 from hybridserve.core.batch import ForwardBatch
+from hybridserve.ops.triton.counters import arrival_counters
 
 # Launch constants of the columns form, sized for an H200 (132 SMs); benchmarks/ops/conv.py times both forms.
 # Steps of at most this many tokens run the columns form (H200, 40-layer graphs: 1.8x at 1 token, 1.3x at 8,
@@ -314,14 +314,9 @@ def _cca_conv_kernel(proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr, b1_ptr, lag_bias
                      HAS_LAG_BIAS, HAS_FOOTER, HAS_VERIFY)
 
 
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
 def _arrival_counters(device: torch.device) -> torch.Tensor:
-    """The columns form's per-(token block, head) arrival counters (zero between calls)."""
-    if device not in _counters:
-        _counters[device] = torch.zeros(COUNTERS, device=device, dtype=torch.int32)
-    return _counters[device]
+    """The columns form's per-(token block, head) arrival counters."""
+    return arrival_counters("cca_conv", COUNTERS, device)
 
 
 def _block_tokens(num_tokens: int, history: int) -> int:

@@ -16,8 +16,7 @@ K in a single chunk, every load in flight at once; larger buckets loop over K wi
 class selection rides on launch 3 instead of a launch of its own: each program stores its u2 columns, then bumps
 its token block's arrival counter (acq_rel: the stores before it are visible to whoever acquires it later); the
 program that arrives last reads the whole u2 rows back through L2 and resets the counter to 0, so the next call (and
-every CUDA-graph replay) starts from zero. The counters are one persistent int32 buffer per device: calls on one
-device must not overlap in time (one forward stream, as the engine runs).
+every CUDA-graph replay) starts from zero (ops/triton/counters.py).
 
 Prefill (more tokens): the three matmuls become FLOP-bound (8192 tokens: 8.6 GFLOP in the down-projection; at
 512 tokens 0.54 GFLOP, 8 us at the H200's fp32 FMA peak) and cuBLAS's fp32 GEMM (TF32 stays off) does them
@@ -36,6 +35,7 @@ import triton
 import triton.language as tl
 
 from hybridserve.ops.reference.zaya_router import Routing
+from hybridserve.ops.triton.counters import arrival_counters
 from hybridserve.ops.triton.norm import residual_rms_norm
 
 # The largest decode batch captured in a CUDA graph (and the last tile bucket the launch constants below were sized
@@ -145,14 +145,9 @@ def _select_kernel(u_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, exp
             rows < num_tokens, K, CLASSES, BT, BC, BK, True, "")
 
 
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
 def _arrival_counters(device: torch.device) -> torch.Tensor:
-    """The per-token-block arrival counters of launch 3 (zero between calls; a block holds at least one token)."""
-    if device not in _counters:
-        _counters[device] = torch.zeros(FUSED_MAX_TOKENS, device=device, dtype=torch.int32)
-    return _counters[device]
+    """The per-token-block arrival counters of launch 3 (a block holds at least one token)."""
+    return arrival_counters("zaya_router", FUSED_MAX_TOKENS, device)
 
 
 def _loop(rows: int, cols: int, k: int) -> dict:
