@@ -14,7 +14,6 @@ from hybridserve.parsers.tool_calls import ToolCall
 from hybridserve.server.assistant import AssistantDelta, AssistantParser, OutputParsing
 from hybridserve.server.generation import Delta, Generation, respond
 from hybridserve.server.logprobs import TokenText, chat_logprobs, prompt_logprobs
-from hybridserve.server.prompts import chat_prompt, check_context
 from hybridserve.server.protocol import ChatCompletionRequest, warn_unknown
 from hybridserve.server.state import ServerState
 from hybridserve.server.tool_choice import select_tools
@@ -118,14 +117,12 @@ async def create_chat_completion(server: ServerState, body: ChatCompletionReques
     info = server.model(body.model)
     warn_unknown("/v1/chat/completions", body.check_supported())
     params = body.to_sampling_params()
-    await server.compile_grammar(params, body.structured_field)
     server.check_choices(1, params.n)
     tools = select_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
-    options = body.template_options(server.options.trust_request_chat_template)
-    prompt, text = await server.prompts.run(chat_prompt, info.tokenizer, body.messages, options,
-                                            body.add_special_tokens is True, tools.template_tools)
-    check_context(len(prompt), params.max_tokens, info.max_model_len, body.max_tokens_param)
-    params, parsing = await tools.apply(server, text, params, {"max_tokens": body.max_tokens_param})
+    prompt, params, parsing = await tools.prepare_chat(
+        server, info.tokenizer, info.max_model_len, body.messages, params,
+        body.template_options(server.options.trust_request_chat_template), body.add_special_tokens is True,
+        body.structured_field, {"max_tokens": body.max_tokens_param})
     call_id = f"chatcmpl-{uuid.uuid4().hex}"
     generation = Generation(server, http, call_id, [prompt], server.default_max_tokens(params),
                             prompt_param="messages")

@@ -22,7 +22,6 @@ from hybridserve.parsers.tool_calls import ToolCall
 from hybridserve.server.assistant import AssistantDelta, OutputParsing
 from hybridserve.server.errors import APIError
 from hybridserve.server.generation import Generation, stream_response
-from hybridserve.server.prompts import chat_prompt, check_context
 from hybridserve.server.protocol import warn_unknown
 from hybridserve.server.responses_protocol import FunctionChoice, ResponsesRequest
 from hybridserve.server.state import ServerState
@@ -181,12 +180,10 @@ async def create_response(server: ServerState, body: ResponsesRequest, http: Req
         earlier = stored.items
     messages = body.messages(earlier)
     params = body.sampling_params()
-    await server.compile_grammar(params, "text")
     tools = select_tools(*body.chat_tools(), body.parallel_tool_calls)
-    prompt, text = await server.prompts.run(chat_prompt, info.tokenizer, messages, {"add_generation_prompt": True},
-                                            False, tools.template_tools)
-    check_context(len(prompt), params.max_tokens, info.max_model_len, "max_output_tokens")
-    params, parsing = await tools.apply(server, text, params, {"max_tokens": "max_output_tokens"})
+    prompt, params, parsing = await tools.prepare_chat(
+        server, info.tokenizer, info.max_model_len, messages, params, {"add_generation_prompt": True}, False, "text",
+        {"max_tokens": "max_output_tokens"})
     response_id = _item_id("resp")
     generation = Generation(server, http, response_id, [prompt], server.default_max_tokens(params),
                             prompt_param="input")

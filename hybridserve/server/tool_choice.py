@@ -19,10 +19,13 @@ from hybridserve.parsers.tool_calls import ToolFormat, forced_calls_format
 from hybridserve.sampling import SamplingParamError, SamplingParams
 from hybridserve.server.assistant import OutputParsing
 from hybridserve.server.errors import APIError
+from hybridserve.server.prompts import chat_prompt, check_context
 from hybridserve.server.protocol import ChatTool, NamedToolChoice, invalid_field
 from hybridserve.structured import StructuredOutputParams
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from hybridserve.server.state import ServerState
 
 
@@ -47,6 +50,23 @@ class ToolSelection:
             calls = {"type": "sequence", "elements": [reasoning.grammar_prefix(in_reasoning),
                                                       {"type": "regex", "pattern": r"[ \n\r\t]*"}, calls]}
         return StructuredOutputParams(structural_tag={"type": "structural_tag", "format": calls})
+
+    async def prepare_chat(self, server: ServerState, tokenizer: PreTrainedTokenizerBase, max_model_len: int,
+                           messages: list, params: SamplingParams, template_options: dict, add_special_tokens: bool,
+                           grammar_field: str | None, names: dict[str, str]
+                           ) -> tuple[list[int], SamplingParams, OutputParsing]:
+        """A chat-shaped request (chat completions, responses) made ready to queue: its prompt (the template on
+        the prompt worker), the context checked, the selection applied (`apply`), and only then the request's own
+        grammar compiled (named by `grammar_field` in errors): a request that fails a cheap check never waits for
+        a compile. `names` maps SamplingParams names to the request's fields."""
+        prompt, text = await server.prompts.run(chat_prompt, tokenizer, messages, template_options,
+                                                add_special_tokens, self.template_tools)
+        check_context(len(prompt), params.max_tokens, max_model_len, names["max_tokens"])
+        own_grammar = params.structured_output is not None
+        params, parsing = await self.apply(server, text, params, names)
+        if own_grammar:
+            await server.compile_grammar(params, grammar_field)
+        return prompt, params, parsing
 
     async def apply(self, server: ServerState, prompt_text: str, params: SamplingParams,
                     names: dict[str, str]) -> tuple[SamplingParams, OutputParsing]:
