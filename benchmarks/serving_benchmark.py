@@ -26,10 +26,8 @@ wheels of benchmarks/fetch_serving_wheels.sh).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import importlib.util
 import json
-import os
 import shlex
 import shutil
 import signal
@@ -45,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repository root: benchmarks, hybridserve
 
 from benchmarks.offline_throughput import add_model_options, make_random_model  # noqa: E402
-from hybridserve.runtime.tensor_parallel import free_local_port  # noqa: E402
+from benchmarks.server_process import ServerProcess  # noqa: E402
 
 SERVED_NAME = "bench"
 PERCENTILES = ("p50", "p90", "p99")
@@ -78,57 +76,14 @@ def fill_tokenizer_vocab(model_dir: Path, vocab_size: int) -> int:
     return len(missing)
 
 
-def _stop_with_parent() -> None:
-    """In the server's child process: have Linux send it SIGTERM when this script dies, even by SIGKILL (a test's
-    timeout), so that no server outlives its benchmark holding the GPU."""
-    if sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
-
-
-class Server:
-    """`hybridserve serve` in a subprocess with its log in a file; stopped on exit."""
-
-    def __init__(self, args: list[str], log_path: Path):
-        self.port = free_local_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.command = [sys.executable, "-m", "hybridserve.cli", "serve", *args, "--host", "127.0.0.1",
-                        "--port", str(self.port)]
-        self.process: subprocess.Popen | None = None
+class Server(ServerProcess):
+    """The benchmarked server, stopped on leaving the `with` block."""
 
     def __enter__(self) -> Server:
-        with open(self.log_path, "wb") as log:  # a file, not a pipe: a full pipe would block the server
-            path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # this hybridserve
-            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
-                                            env={**os.environ, "PYTHONPATH": path}, preexec_fn=_stop_with_parent)
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-    def log_tail(self, chars: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
-
-    def wait_ready(self, timeout_s: float) -> None:
-        """Poll GET /health (503 while loading and warming up, 200 once it serves)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"the server was not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+        self.stop()
 
     def ttft_sum_count(self) -> tuple[float, float]:
         """The server's own time-to-first-token histogram (arrival to the first token reaching the event loop):

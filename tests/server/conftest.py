@@ -13,10 +13,6 @@ oversubscribed OpenMP threads spin, slowing tiny ops a hundredfold.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -24,7 +20,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hybridserve.runtime.tensor_parallel import free_local_port
+from benchmarks.server_process import ServerProcess
 
 STARTUP_TIMEOUT_S = 120
 SMALL_CACHE = ["--kv-cache-memory-bytes", str(64 << 20)]  # quick to allocate and to free
@@ -32,41 +28,17 @@ API_KEY = "test-key-0123"
 OPERATOR_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
 
 
-class Server:
+class Server(ServerProcess):
+    """On the CPU with one intra-op thread; `env` adds to the environment."""
+
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
-        self.port = free_local_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-        command = [sys.executable, "-m", "hybridserve.cli", "serve", *args, "--device", "cpu", "--port",
-                   str(self.port)]
-        with open(log_path, "wb") as log:  # a file, not a pipe: a full pipe would block the server
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        super().__init__([*args, "--device", "cpu"], log_path, {"OMP_NUM_THREADS": "1", **(env or {})})
 
-    def log_tail(self, chars: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
-
-    def wait_ready(self) -> None:
-        """Poll GET /health (503 while loading, 200 when ready), as a deployment's readiness probe does."""
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                pytest.fail(f"server exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        pytest.fail(f"server not ready after {STARTUP_TIMEOUT_S} s:\n{self.log_tail()}")
-
-    def stop(self) -> None:
-        self.process.terminate()
+    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         try:
-            self.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+            super().wait_ready(timeout_s)
+        except RuntimeError as err:
+            pytest.fail(str(err))
 
     def client(self, api_key: str = "unused") -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=120)
