@@ -22,7 +22,7 @@ import torch
 from hybridserve.demo import write_random_checkpoint
 from hybridserve.ops.backends import select_kernels
 from hybridserve.runtime.model_loader import build_model
-from tests.gpu.test_ling_gpu import FLASH
+from tests.gpu.models import FLASH
 from tests.gpu.test_zaya_gpu import ZAYA1_8B_SHAPED, margins_like_a_trained_model
 from tests.helpers import CacheHarness
 from tests.reference.ling_naive import random_ling_checkpoint, write_checkpoint

@@ -11,13 +11,9 @@ from hybridserve.core.batch import ScheduledChunk, build_forward_batch
 from hybridserve.models.ling import LingMoE, alibi_slopes
 from hybridserve.ops.reference.lightning import lightning_decode, lightning_prefill
 from hybridserve.runtime.model_loader import build_model
+from tests.gpu.models import FLASH, write_two_layer_model
 from tests.gpu.sync import no_host_sync
 from tests.helpers import CacheHarness
-from tests.reference.ling_naive import (
-    flash_config,
-    random_ling_checkpoint,
-    write_checkpoint,
-)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = torch.device("cuda")
@@ -80,15 +76,11 @@ def test_fla_lightning_matches_torch_reference() -> None:
 # ------------------------------------------------------------------------------------------- flash-shaped model
 
 
-FLASH = flash_config()  # layer 0: lightning + dense FFN; layer 1: MLA + 256-expert MoE
-
-
 @pytest.fixture(scope="module")
 def flash_dir(tmp_path_factory) -> Path:
     """A bf16 checkpoint (as released), so the fp32 and bf16 models hold identical weights."""
     directory = tmp_path_factory.mktemp("ling-flash")
-    tensors = {name: t.bfloat16() for name, t in random_ling_checkpoint(FLASH, seed=0).items()}
-    write_checkpoint(directory, FLASH, tensors)
+    write_two_layer_model("ling", directory, bf16=True)
     return directory
 
 
