@@ -3,9 +3,11 @@
 # poisons the whole process, so one faulting kernel must not hide the others' results), then the benchmarks.
 # Logs and JSON go to $OUT (default ./gpu-out); the per-file logs end up in one $OUT/logs.tgz, as the device tool
 # brings back at most 8 files. Usage, from the repository root on the GPU machine:
-#   bash benchmarks/gpu_session.sh [tests|bench|all|ling|agreement|profile|tune|serving|serving-ling|tp|structured|spec]
-# (all = tests + bench; ling = 16 Ling-2.6-flash layers with dummy weights and the shared-expert overlap; agreement =
-# Ling decode agreement per lightning implementation; profile = the b1, b64 and prefill step profiles of the 40-layer
+#   bash benchmarks/gpu_session.sh [tests|kernels|engines|bench|all|ling|agreement|profile|tune|serving|serving-ling|tp|
+#                                   structured|spec]
+# (all = tests + bench; tests = kernels + engines: the two groups of test files, see below; ling = 16 Ling-2.6-flash
+# layers with dummy weights and the shared-expert overlap; agreement = Ling decode agreement per lightning
+# implementation; profile = the b1, b64 and prefill step profiles of the 40-layer
 # ZAYA1 run; tune = the fused-MoE tile tables, as $OUT/moe_configs.tgz: their names hold '=' and ',', which the
 # device tool does not bring back as files; TUNE_ARGS passes more arguments, e.g. TUNE_ARGS="--tokens 1 2 4";
 # serving / serving-ling = serving_benchmark.py on the 40-layer ZAYA1 / 16 Ling-flash layers, which needs guidellm
@@ -20,10 +22,26 @@ what=${1:-all}
 mkdir -p "$OUT/logs"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 
-if [[ $what == tests || $what == all ]]; then
-  ls tests/ops/test_*.py tests/gpu/test_*.py | xargs -P 4 -I{} bash -c \
-    'n=$(basename {} .py); timeout 400 python -m pytest -s -p no:cacheprovider {} > "$0/logs/$n.log" 2>&1;
+run_files() {  # run_files PARALLEL FILE...: each file in its own pytest process, its log in $OUT/logs
+  local parallel=$1
+  shift
+  printf '%s\n' "$@" | xargs -P "$parallel" -I{} bash -c \
+    'n=$(basename {} .py); timeout 450 python -m pytest -s -p no:cacheprovider {} > "$0/logs/$n.log" 2>&1;
      echo "rc=$?" >> "$0/logs/$n.log"' "$OUT"
+}
+
+# Engine tests (an LLM each, up to a quarter of the GPU's memory, memory plans that count what the device holds) run
+# two at a time, the kernel tests four at a time; `tests` runs both groups side by side (about 9 minutes: near the
+# device tool's 10-minute limit), `kernels` and `engines` one group each.
+engines=$(grep -l "LLM(\|write_two_layer_model" tests/gpu/test_*.py)
+if [[ $what == tests || $what == all || $what == engines ]]; then
+  run_files 2 $engines &
+fi
+if [[ $what == tests || $what == all || $what == kernels ]]; then
+  run_files 4 $(ls tests/ops/test_*.py tests/gpu/test_*.py | grep -vxF "$engines") &
+fi
+wait
+if [[ $what == tests || $what == all || $what == kernels || $what == engines ]]; then
   for f in "$OUT"/logs/test_*.log; do
     printf '%-45s %s  %s\n' "$(basename "$f" .log)" "$(tail -n 1 "$f")" \
       "$(grep -E ' (passed|failed|skipped|error)' "$f" | tail -n 1)"
