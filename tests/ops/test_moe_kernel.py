@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from tests.ops.conftest import DEVICE, KERNEL_DTYPES
+from tests.ops.conftest import DEVICE, KERNEL_DTYPES, ON_GPU
 from hybridserve.ops.reference import moe as reference
 from hybridserve.ops.triton import moe as kernel
 from hybridserve.ops.triton import moe_config
@@ -127,7 +127,10 @@ def test_duplicates_and_ties(splits: tuple[int, int], reduce_launches: list[bool
     ids[9:] = ids[:9]
     weights = torch.full((tokens, top_k), 0.25, device=DEVICE)
     got = _check(x, w13, w2, ids, weights, _config(block_k=16, splits=splits))
-    assert torch.equal(got[9:], got[:9])
+    if ON_GPU:
+        assert torch.equal(got[9:], got[:9])
+    else:  # the interpreter's tl.dot is numpy's BLAS, whose rounding may depend on a row's place in the tile
+        torch.testing.assert_close(got[9:], got[:9], rtol=0, atol=1e-6)
     assert reduce_launches == ([] if splits == (1, 1) else [True])
 
 
