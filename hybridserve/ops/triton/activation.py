@@ -5,11 +5,15 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridserve.ops.triton import pdl
+from hybridserve.ops.triton.pdl import wait_for_previous
+
 _BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, width, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, width, stride_x, stride_o, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < width
@@ -28,5 +32,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows:
         block = min(_BLOCK, triton.next_power_of_2(width))
         _silu_and_mul_kernel[(rows, triton.cdiv(width, block))](x, out, width, x.stride(0), out.stride(0),
-                                                              BLOCK=block, num_warps=max(1, min(4, block // 256)))
+                                                              BLOCK=block, num_warps=max(1, min(4, block // 256)),
+                                                              **pdl.launch(x.device))
     return out

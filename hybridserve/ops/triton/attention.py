@@ -24,6 +24,8 @@ import triton
 import triton.language as tl
 
 from hybridserve.core.batch import ForwardBatch
+from hybridserve.ops.triton import pdl
+from hybridserve.ops.triton.pdl import wait_for_previous
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -42,8 +44,9 @@ def _attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, D_TAIL_PAD: tl.constexpr,
     DV: tl.constexpr, DV_PAD: tl.constexpr, V_IN_K: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
     q_block = tl.program_id(0)
     row = tl.program_id(1)
     kv_head = tl.program_id(2) // num_splits
@@ -128,7 +131,8 @@ def _attention_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, num_q_heads, num_splits,
-                         DV: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_DV: tl.constexpr):
+                         DV: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_DV: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_previous(USE_PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
@@ -237,10 +241,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         D_TAIL_PAD=max(16, _pow2(d_tail)) if d_tail else 0, DV=v_dim, DV_PAD=dv_pad, V_IN_K=v_in_k,
         HAS_WINDOW=sliding_window is not None, SPLIT=splits > 1,
         PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch(q.device),
     )
     if splits > 1:
         merge_grid = (num_tokens, num_q_heads, triton.cdiv(v_dim, MERGE_BLOCK_DV))
         _merge_splits_kernel[merge_grid](part_o, part_lse, out, out.stride(0), out.stride(1), num_q_heads, splits,
-                                         DV=v_dim, SPLITS_PAD=_pow2(MAX_SPLITS), BLOCK_DV=MERGE_BLOCK_DV)
+                                         DV=v_dim, SPLITS_PAD=_pow2(MAX_SPLITS), BLOCK_DV=MERGE_BLOCK_DV,
+                                         **pdl.launch(q.device))
     return out

@@ -38,7 +38,9 @@ import triton
 import triton.language as tl
 
 from hybridserve.core.batch import ForwardBatch
+from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.counters import arrival_counters
+from hybridserve.ops.triton.pdl import wait_for_previous
 
 # Launch constants of the columns form, sized for an H200 (132 SMs); benchmarks/ops/conv.py times both forms.
 # Steps of at most this many tokens run the columns form (H200, 40-layer graphs: 1.8x at 1 token, 1.3x at 8,
@@ -283,7 +285,9 @@ def _cca_conv_kernel(proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr, b1_ptr, lag_bias
                      K1: tl.constexpr, P: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_T: tl.constexpr,
                      BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, COLUMNS: tl.constexpr, BLOCK_O: tl.constexpr,
                      BLOCK_K: tl.constexpr, STAGES: tl.constexpr, HAS_LAG_BIAS: tl.constexpr,
-                     HAS_FOOTER: tl.constexpr, HAS_VERIFY: tl.constexpr, PRECISION: tl.constexpr):
+                     HAS_FOOTER: tl.constexpr, HAS_VERIFY: tl.constexpr, PRECISION: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+    wait_for_previous(USE_PDL)
     pid = tl.program_id(0)
     item = tl.program_id(1)
     STRIDE: tl.constexpr = BLOCK_T - OVERLAP
@@ -392,5 +396,6 @@ def cca_conv(proj: torch.Tensor, weight0: torch.Tensor, bias0: torch.Tensor, wei
         _arrival_counters(proj.device) if columns else qk,
         HQ=q_heads, HK=k_heads, D=d, VH=lag_width, K0=k0, K1=k1, P=history, OVERLAP=overlap, BLOCK_T=block_t,
         BLOCK_D=block_d, BLOCK_P=triton.next_power_of_2(max(history, 1)), HAS_LAG_BIAS=lag_bias is not None,
-        HAS_FOOTER=has_footer, HAS_VERIFY=batch.verify is not None, **launch)
+        HAS_FOOTER=has_footer, HAS_VERIFY=batch.verify is not None, **launch,
+        **pdl.launch(proj.device))
     return qk[:, :q_heads], qk[:, q_heads:], value

@@ -33,6 +33,8 @@ import triton.language as tl
 
 from hybridserve.core.batch import ForwardBatch
 from hybridserve.ops.reference.lightning import QKNormRope
+from hybridserve.ops.triton import pdl
+from hybridserve.ops.triton.pdl import wait_for_previous
 
 CHUNK = 64
 DOT_PRECISION = "tf32x3"
@@ -89,7 +91,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, state_ptr, slots_ptr, has_state_p
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                    stride_slot, stride_sh, stride_sk, scale,
                    DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-                   HALF: tl.constexpr, NORM_ROPE: tl.constexpr, HAS_NORM: tl.constexpr):
+                   HALF: tl.constexpr, NORM_ROPE: tl.constexpr, HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_previous(USE_PDL)
     row, head, vblock = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_k = tl.arange(0, BLOCK_K)
     offs_v = vblock * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -224,7 +227,8 @@ def lightning_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_deca
                          k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
                          state_pool.stride(0), state_pool.stride(1), state_pool.stride(2), dk ** -0.5,
                          DK=dk, DV=dv, BLOCK_K=_block(dk), BLOCK_V=block_v, HALF=max(half, 1),
-                         NORM_ROPE=norm_rope is not None, HAS_NORM=has_norm, num_warps=4)
+                         NORM_ROPE=norm_rope is not None, HAS_NORM=has_norm, num_warps=4,
+                         **pdl.launch(q.device))
     return out
 
 

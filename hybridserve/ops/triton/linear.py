@@ -13,7 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.gemv import Tiles, dot_rows, tiles
+from hybridserve.ops.triton.pdl import wait_for_previous
 
 MAX_TOKENS = 16  # the most tokens the kernel takes (its register tiles)
 # Where ops.linear runs it rather than cuBLAS's tensor-core GEMM (the reference, F.linear), placed from
@@ -26,7 +28,8 @@ FASTER_UP_TO_WEIGHT_BYTES = 64 << 20
 @triton.jit(do_not_specialize=["num_tokens"])  # one variant per token bucket (BT), not per token count
 def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, n, stride_x, stride_o, K: tl.constexpr,
                    BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-                   HAS_BIAS: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_previous(USE_PDL)
     tokens = tl.arange(0, BT)
     token_ok = tokens < num_tokens
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -63,5 +66,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             raise ValueError(f"linear: tiles {t} take fewer than {tokens} tokens")
         _linear_kernel[(triton.cdiv(n, t.BN),)](
             flat, weight, bias if bias is not None else weight, out, tokens, n, flat.stride(0), out.stride(0), K=k,
-            BT=t.BT, BN=t.BN, BK=t.BK, STAGES=t.STAGES, HAS_BIAS=bias is not None, num_warps=t.num_warps)
+            BT=t.BT, BN=t.BN, BK=t.BK, STAGES=t.STAGES, HAS_BIAS=bias is not None, num_warps=t.num_warps,
+            **pdl.launch(x.device))
     return out.view(*x.shape[:-1], n)

@@ -7,12 +7,16 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridserve.ops.triton import pdl
+from hybridserve.ops.triton.pdl import wait_for_previous
+
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, addend_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, out32_ptr, rows,
                          width, parts, stride_x, stride_xp, stride_a, stride_r, stride_o, stride_ro, eps,
                          HAS_ADDEND: tl.constexpr, HAS_RESIDUAL: tl.constexpr, FP32_COPY: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_previous(USE_PDL)
     row = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
     col = tl.arange(0, BLOCK_C)[None, :]
     mask = (row < rows) & (col < width)
@@ -44,7 +48,9 @@ def _add_rms_norm_kernel(x_ptr, addend_ptr, residual_ptr, weight_ptr, out_ptr, r
 
 @triton.jit
 def _group_rms_norm_kernel(x_ptr, gate_ptr, weight_ptr, out_ptr, rows, group_size, stride_x, stride_g, stride_o,
-                           eps, HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                           eps, HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                           USE_PDL: tl.constexpr):
+    wait_for_previous(USE_PDL)
     row = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
     local = tl.arange(0, BLOCK_C)[None, :]
     col = tl.program_id(1) * group_size + local
@@ -61,9 +67,11 @@ def _group_rms_norm_kernel(x_ptr, gate_ptr, weight_ptr, out_ptr, rows, group_siz
 def _qk_norm_rope_kernel(x_ptr, q_weight_ptr, k_weight_ptr, positions_ptr, inv_freq_ptr, out_ptr, rows, heads,
                          stride_xt, stride_xs, stride_xh, stride_ot, stride_os, stride_oh, eps,
                          HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr):
+                         BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     """BLOCK_R heads of [T, 2, H] (row = (token, q or k, head)), each in three column pieces: the two rotated
     halves [0, HALF) and [HALF, 2 HALF), and the pass-through rest."""
+    wait_for_previous(USE_PDL)
     row = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     token, which, head = row // (2 * heads), (row // heads) % 2, row % heads
     live = (row < rows)[:, None]
@@ -110,9 +118,11 @@ def _rotate(src, dst, live, cos, sin, half, STEP: tl.constexpr, OFFSET: tl.const
 def _mla_latent_kernel(kv_ptr, weight_ptr, q_ptr, q_out_ptr, positions_ptr, inv_freq_ptr, slots_ptr, cache_ptr,
                        heads, stride_kv, stride_qt, stride_qh, stride_ot, stride_oh, stride_c, eps,
                        RANK: tl.constexpr, HALF: tl.constexpr, STEP: tl.constexpr, OFFSET: tl.constexpr,
-                       BLOCK_RANK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+                       BLOCK_RANK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                       USE_PDL: tl.constexpr):
     """One token: its latent row [RMSNorm(c_kv) | rope(k_rope)] written to the cache at its slot, and its query
     heads' rope channels rotated into q_out."""
+    wait_for_previous(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     col = tl.arange(0, BLOCK_RANK)
     ok = col < RANK
@@ -179,7 +189,7 @@ def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, 
         0 if residual is None else residual.stride(0), out.stride(0),
         0 if residual_out is None else residual_out.stride(0), eps, HAS_ADDEND=addend is not None,
         HAS_RESIDUAL=residual is not None, FP32_COPY=out32 is not None and out32 is not out, BLOCK_R=block_r,
-        BLOCK_C=block_c, num_warps=warps)
+        BLOCK_C=block_c, num_warps=warps, **pdl.launch(x.device))
     return out, residual_out, out32
 
 
@@ -208,7 +218,7 @@ def group_rms_norm(x: torch.Tensor, weight: torch.Tensor, num_groups: int, eps: 
     _group_rms_norm_kernel[(triton.cdiv(rows, block_r), num_groups)](
         x, x if gate is None else gate, weight.contiguous(), out, rows, group_size, x.stride(0),
         0 if gate is None else gate.stride(0), out.stride(0), eps, HAS_GATE=gate is not None,
-        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps, **pdl.launch(x.device))
     return out
 
 
@@ -230,7 +240,8 @@ def qk_norm_rope(qk: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torc
         inv_freq.contiguous(), out, rows, heads, qk.stride(0), qk.stride(1), qk.stride(2), out.stride(0),
         out.stride(1), out.stride(2), eps, HEAD_DIM=head_dim, HALF=half, HAS_NORM=norm, BLOCK_R=block_r,
         BLOCK_HALF=max(16, triton.next_power_of_2(half)),
-        BLOCK_PASS=max(16, triton.next_power_of_2(head_dim - 2 * half)), num_warps=warps)
+        BLOCK_PASS=max(16, triton.next_power_of_2(head_dim - 2 * half)), num_warps=warps,
+        **pdl.launch(qk.device))
     return out
 
 
@@ -255,4 +266,4 @@ def mla_latent_rope(kv_a: torch.Tensor, norm_weight: torch.Tensor, q_rope: torch
             q_out.stride(1), latent_cache.stride(0), eps, RANK=rank, HALF=half, STEP=2 if interleaved else 1,
             OFFSET=1 if interleaved else half, BLOCK_RANK=triton.next_power_of_2(rank),
             BLOCK_HALF=max(16, triton.next_power_of_2(half)), BLOCK_H=max(2, triton.next_power_of_2(heads)),
-            num_warps=4)
+            num_warps=4, **pdl.launch(kv_a.device))

@@ -25,8 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.gemv import Tiles, dot_rows, tiles
 from hybridserve.ops.triton.moe import expert_shapes
+from hybridserve.ops.triton.pdl import wait_for_previous
 
 # The most (token, choice) pairs ops.moe gives this form; beyond, the grouped-GEMM form (`ops.triton.moe`), whose
 # expert blocks share each weight tile among their rows. benchmarks/ops/moe.py times both forms at decode sizes; on
@@ -45,9 +47,10 @@ def _pair(ids_ptr, weights_ptr, pair, EXPERTS: tl.constexpr):
 @triton.jit
 def _gemv_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, weights_ptr, act_ptr, stride_x, inter, TOP_K: tl.constexpr,
                          EXPERTS: tl.constexpr, H: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         STAGES: tl.constexpr):
+                         STAGES: tl.constexpr, USE_PDL: tl.constexpr):
     """act[pair, cols] = SiLU(gate) * up of BN / 2 intermediate columns; w13 rows 2j (gate) and 2j + 1 (up) of the
     tile are column j's."""
+    wait_for_previous(USE_PDL)
     pair = tl.program_id(0)
     expert, _, live = _pair(ids_ptr, weights_ptr, pair, EXPERTS)
     if live:  # else the down launch skips the pair too: its act row is never read
@@ -66,9 +69,10 @@ def _gemv_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, weights_ptr, act_ptr, stride_x
 @triton.jit
 def _gemv_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, CHOICES: tl.constexpr,
                       EXPERTS: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      STAGES: tl.constexpr):
+                      STAGES: tl.constexpr, USE_PDL: tl.constexpr):
     """out[row, cols] = the sum over the row's CHOICES pairs, in order, of (act[pair] @ w2[e]^T * weight) rounded
     to out's dtype, summed in fp32 and rounded once (one pair: its weighted row)."""
+    wait_for_previous(USE_PDL)
     row = tl.program_id(0)
     col = tl.program_id(1) * BN + tl.arange(0, BN)
     col_ok = col < hidden
@@ -114,8 +118,9 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
         act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
         _gemv_gate_up_kernel[(pairs, triton.cdiv(2 * inter, up_tiles.BN))](
             x, w13, ids, weights, act, x.stride(0), inter, TOP_K=top_k, EXPERTS=experts, H=hidden, BN=up_tiles.BN,
-            BK=up_tiles.BK, STAGES=up_tiles.STAGES, num_warps=up_tiles.num_warps)
+            BK=up_tiles.BK, STAGES=up_tiles.STAGES, num_warps=up_tiles.num_warps,
+            **pdl.launch(x.device))
         _gemv_down_kernel[(out.shape[0], triton.cdiv(hidden, down.BN))](
             act, w2, ids, weights, out, hidden, CHOICES=top_k if reduce else 1, EXPERTS=experts, I=inter,
-            BN=down.BN, BK=down.BK, STAGES=down.STAGES, num_warps=down.num_warps)
+            BN=down.BN, BK=down.BK, STAGES=down.STAGES, num_warps=down.num_warps, **pdl.launch(x.device))
     return out if reduce else out.view(tokens, top_k, hidden)

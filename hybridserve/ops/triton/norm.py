@@ -9,13 +9,17 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridserve.ops.triton import pdl
+from hybridserve.ops.triton.pdl import wait_for_previous
+
 
 @triton.jit
 def _residual_rms_norm_kernel(u_ptr, u_s0, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0, w_ptr,
                               x_out_ptr, h_ptr, h32_ptr, width, eps,
                               BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_UB: tl.constexpr,
                               HAS_US: tl.constexpr, HAS_RB: tl.constexpr, HAS_RS: tl.constexpr,
-                              HAS_SKIP: tl.constexpr, FP32_COPY: tl.constexpr):
+                              HAS_SKIP: tl.constexpr, FP32_COPY: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     col = tl.arange(0, BLOCK)
     ok = col < width
@@ -72,5 +76,5 @@ def residual_rms_norm(update: torch.Tensor, norm_weight: torch.Tensor, eps: floa
             width, eps, BLOCK=block, HAS_RESIDUAL=residual is not None, HAS_UB=update_bias is not None,
             HAS_US=update_scale is not None, HAS_RB=residual_bias is not None, HAS_RS=residual_scale is not None,
             HAS_SKIP=skip_weight is not None, FP32_COPY=h32 is not None and h32 is not h,
-            num_warps=min(16, max(1, block // 256)))
+            num_warps=min(16, max(1, block // 256)), **pdl.launch(x.device))
     return x, h, h32

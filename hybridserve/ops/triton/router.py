@@ -10,12 +10,16 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridserve.ops.triton import pdl
+from hybridserve.ops.triton.pdl import wait_for_previous
+
 
 @triton.jit
 def _grouped_topk_kernel(logits, bias, ids_out, weights_out, logits_stride, scaling,
                          HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,
                          TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, G_P2: tl.constexpr, S_P2: tl.constexpr,
-                         K_P2: tl.constexpr):
+                         K_P2: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_previous(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     group = tl.arange(0, G_P2)
     member = tl.arange(0, S_P2)
@@ -74,5 +78,5 @@ def grouped_topk(logits: torch.Tensor, expert_bias: torch.Tensor | None, n_group
         logits, bias, ids, weights, logits.stride(0), float(routed_scaling_factor),
         HAS_BIAS=expert_bias is not None, N_GROUP=n_group, GROUP_SIZE=group_size, TOPK_GROUP=topk_group,
         TOP_K=top_k, G_P2=triton.next_power_of_2(n_group), S_P2=triton.next_power_of_2(group_size),
-        K_P2=triton.next_power_of_2(top_k), num_warps=1 if experts <= 512 else 4)
+        K_P2=triton.next_power_of_2(top_k), num_warps=1 if experts <= 512 else 4, **pdl.launch(logits.device))
     return ids, weights

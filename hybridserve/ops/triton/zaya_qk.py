@@ -12,6 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridserve.ops.triton import pdl
+from hybridserve.ops.triton.pdl import wait_for_previous
+
 
 @triton.jit
 def _normed(x_ptr, s0, s1, tok, heads, d, partner, d_ok, scale, eps, BLOCK_H: tl.constexpr):
@@ -37,7 +40,8 @@ def _qk_norm_rope_cache_kernel(q_ptr, q_s0, q_s1, k_ptr, k_s0, k_s1, v_ptr, v_s0
                                pos_ptr, slot_ptr, q_out_ptr, k_cache_ptr, kc_s0, kc_s1, v_cache_ptr, vc_s0, vc_s1,
                                scale, eps, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
                                HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                               BLOCK_HK: tl.constexpr):
+                               BLOCK_HK: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_previous(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
@@ -76,5 +80,5 @@ def qk_norm_rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, temp: 
             positions, slot_mapping, out, k_cache, k_cache.stride(0), k_cache.stride(1), v_cache, v_cache.stride(0),
             v_cache.stride(1), math.sqrt(d), torch.finfo(torch.float32).eps, HQ=q_heads, HK=k_heads, D=d,
             HALF=half, BLOCK_D=triton.next_power_of_2(d), BLOCK_HQ=triton.next_power_of_2(q_heads),
-            BLOCK_HK=triton.next_power_of_2(k_heads), num_warps=4)
+            BLOCK_HK=triton.next_power_of_2(k_heads), num_warps=4, **pdl.launch(q.device))
     return out

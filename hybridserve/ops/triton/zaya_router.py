@@ -35,8 +35,10 @@ import triton
 import triton.language as tl
 
 from hybridserve.ops.reference.zaya_router import Routing
+from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.counters import arrival_counters
 from hybridserve.ops.triton.norm import residual_rms_norm
+from hybridserve.ops.triton.pdl import wait_for_previous
 
 # The largest decode batch captured in a CUDA graph (and the last tile bucket the launch constants below were sized
 # for); beyond it the prefill form (cuBLAS matmuls) runs. benchmarks/ops/zaya_router.py times both forms on each side.
@@ -107,10 +109,11 @@ def _dense_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr
                   counter_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr,
                   K: tl.constexpr, N: tl.constexpr, CLASSES: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, STAGES: tl.constexpr, BC: tl.constexpr, BKC: tl.constexpr, CARRY: tl.constexpr,
-                  NORM: tl.constexpr, GELU: tl.constexpr, SELECT: tl.constexpr):
+                  NORM: tl.constexpr, GELU: tl.constexpr, SELECT: tl.constexpr, USE_PDL: tl.constexpr):
     """out[rows, cols] = act(x'[rows] @ w[cols]^T + b[cols]) (+ carry[rows, cols] * scale[cols], with CARRY) for
     this program's BT tokens and BN columns; x' = norm_weight * x * rstd(x) with NORM, act = GELU with GELU.
     With SELECT, the token block's last program to finish then selects its classes from the whole out rows."""
+    wait_for_previous(USE_PDL)
     rows = tl.program_id(1) * BT + tl.arange(0, BT)
     row_ok = rows < num_tokens
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -208,7 +211,8 @@ def fused_route(x32, down_weight, down_bias, carry, states_scale, norm_weight, e
         bc = triton.next_power_of_2(classes)
         dummy = x32
         select = (_arrival_counters(x32.device), out_weight, balancing_biases, choice, weight, ids, expert_w, skip_w)
-        common = dict(N=width, CLASSES=classes, BT=bt, BN=bn, BC=bc, BKC=_chunk(bt, bc, width), num_warps=4)
+        common = dict(N=width, CLASSES=classes, BT=bt, BN=bn, BC=bc, BKC=_chunk(bt, bc, width), num_warps=4,
+                      **pdl.launch(x32.device))
         _dense_kernel[grid](x32, down_weight, down_bias, z, tokens, carry if carry is not None else dummy,
                             states_scale if carry is not None else dummy, dummy, eps, *(dummy,) * 8,
                             K=hidden, **_loop(bt, bn, hidden), CARRY=carry is not None, NORM=False, GELU=False,
