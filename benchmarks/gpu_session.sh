@@ -4,7 +4,7 @@
 # Logs and JSON go to $OUT (default ./gpu-out); the per-file logs end up in one $OUT/logs.tgz, as the device tool
 # brings back at most 8 files. Usage, from the repository root on the GPU machine:
 #   bash benchmarks/gpu_session.sh [tests|kernels|engines|bench|all|ling|agreement|profile|tune|serving|serving-ling|tp|
-#                                   structured|spec]
+#                                   structured|spec|pdl]
 # (all = tests + bench; tests = kernels + engines: the two groups of test files, see below; ling = 16 Ling-2.6-flash
 # layers with dummy weights and the shared-expert overlap; agreement = Ling decode agreement per lightning
 # implementation; profile = the b1, b64 and prefill step profiles of the 40-layer
@@ -15,7 +15,9 @@
 # tp = on nvidia-h200-x2: the TP=2 GPU test, 40-layer ZAYA1 at TP=2, and Ling-2.6-flash at full size at TP=2;
 # structured = the structured-output GPU test and the 40-layer ZAYA1 offline benchmark with and without a JSON
 # grammar on every request; spec = speculative decoding: its GPU test, then 40-layer ZAYA1 with n-gram drafts and
-# 16 Ling-2.6-flash layers with MTP drafts, plain vs speculative vs forced acceptance at batch 1 and 16, greedy)
+# 16 Ling-2.6-flash layers with MTP drafts, plain vs speculative vs forced acceptance at batch 1 and 16, greedy;
+# pdl = programmatic dependent launch: the kernel-chain benchmark, its GPU test, then the 40-layer ZAYA1 offline
+# benchmark at b1 and b64 with HYBRIDSERVE_PDL=0 and =1)
 set -u
 OUT=${OUT:-gpu-out}
 what=${1:-all}
@@ -131,6 +133,17 @@ if [[ $what == spec ]]; then
     --scenarios b1 b16 --speculative-algorithm NEXTN --num-draft-tokens 3 --out "$OUT/spec_ling16_nextn.json" \
     > "$OUT/logs/spec_ling.log" 2>&1
   grep -A 3 "plain tok/s" "$OUT/logs/spec_ling.log" || tail -n 20 "$OUT/logs/spec_ling.log"
+fi
+
+if [[ $what == pdl ]]; then
+  timeout 120 python benchmarks/pdl_chain.py --out "$OUT/pdl_chain.json" 2>&1 | tail -n 3
+  timeout 300 python -m pytest -s -p no:cacheprovider tests/gpu/test_pdl_gpu.py > "$OUT/logs/test_pdl_gpu.log" 2>&1
+  grep -E "largest|passed|failed|skipped" "$OUT/logs/test_pdl_gpu.log"
+  for flag in 0 1; do
+    HYBRIDSERVE_PDL=$flag timeout 300 python benchmarks/offline_throughput.py --layers 40 --load-format dummy \
+      --skip-hf --scenarios b1 b64 --out "$OUT/offline_pdl$flag.json" > "$OUT/logs/offline_pdl$flag.log" 2>&1
+    echo "HYBRIDSERVE_PDL=$flag" && grep -A 4 "^scenario" "$OUT/logs/offline_pdl$flag.log"
+  done
 fi
 
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"
