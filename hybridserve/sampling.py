@@ -29,6 +29,9 @@ class SamplingParamError(ValueError):
         super().__init__(f"invalid sampling parameter {param}={value!r}: {why}")
         self.param, self.value, self.why = param, value, why
 
+    def __reduce__(self):  # pickled from the engine's process to the server's with its fields
+        return type(self), (self.param, self.value, self.why)
+
 
 def _is_int(value, low: int = INT64_MIN, high: int = INT64_MAX) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high

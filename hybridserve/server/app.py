@@ -1,7 +1,7 @@
 """The FastAPI app (routes) and `run_server`, which `hybridserve serve` calls.
 
 The port is bound before anything loads (the CLI does it, so a port in use fails at once); it opens when the app
-starts, and the model loads on the engine thread meanwhile (GET /health is 503 until it is ready). SIGTERM and
+starts, and the model loads in the engine's process meanwhile (GET /health is 503 until it is ready). SIGTERM and
 Ctrl+C stop admitting, give the calls in flight a short grace period, end the rest with an error (streams: an error
 event and [DONE]) and exit. If loading fails, or the engine fails later, the server shuts down and `run_server`
 returns non-zero.
@@ -57,7 +57,7 @@ from hybridserve.server.state import ServerOptions, ServerState
 
 logger = logging.getLogger(__name__)
 
-_ENGINE_STOP_WAIT_S = 1.5  # a step in progress may finish; the engine thread is a daemon after that
+_ENGINE_STOP_WAIT_S = 1.5  # a step in progress may finish; the engine's process is terminated after that
 
 
 def build_app(state: ServerState, on_fatal: Callable[[], None], url: str = "") -> FastAPI:

@@ -1,19 +1,24 @@
-"""AsyncEngine: the single-threaded LLMEngine on its own thread, beside the asyncio event loop.
+"""AsyncEngine: the server's handle on the LLMEngine running in its own process (server/engine_process.py).
 
-The event loop never calls the engine. It queues commands (add a group of requests, abort requests) under a
-condition variable; the engine thread drains them between steps, steps while there is work, sleeps on the
-condition when idle, and hands each step's outputs back to the loop in one `call_soon_threadsafe` call, which
-leaves every output in the mailbox of the API call that owns it. A long prefill therefore never blocks accepting
-or streaming other requests, and the engine is only ever touched by one thread.
+The event loop never waits on the engine. Commands (add a group of requests, abort requests, stop) go to the
+engine's process through a sender thread, so a large prompt never blocks the loop on a full pipe; a receiver thread
+reads what the engine sends back and hands each message to the loop in one `call_soon_threadsafe` call, which
+leaves every output in the mailbox of the API call that owns it. The two processes share nothing: a long prefill
+never blocks accepting or streaming other requests, and streaming thousands of chunks never delays a step.
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import multiprocessing
+import multiprocessing.connection
+import queue
 import threading
-import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 from transformers import PreTrainedTokenizerBase
 
@@ -21,10 +26,12 @@ from hybridserve.config import EngineConfig
 from hybridserve.engine.engine import LLMEngine
 from hybridserve.outputs import RequestOutput, RequestOutputKind
 from hybridserve.sampling import SamplingParams
-from hybridserve.structured.compiler import GrammarCompiler
+from hybridserve.server import engine_process
+from hybridserve.server.engine_process import EngineDescription
+from hybridserve.structured.compiler import GrammarCompiler, shared_compiler
 from hybridserve.tokenizer import load_tokenizer
 
-logger = logging.getLogger(__name__)
+SHIPPED_GRAMMARS = 4096  # grammars remembered as sent to the engine's process (it keeps them in its own cache)
 
 
 @dataclass(frozen=True)
@@ -35,7 +42,7 @@ class EngineInfo:
     model_type: str  # config.json's (picks the default tool-call parser)
     max_model_len: int
     vocab_size: int
-    tokenizer: PreTrainedTokenizerBase  # a second instance, used only on the event-loop thread
+    tokenizer: PreTrainedTokenizerBase  # the server process's own, used only on the event-loop thread
 
 
 @dataclass(frozen=True)
@@ -46,7 +53,7 @@ class EngineRequest:
 
 
 class EngineDead(RuntimeError):
-    """Raised to every open API call when the engine thread fails."""
+    """Raised to every open API call when the engine fails or its process dies."""
 
 
 class OutputMailbox:
@@ -86,49 +93,63 @@ class OutputMailbox:
         return outputs
 
 
-@dataclass
-class _Add:
-    requests: list[EngineRequest]
-    mailbox: OutputMailbox
-    accepted: asyncio.Future
-
-
-@dataclass
-class _Abort:
-    request_ids: list[str]
-
-
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, chat_template: str | None = None):
+    def __init__(self, config: EngineConfig, chat_template: str | None = None,
+                 engine_factory: Callable[[EngineConfig], LLMEngine] = LLMEngine):
         self.config = config
         self.chat_template = chat_template  # replaces the model's, for the HTTP side's tokenizer
+        self.engine_factory = engine_factory  # what the engine's process runs (a test double in some tests)
         self.info: EngineInfo | None = None  # set once the model is loaded
         self.error: BaseException | None = None  # set if loading or a step failed; the server then stops
+        self._grammars: GrammarCompiler | None = None
         self._stats: dict[str, int] = {}
-        self._commands: list[_Add | _Abort] = []
-        self._wakeup = threading.Condition()
         self._stopping = False
-        # Engine thread only: request id -> its API call's mailbox, and whether its outputs are deltas.
+        # Event-loop side only: request id -> its API call's mailbox and whether its outputs are deltas; groups
+        # waiting for the engine's answer; grammars the engine's process was sent already (most recent last).
         self._mailboxes: dict[str, tuple[OutputMailbox, bool]] = {}
-        self._engine: LLMEngine | None = None  # kept after the thread ends: freeing its caches can take a second
+        self._groups: dict[int, tuple[asyncio.Future, list[str]]] = {}
+        self._group_ids = itertools.count()
+        self._shipped: OrderedDict[tuple, None] = OrderedDict()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_fatal: Callable[[], None] = lambda: None
-        self._thread: threading.Thread | None = None
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
 
     # --- event-loop side -------------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop, on_fatal: Callable[[], None]) -> None:
-        """Load the model and serve on a new thread; `on_fatal` runs on the loop if loading or a step fails."""
+        """Start the engine's process (it loads the model); `on_fatal` runs on the loop if loading or a step
+        fails, or the process dies."""
         self._loop, self._on_fatal = loop, on_fatal
-        self._thread = threading.Thread(target=self._run, name="hybridserve-engine", daemon=True)
-        self._thread.start()
+        context = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
+        commands_in, commands_out = context.Pipe(duplex=False)
+        events_in, events_out = context.Pipe(duplex=False)
+        # Not a daemon: it starts tensor-parallel workers of its own. It ends with this process all the same.
+        self._process = context.Process(target=engine_process.serve, name="hybridserve-engine",
+                                        args=(self.config, self.engine_factory, commands_in, events_out,
+                                              logging.getLogger().getEffectiveLevel()))
+        self._process.start()
+        commands_in.close()
+        events_out.close()
+        threading.Thread(target=self._send_commands, args=(commands_out,), name="hybridserve-engine-send",
+                         daemon=True).start()
+        threading.Thread(target=self._receive_events, args=(events_in,), name="hybridserve-engine-receive",
+                         daemon=True).start()
 
     def stop(self, wait_s: float = 30) -> None:
-        """Stop after the current step; wait at most `wait_s` for it (the thread is a daemon)."""
-        with self._wakeup:
-            self._stopping = True
-            self._wakeup.notify()
-        if self._thread is not None:
-            self._thread.join(timeout=wait_s)
+        """Stop after the current step; wait at most `wait_s` for it, then end the process."""
+        self._stopping = True
+        self._outbox.put(("stop",))
+        self._outbox.put(None)
+        process = self._process
+        if process is None:
+            return
+        process.join(timeout=wait_s)
+        if process.is_alive():
+            process.terminate()  # SIGTERM: it stops at its next Python instruction and stops its TP workers
+            process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+            process.join()
 
     @property
     def ready(self) -> bool:
@@ -140,120 +161,131 @@ class AsyncEngine:
 
     @property
     def grammars(self) -> GrammarCompiler:
-        """The loaded engine's grammar compiler (thread-safe; shared by every engine of the process with this
-        tokenizer), for compiling a request's grammar before it is queued."""
-        return self._engine.grammars
+        """The server process's grammar compiler for the loaded model (thread-safe; shared by every engine of the
+        process with this tokenizer), for compiling a request's grammar before it is queued."""
+        return self._grammars
 
     async def add(self, requests: list[EngineRequest], mailbox: OutputMailbox) -> None:
         """Queue requests as one group: all are accepted, or none (the engine's ValueError is raised here).
 
         Their outputs (RequestOutputs of each request's output kind) arrive in `mailbox`.
         """
-        accepted = self._loop.create_future()
-        if not self._submit(_Add(requests, mailbox, accepted)):
+        if self.error is not None:
             raise EngineDead(f"the engine has failed ({self.error}); restart the server")
+        grammars = await self._grammars_to_ship(requests)
+        if self.error is not None:
+            raise EngineDead(f"the engine has failed ({self.error}); restart the server")
+        group, accepted = next(self._group_ids), self._loop.create_future()
+        self._groups[group] = (accepted, [request.request_id for request in requests])
+        self._mailboxes.update(
+            (request.request_id, (mailbox, request.params.output_kind is RequestOutputKind.DELTA))
+            for request in requests)
+        self._outbox.put(("add", group, requests, grammars))
         await accepted
 
     def abort(self, request_ids: list[str]) -> None:
         """Stop requests wherever they are (pages and state are freed by the engine); no output follows."""
-        self._submit(_Abort(request_ids))
+        for request_id in request_ids:
+            self._mailboxes.pop(request_id, None)
+        if self.error is None:
+            self._outbox.put(("abort", request_ids))
 
-    def _submit(self, command: _Add | _Abort) -> bool:
-        """Queue a command for the engine thread; False once the engine has failed (nothing runs any more)."""
-        with self._wakeup:
-            if self.error is not None:
-                return False
-            self._commands.append(command)
-            self._wakeup.notify()
-            return True
+    async def _grammars_to_ship(self, requests: list[EngineRequest]) -> dict[str, str]:
+        """The serialized grammars (by request id) the engine's process has not been sent yet: it adopts them
+        instead of compiling them again between two steps."""
+        wanted: dict[tuple, list[str]] = {}
+        for request in requests:
+            spec = request.params.structured_output
+            if spec is not None and self._grammars is not None:
+                key = (spec.kind, spec.spec_text(), spec.strict)
+                if key in self._shipped:
+                    self._shipped.move_to_end(key)
+                else:
+                    wanted.setdefault(key, []).append(request.request_id)
+        shipped = {}
+        for key, request_ids in wanted.items():
+            spec = next(r.params.structured_output for r in requests if r.request_id == request_ids[0])
+            shipped[request_ids[0]] = await asyncio.to_thread(self._grammars.serialized, spec)
+            self._shipped[key] = None
+        while len(self._shipped) > SHIPPED_GRAMMARS:
+            self._shipped.popitem(last=False)
+        return shipped
 
-    # --- engine thread ---------------------------------------------------------------------------------------
-    def _run(self) -> None:
-        start = time.monotonic()
+    def _on_event(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "outputs":
+            _, outputs, self._stats = message
+            for output in outputs:
+                pop = self._mailboxes.pop if output.finished else self._mailboxes.get
+                target = pop(output.request_id, None)
+                if target is not None:
+                    target[0].put(output, target[1])
+        elif kind == "accepted":
+            _, group, refusal, self._stats = message
+            accepted, request_ids = self._groups.pop(group)
+            if refusal is not None:
+                for request_id in request_ids:
+                    self._mailboxes.pop(request_id, None)
+            _settle(accepted, refusal)
+        elif kind == "stats":
+            self._stats = message[1]
+        elif kind == "ready":
+            _, self.info, self._grammars, self._stats = message
+        elif kind == "failed":
+            self._fail(message[1])
+        elif not self._stopping and self.error is None:  # "exited": the process ended without saying why
+            self._fail(f"the engine's process exited unexpectedly (exit code {self._process.exitcode})")
+
+    def _fail(self, what: str) -> None:
+        self.error = dead = EngineDead(what)
+        for accepted, _ in self._groups.values():
+            _settle(accepted, dead)
+        self._groups.clear()
+        for mailbox in {mailbox for mailbox, _ in self._mailboxes.values()}:
+            mailbox.interrupt(dead)
+        self._mailboxes.clear()
+        self._outbox.put(None)
+        self._on_fatal()
+
+    # --- the pipe threads ----------------------------------------------------------------------------------------
+    def _send_commands(self, pipe: Connection) -> None:
+        while (command := self._outbox.get()) is not None:
+            try:
+                pipe.send(command)
+            except OSError:  # the engine's process is gone; the receiver reports it
+                break
+        pipe.close()
+
+    def _receive_events(self, pipe: Connection) -> None:
+        while True:
+            try:
+                message = pipe.recv()
+            except (EOFError, OSError):  # it has ended or is ending: give it a moment to report its exit code
+                multiprocessing.connection.wait([self._process.sentinel], timeout=5)
+                self._deliver(("exited",))
+                return
+            if message[0] == "ready":  # the tokenizer and grammar compiler load here, off the event loop
+                message = ("ready", *self._server_side(message[1]), message[2])
+            if not self._deliver(message):
+                return
+
+    def _deliver(self, message: tuple) -> bool:
+        """Hand `message` to the event loop; False once the loop is closed (the server has ended)."""
         try:
-            engine = self._engine = LLMEngine(self.config)
-            tokenizer = load_tokenizer(self.config.tokenizer or engine.model_dir)
-        except Exception as err:  # a bad model directory or engine option: report it and stop the server
-            self._fail(err, "the engine could not start")
-            return
+            self._loop.call_soon_threadsafe(self._on_event, message)
+        except RuntimeError:
+            return False
+        return True
+
+    def _server_side(self, description: EngineDescription) -> tuple[EngineInfo, GrammarCompiler]:
+        tokenizer = load_tokenizer(description.tokenizer_path)
         if self.chat_template is not None:
             tokenizer.chat_template = self.chat_template
-        self._stats = engine.stats()
-        self.info = EngineInfo(engine.model_dir, engine.model_type, engine.max_model_len, engine.vocab_size,
-                               tokenizer)
-        runner = engine.runner
-        logger.info("model ready in %.1f s: %s (%s), device %s, dtype %s, max_model_len %d",
-                    time.monotonic() - start, engine.model_dir, type(runner.model).__name__, runner.device,
-                    str(runner.dtype).removeprefix("torch."), engine.max_model_len)
-        try:
-            while (commands := self._wait_for_work(engine)) is not None:
-                for command in commands:
-                    self._apply(engine, command)
-                if engine.has_unfinished_requests():
-                    self._deliver(engine.step())
-                self._stats = engine.stats()
-        except Exception as err:  # an engine bug: its state can no longer be trusted
-            self._fail(err, "the engine failed")
-        finally:
-            engine.shutdown()  # tensor-parallel workers
-
-    def _wait_for_work(self, engine: LLMEngine) -> list[_Add | _Abort] | None:
-        with self._wakeup:
-            while not (self._commands or self._stopping or engine.has_unfinished_requests()):
-                self._wakeup.wait()
-            if self._stopping:
-                return None
-            commands, self._commands = self._commands, []
-            return commands
-
-    def _apply(self, engine: LLMEngine, command: _Add | _Abort) -> None:
-        if isinstance(command, _Abort):
-            for request_id in command.request_ids:
-                engine.abort_request(request_id)
-                self._mailboxes.pop(request_id, None)
-            return
-        added = []
-        try:
-            for request in command.requests:
-                engine.add_request(request.request_id, request.prompt_token_ids, request.params)
-                added.append(request.request_id)
-        except Exception as err:  # ValueError: a bad request (400); anything else: this group failed alone (500)
-            if not isinstance(err, ValueError):
-                logger.error("adding request group %s failed", [r.request_id for r in command.requests],
-                             exc_info=err)
-            for request_id in added:
-                engine.abort_request(request_id)
-            self._loop.call_soon_threadsafe(_settle, command.accepted, err)
-            return
-        self._mailboxes.update(
-            (request.request_id, (command.mailbox, request.params.output_kind is RequestOutputKind.DELTA))
-            for request in command.requests)
-        self._loop.call_soon_threadsafe(_settle, command.accepted, None)
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        batch = []
-        for output in outputs:
-            pop = self._mailboxes.pop if output.finished else self._mailboxes.get
-            target = pop(output.request_id, None)
-            if target is not None:
-                batch.append((*target, output))
-        if batch:
-            self._loop.call_soon_threadsafe(_put_all, batch)
-
-    def _fail(self, err: Exception, what: str) -> None:
-        if isinstance(err, (ValueError, FileNotFoundError)):
-            logger.error("%s: %s", what, err)
-        else:
-            logger.exception(what)
-        dead = EngineDead(f"{what}: {type(err).__name__}: {err}")
-        with self._wakeup:  # from now on nothing is queued, and what was queued is answered here
-            self.error = err
-            waiting, self._commands = [c.accepted for c in self._commands if isinstance(c, _Add)], []
-        for future in waiting:
-            self._loop.call_soon_threadsafe(_settle, future, dead)
-        for mailbox in {mailbox for mailbox, _ in self._mailboxes.values()}:
-            self._loop.call_soon_threadsafe(mailbox.interrupt, dead)
-        self._loop.call_soon_threadsafe(self._on_fatal)
+        info = EngineInfo(description.model_dir, description.model_type, description.max_model_len,
+                          description.vocab_size, tokenizer)
+        grammars = shared_compiler(description.tokenizer_path, description.vocab_size,
+                                   list(description.eos_token_ids))
+        return info, grammars
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:
@@ -263,8 +295,3 @@ def _settle(future: asyncio.Future, error: BaseException | None) -> None:
         future.set_result(None)
     else:
         future.set_exception(error)
-
-
-def _put_all(items: list[tuple[OutputMailbox, bool, RequestOutput]]) -> None:
-    for mailbox, delta, output in items:
-        mailbox.put(output, delta)

@@ -1,10 +1,11 @@
 """Data-parallel replicas (`--dp N`): N independent engines behind one HTTP server.
 
-Each replica is an AsyncEngine with its own device(s) (replica i takes GPUs i*tp .. (i+1)*tp - 1), caches and
-scheduler. A request group goes to one replica: the one whose prefix cache most likely holds the longest
-page-aligned prefix of its prompt (the router remembers which replica last took each prefix, by a hash chain over
-whole pages), otherwise the one with the fewest outstanding tokens (prompt + max new tokens of its unfinished
-requests). The set answers the server exactly as one AsyncEngine does.
+Each replica is an AsyncEngine (an engine process of its own: replicas never share an interpreter lock) with its own
+device(s) (replica i takes GPUs i*tp .. (i+1)*tp - 1), caches and scheduler. A request group goes to one replica:
+the one whose prefix cache most likely holds the longest page-aligned prefix of its prompt (the router remembers
+which replica last took each prefix, by a hash chain over whole pages), otherwise the one with the fewest
+outstanding tokens (prompt + max new tokens of its unfinished requests). The set answers the server exactly as one
+AsyncEngine does.
 """
 from __future__ import annotations
 

@@ -114,9 +114,9 @@ class ServerState:
             raise invalid_field(err) from None
 
     async def compile_grammar(self, params: SamplingParams, field: str | None) -> None:
-        """Compile a request's grammar on a worker thread before it is queued: the engine thread then finds it
-        in the process's shared cache instead of stalling every stream for the compile. One that cannot be
-        compiled is a 400 naming the request `field` that gave it."""
+        """Compile a request's grammar on a worker thread before it is queued (the engine's process is sent the
+        compiled grammar instead of stalling every stream for a compile). One that cannot be compiled is a 400
+        naming the request `field` that gave it."""
         if params.structured_output is None:
             return
         try:

@@ -2,9 +2,10 @@
 
 Compiling turns a spec into per-state token masks over the whole vocabulary (tens of milliseconds for a JSON schema
 over a 150k vocabulary), so each (kind, spec, strict) is compiled once and reused. One compiler serves every engine
-of the process that shares a tokenizer and vocabulary (`shared_compiler`: the server's replicas and the HTTP side,
-which compiles a request's grammar off the event loop before queueing it). Thread-safe. xgrammar itself is imported
-on first use: an engine that never sees a grammar never loads it.
+of the process that shares a tokenizer and vocabulary (`shared_compiler`). The server's HTTP process compiles a
+request's grammar off the event loop before queueing it (a 400 if it cannot) and ships it to the engine's process
+serialized (`serialized` / `adopt`), so the engine never stalls its streams on a compile. Thread-safe. xgrammar
+itself is imported on first use: an engine that never sees a grammar never loads it.
 """
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ class GrammarCompiler:
         self.cache_bytes = cache_bytes
         self._lock = threading.Lock()
         self._compiler: xgrammar.GrammarCompiler | None = None
+        self._tokenizer_info: xgrammar.TokenizerInfo | None = None  # the compiler's (to read serialized grammars)
         self._cache: OrderedDict[tuple, tuple[xgrammar.CompiledGrammar, int]] = OrderedDict()
         self._cached_bytes = 0
 
@@ -67,6 +69,7 @@ class GrammarCompiler:
                     load_tokenizer(self.tokenizer_path), vocab_size=self.vocab_size,
                     stop_token_ids=self.stop_token_ids)
                 self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)  # the cache is ours
+                self._tokenizer_info = info
             return self._compiler
 
     def compile(self, spec: StructuredOutputParams) -> xgrammar.CompiledGrammar:
@@ -79,6 +82,27 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return hit[0]
         compiled = self._compile(spec, self._xgrammar())
+        self._remember(key, compiled)
+        return compiled
+
+    def serialized(self, spec: StructuredOutputParams) -> str:
+        """`spec`'s compiled grammar as xgrammar's JSON, for `adopt` in another process (the engine's): a few
+        milliseconds to write and read where compiling again takes tens."""
+        return self.compile(spec).serialize_json()
+
+    def adopt(self, spec: StructuredOutputParams, serialized: str) -> None:
+        """Cache `spec`'s grammar as another process's compiler (same tokenizer, vocabulary and stop set) wrote it
+        with `serialized`, unless this cache holds it already."""
+        import xgrammar
+
+        key = (spec.kind, spec.spec_text(), spec.strict)
+        with self._lock:
+            if key in self._cache:
+                return
+        self._xgrammar()
+        self._remember(key, xgrammar.CompiledGrammar.deserialize_json(serialized, self._tokenizer_info))
+
+    def _remember(self, key: tuple, compiled: xgrammar.CompiledGrammar) -> None:
         size = compiled.memory_size_bytes
         with self._lock:
             if key not in self._cache:
@@ -87,7 +111,6 @@ class GrammarCompiler:
                 while self._cached_bytes > self.cache_bytes and len(self._cache) > 1:
                     _, (_, dropped) = self._cache.popitem(last=False)
                     self._cached_bytes -= dropped
-        return compiled
 
     def __len__(self) -> int:
         return len(self._cache)

@@ -22,6 +22,9 @@ class StructuredOutputError(ValueError):
         super().__init__(f"invalid structured output {param}={_short(value)}: {why}")
         self.param, self.value, self.why = param, value, why
 
+    def __reduce__(self):  # pickled from the engine's process to the server's with its fields
+        return type(self), (self.param, self.value, self.why)
+
 
 def _short(value, limit: int = 200) -> str:
     text = repr(value)

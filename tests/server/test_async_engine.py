@@ -1,41 +1,48 @@
-"""The engine thread's contract, with an engine double whose steps fail (no real engine fails on demand)."""
+"""The server's handle on the engine's process: request groups accepted whole or not at all, outputs routed to their
+mailboxes, failures (a step, one request, the process itself) reaching the right callers, grammars shipped instead
+of compiled twice. Test doubles run in the engine's process, so what they observe comes back through the pipe
+(stats) or the file system."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from hybridserve.config import EngineConfig
 from hybridserve.demo import bundled_tokenizer_dir
+from hybridserve.engine.engine import LLMEngine
 from hybridserve.outputs import CompletionOutput, RequestOutput
 from hybridserve.sampling import SamplingParams
-from hybridserve.server import async_engine
 from hybridserve.server.async_engine import (
     AsyncEngine,
     EngineDead,
     EngineRequest,
     OutputMailbox,
 )
-
+from hybridserve.structured import StructuredOutputParams
+from hybridserve.structured.compiler import shared_compiler
 
 class StepFailsEngine:
-    """Validates prompts like the engine, produces one output per request, then fails on the next step."""
+    """Validates prompts like the engine, produces one output per request, then fails on the next step. Its
+    `config.model` is a directory where its shutdown leaves the requests it still held."""
 
-    model_dir, model_type, max_model_len, vocab_size = "double", "zaya", 64, 100
+    model_dir, model_type, max_model_len, vocab_size, eos_token_ids = "double", "zaya", 64, 100, frozenset({0})
     runner = SimpleNamespace(model=object(), device="cpu", dtype="float32")
 
     def __init__(self, config: EngineConfig):
+        self.directory = Path(config.model)
         self.pending: list[str] = []
         self.steps = 0
-        self.shut_down = False
-        StepFailsEngine.instance = self
 
     def stats(self) -> dict[str, int]:
         return {"running": len(self.pending)}
 
     def shutdown(self) -> None:
-        self.shut_down = True
+        (self.directory / "shut_down").write_text(",".join(self.pending))
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         if not prompt:
@@ -55,11 +62,10 @@ class StepFailsEngine:
         return [RequestOutput(rid, None, [1], [CompletionOutput(0, "x", [5])]) for rid in self.pending]
 
 
-def test_groups_are_atomic_outputs_arrive_and_a_failure_reaches_everyone(monkeypatch):
-    monkeypatch.setattr(async_engine, "LLMEngine", StepFailsEngine)
-
+def test_groups_are_atomic_outputs_arrive_and_a_failure_reaches_everyone(tmp_path: Path) -> None:
     async def scenario() -> None:
-        engine = AsyncEngine(EngineConfig(model="unused-fake-engine", tokenizer=str(bundled_tokenizer_dir())))
+        engine = AsyncEngine(EngineConfig(model=str(tmp_path), tokenizer=str(bundled_tokenizer_dir())),
+                             engine_factory=StepFailsEngine)
         fatal = asyncio.Event()
         engine.start(asyncio.get_running_loop(), fatal.set)
         params = SamplingParams()
@@ -67,6 +73,7 @@ def test_groups_are_atomic_outputs_arrive_and_a_failure_reaches_everyone(monkeyp
             await engine.add([EngineRequest("a", [1], params), EngineRequest("b", [], params)], OutputMailbox())
         mailbox = OutputMailbox()
         await engine.add([EngineRequest("c", [1], params)], mailbox)
+        assert engine.stats() == {"running": 1}  # "a" of the refused group was taken back
         (output,) = await mailbox.get()
         assert output.request_id == "c" and engine.info.max_model_len == 64
         with pytest.raises(EngineDead, match="boom"):
@@ -76,15 +83,13 @@ def test_groups_are_atomic_outputs_arrive_and_a_failure_reaches_everyone(monkeyp
             await engine.add([EngineRequest("d", [1], params)], OutputMailbox())
         assert not engine.ready
         engine.stop()
-        assert StepFailsEngine.instance.pending == ["c"]  # "a" of the refused group was taken back
-        assert StepFailsEngine.instance.shut_down  # the thread's end stops the engine (its TP workers)
+        assert (tmp_path / "shut_down").read_text() == "c"  # the process's end stopped the engine (TP workers)
 
     asyncio.run(scenario())
 
 
-def test_a_request_that_fails_in_the_engine_ends_alone(zaya_dir, monkeypatch):
-    """The real engine with a failure injected into one request's sampling: that request's call gets its error,
-    the other call finishes, and the engine thread keeps serving."""
+def engine_failing_on_seed_666(config: EngineConfig) -> LLMEngine:
+    """The real engine, in the engine's process, with a failure injected into one request's sampling."""
     from hybridserve.layers.sampler import Sampler
 
     draw_rows = Sampler._draw_rows
@@ -94,7 +99,13 @@ def test_a_request_that_fails_in_the_engine_ends_alone(zaya_dir, monkeypatch):
             raise RuntimeError("injected sampling failure")
         return draw_rows(self, logits, rows, mask)
 
-    monkeypatch.setattr(Sampler, "_draw_rows", failing)
+    Sampler._draw_rows = failing
+    return LLMEngine(config)
+
+
+def test_a_request_that_fails_in_the_engine_ends_alone(zaya_dir):
+    """The real engine with a failure injected into one request's sampling: that request's call gets its error,
+    the other call finishes, and the engine keeps serving."""
 
     async def finish(mailbox: OutputMailbox) -> RequestOutput:
         while True:
@@ -104,7 +115,7 @@ def test_a_request_that_fails_in_the_engine_ends_alone(zaya_dir, monkeypatch):
 
     async def scenario() -> None:
         engine = AsyncEngine(EngineConfig(model=str(zaya_dir), device="cpu", dtype="float32", use_tqdm=False,
-                                          kv_cache_memory_bytes=64 << 20))
+                                          kv_cache_memory_bytes=64 << 20), engine_factory=engine_failing_on_seed_666)
         engine.start(asyncio.get_running_loop(), lambda: None)
         good, bad = OutputMailbox(), OutputMailbox()
         params = {"temperature": 0.7, "max_tokens": 5, "ignore_eos": True}
@@ -114,6 +125,95 @@ def test_a_request_that_fails_in_the_engine_ends_alone(zaya_dir, monkeypatch):
         assert "injected sampling failure" in failed.error and failed.outputs[0].finish_reason == "abort"
         assert done.error is None and len(done.outputs[0].token_ids) == 5
         assert engine.ready and engine.error is None
+        engine.stop()
+
+    asyncio.run(scenario())
+
+
+class HangingEngine(StepFailsEngine):
+    """Never finishes a step (a wedged device, say): only ending its process stops it."""
+
+    def step(self) -> list[RequestOutput]:
+        (self.directory / "pid").write_text(str(os.getpid()))
+        while True:
+            signal.pause()
+
+
+def test_an_engine_process_that_dies_fails_the_server_cleanly(tmp_path: Path) -> None:
+    """Killed mid-step (out of memory, a segfault in a kernel): the open call and any later one get EngineDead
+    naming the exit, and the server is told to stop instead of waiting forever."""
+    async def scenario() -> None:
+        engine = AsyncEngine(EngineConfig(model=str(tmp_path), tokenizer=str(bundled_tokenizer_dir())),
+                             engine_factory=HangingEngine)
+        fatal = asyncio.Event()
+        engine.start(asyncio.get_running_loop(), fatal.set)
+        mailbox = OutputMailbox()
+        await engine.add([EngineRequest("a", [1], SamplingParams())], mailbox)
+        pid = tmp_path / "pid"
+        while not pid.exists():
+            await asyncio.sleep(0.05)
+        os.kill(int(pid.read_text()), signal.SIGKILL)
+        with pytest.raises(EngineDead, match="exited unexpectedly"):
+            await asyncio.wait_for(mailbox.get(), 30)
+        await asyncio.wait_for(fatal.wait(), 30)
+        with pytest.raises(EngineDead):
+            await engine.add([EngineRequest("b", [1], SamplingParams())], OutputMailbox())
+        engine.stop()
+
+    asyncio.run(scenario())
+
+
+def test_stop_ends_a_wedged_engine(tmp_path: Path) -> None:
+    """A step that never returns does not keep the server from stopping: the process is terminated."""
+    async def scenario() -> None:
+        engine = AsyncEngine(EngineConfig(model=str(tmp_path), tokenizer=str(bundled_tokenizer_dir())),
+                             engine_factory=HangingEngine)
+        engine.start(asyncio.get_running_loop(), lambda: None)
+        await engine.add([EngineRequest("a", [1], SamplingParams())], OutputMailbox())
+        while not (tmp_path / "pid").exists():
+            await asyncio.sleep(0.05)
+        engine.stop(wait_s=0.5)
+        assert not engine._process.is_alive()
+
+    asyncio.run(scenario())
+
+
+VOCAB = 151936  # the demo's (the bundled Qwen3 tokenizer's ids fit)
+
+
+class GrammarCheckingEngine(StepFailsEngine):
+    """Refuses a grammar request unless its compiled grammar is in the process's cache before it is added: the
+    server must have shipped it (compiling here would stall every stream)."""
+
+    vocab_size = VOCAB
+
+    def __init__(self, config: EngineConfig):
+        super().__init__(config)
+        self.grammars = shared_compiler(config.tokenizer, VOCAB, sorted(self.eos_token_ids))
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        if len(self.grammars) != 1:
+            raise ValueError(f"{len(self.grammars)} grammars cached before the request was added")
+        super().add_request(request_id, prompt, params)
+
+
+def test_grammars_are_shipped_to_the_engine_once(tmp_path: Path) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    spec = StructuredOutputParams(json=schema)
+
+    async def scenario() -> None:
+        engine = AsyncEngine(EngineConfig(model=str(tmp_path), tokenizer=str(bundled_tokenizer_dir())),
+                             engine_factory=GrammarCheckingEngine)
+        engine.start(asyncio.get_running_loop(), lambda: None)
+        while not engine.ready:
+            await asyncio.sleep(0.05)
+        engine.grammars.compile(spec)  # as the server does before queueing
+        params = SamplingParams(structured_output=spec)
+        shipped = await engine._grammars_to_ship([EngineRequest("x", [1], params), EngineRequest("y", [1], params)])
+        assert list(shipped) == ["x"] and engine._shipped  # one payload for the two requests sharing the grammar
+        engine._shipped.clear()
+        await engine.add([EngineRequest("a", [1], params), EngineRequest("b", [1], params)], OutputMailbox())
+        assert await engine._grammars_to_ship([EngineRequest("c", [1], params)]) == {}  # sent already
         engine.stop()
 
     asyncio.run(scenario())
