@@ -9,6 +9,8 @@ never blocks accepting or streaming other requests, and streaming thousands of c
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import fcntl
 import itertools
 import logging
 import multiprocessing
@@ -31,17 +33,14 @@ from hybridserve.server.engine_process import EngineDescription
 from hybridserve.structured.compiler import GrammarCompiler, shared_compiler
 from hybridserve.tokenizer import load_tokenizer
 
+PIPE_BYTES = 1 << 20
 SHIPPED_GRAMMARS = 4096  # grammars remembered as sent to the engine's process (it keeps them in its own cache)
 
 
 @dataclass(frozen=True)
-class EngineInfo:
-    """What the API layer needs to know about the loaded model."""
+class EngineInfo(EngineDescription):
+    """What the API layer needs to know about the loaded model: the engine's description and the tokenizer."""
 
-    model_dir: str
-    model_type: str  # config.json's (picks the default tool-call parser)
-    max_model_len: int
-    vocab_size: int
     tokenizer: PreTrainedTokenizerBase  # the server process's own, used only on the event-loop thread
 
 
@@ -123,6 +122,8 @@ class AsyncEngine:
         context = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
         commands_in, commands_out = context.Pipe(duplex=False)
         events_in, events_out = context.Pipe(duplex=False)
+        for pipe in (commands_in, events_in):
+            _widen(pipe)
         # Not a daemon: it starts tensor-parallel workers of its own. It ends with this process all the same.
         self._process = context.Process(target=engine_process.serve, name="hybridserve-engine",
                                         args=(self.config, self.engine_factory, commands_in, events_out,
@@ -281,11 +282,20 @@ class AsyncEngine:
         tokenizer = load_tokenizer(description.tokenizer_path)
         if self.chat_template is not None:
             tokenizer.chat_template = self.chat_template
-        info = EngineInfo(description.model_dir, description.model_type, description.max_model_len,
-                          description.vocab_size, tokenizer)
+        info = EngineInfo(**{f.name: getattr(description, f.name) for f in dataclasses.fields(description)},
+                          tokenizer=tokenizer)
         grammars = shared_compiler(description.tokenizer_path, description.vocab_size,
                                    list(description.eos_token_ids))
         return info, grammars
+
+
+def _widen(pipe: Connection) -> None:
+    """Give the pipe a 1 MiB buffer where the OS allows (Linux; 64 KiB by default): a step's outputs for hundreds
+    of streams then go out without waiting for the server's receiver thread to get the interpreter lock."""
+    try:
+        fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    except (AttributeError, OSError):  # not Linux, or above the system's pipe-max-size: keep the default
+        pass
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:
