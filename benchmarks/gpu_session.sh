@@ -4,7 +4,7 @@
 # Logs and JSON go to $OUT (default ./gpu-out); the per-file logs end up in one $OUT/logs.tgz, as the device tool
 # brings back at most 8 files. Usage, from the repository root on the GPU machine:
 #   bash benchmarks/gpu_session.sh [tests|kernels|engines|bench|all|ling|agreement|profile|tune|serving|serving-ling|tp|
-#                                   structured|spec|pdl]
+#                                   structured|spec|pdl|dp]
 # (all = tests + bench; tests = kernels + engines: the two groups of test files, see below; ling = 16 Ling-2.6-flash
 # layers with dummy weights and the shared-expert overlap; agreement = Ling decode agreement per lightning
 # implementation; profile = the b1, b64 and prefill step profiles of the 40-layer
@@ -17,7 +17,8 @@
 # grammar on every request; spec = speculative decoding: its GPU test, then 40-layer ZAYA1 with n-gram drafts and
 # 16 Ling-2.6-flash layers with MTP drafts, plain vs speculative vs forced acceptance at batch 1 and 16, greedy;
 # pdl = programmatic dependent launch: the kernel-chain benchmark, its GPU test, then the 40-layer ZAYA1 offline
-# benchmark at b1 and b64 with HYBRIDSERVE_PDL=0 and =1)
+# benchmark at b1 and b64 with HYBRIDSERVE_PDL=0 and =1; dp = on nvidia-h200-x2, the 40-layer ZAYA1 serving benchmark at
+# concurrency 64 and 256 with one replica and with --dp 2, which needs the serving wheels as `serving` does)
 set -u
 OUT=${OUT:-gpu-out}
 what=${1:-all}
@@ -143,6 +144,14 @@ if [[ $what == pdl ]]; then
     HYBRIDSERVE_PDL=$flag timeout 300 python benchmarks/offline_throughput.py --layers 40 --load-format dummy \
       --skip-hf --scenarios b1 b64 --out "$OUT/offline_pdl$flag.json" > "$OUT/logs/offline_pdl$flag.log" 2>&1
     echo "HYBRIDSERVE_PDL=$flag" && grep -A 4 "^scenario" "$OUT/logs/offline_pdl$flag.log"
+  done
+fi
+
+if [[ $what == dp ]]; then
+  for dp in 1 2; do
+    timeout 280 python benchmarks/serving_benchmark.py --layers 40 --load-format dummy --concurrency 64 256 \
+      --server-args "--dp $dp" --out "$OUT/serving_zaya40_dp$dp.json" > "$OUT/logs/serving_dp$dp.log" 2>&1
+    echo "--dp $dp rc=$?" && sed -n '/^## serving benchmark/,$p' "$OUT/logs/serving_dp$dp.log"
   done
 fi
 
