@@ -111,9 +111,10 @@ def _apply(engine: LLMEngine, message: tuple, events: Connection) -> None:
     _, group, requests, grammars = message
     added = []
     try:
-        for request in requests:
+        for request in requests:  # all first: the server counts them as sent even if the group is refused
             if request.request_id in grammars:
                 engine.grammars.adopt(request.params.structured_output, grammars[request.request_id])
+        for request in requests:
             engine.add_request(request.request_id, request.prompt_token_ids, request.params)
             added.append(request.request_id)
     except Exception as err:  # ValueError: a bad request (400); anything else: this group failed alone (500)
