@@ -103,9 +103,10 @@ class AsyncEngine:
         self._grammars: GrammarCompiler | None = None
         self._stats: dict[str, int] = {}
         self._stopping = False
-        # Event-loop side only: request id -> its API call's mailbox and whether its outputs are deltas; groups
+        # Event-loop side only: request id -> its API call's mailbox, whether its outputs are deltas, and its prompt
+        # (the engine's process leaves prompts out of what it sends: hundreds of KiB a step at 256 streams); groups
         # waiting for the engine's answer; grammars the engine's process was sent already (most recent last).
-        self._mailboxes: dict[str, tuple[OutputMailbox, bool]] = {}
+        self._mailboxes: dict[str, tuple[OutputMailbox, bool, list[int]]] = {}
         self._groups: dict[int, tuple[asyncio.Future, list[str]]] = {}
         self._group_ids = itertools.count()
         self._shipped: OrderedDict[tuple, None] = OrderedDict()
@@ -179,7 +180,8 @@ class AsyncEngine:
         group, accepted = next(self._group_ids), self._loop.create_future()
         self._groups[group] = (accepted, [request.request_id for request in requests])
         self._mailboxes.update(
-            (request.request_id, (mailbox, request.params.output_kind is RequestOutputKind.DELTA))
+            (request.request_id, (mailbox, request.params.output_kind is RequestOutputKind.DELTA,
+                                  request.prompt_token_ids))
             for request in requests)
         self._outbox.put(("add", group, requests, grammars))
         await accepted
@@ -220,7 +222,8 @@ class AsyncEngine:
                 pop = self._mailboxes.pop if output.finished else self._mailboxes.get
                 target = pop(output.request_id, None)
                 if target is not None:
-                    target[0].put(output, target[1])
+                    mailbox, delta, output.prompt_token_ids = target
+                    mailbox.put(output, delta)
         elif kind == "accepted":
             _, group, refusal, self._stats = message
             accepted, request_ids = self._groups.pop(group)
@@ -242,7 +245,7 @@ class AsyncEngine:
         for accepted, _ in self._groups.values():
             _settle(accepted, dead)
         self._groups.clear()
-        for mailbox in {mailbox for mailbox, _ in self._mailboxes.values()}:
+        for mailbox in {mailbox for mailbox, _, _ in self._mailboxes.values()}:
             mailbox.interrupt(dead)
         self._mailboxes.clear()
         self._outbox.put(None)

@@ -9,7 +9,7 @@ ends when the server's pipe closes or the server's process is gone, so it never 
 
 Messages, server -> engine: ("add", group, [EngineRequest], {request_id: serialized grammar}), ("abort", [id]),
 ("stop",). Engine -> server: ("ready", EngineDescription, stats), ("accepted", group, None | the refusal's
-exception, stats), ("outputs", [RequestOutput], stats), ("stats", stats), ("failed", message).
+exception, stats), ("outputs", [RequestOutput without its prompt ids], stats), ("stats", stats), ("failed", message).
 """
 from __future__ import annotations
 
@@ -95,6 +95,8 @@ def _loop(engine: LLMEngine, commands: Connection, events: Connection) -> None:
             applied = True
         if engine.has_unfinished_requests():
             outputs = engine.step()
+            for output in outputs:  # the server has every request's prompt: only what is new crosses the pipe
+                output.prompt_token_ids = []
             events.send(("outputs", outputs, engine.stats()))
         elif applied:  # the last requests were aborted: no step will report the freed pages and slots
             events.send(("stats", engine.stats()))

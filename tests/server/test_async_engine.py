@@ -59,7 +59,7 @@ class StepFailsEngine:
         self.steps += 1
         if self.steps > 1:
             raise RuntimeError("boom")
-        return [RequestOutput(rid, None, [1], [CompletionOutput(0, "x", [5])]) for rid in self.pending]
+        return [RequestOutput(rid, None, [0] * 1000, [CompletionOutput(0, "x", [5])]) for rid in self.pending]
 
 
 def test_groups_are_atomic_outputs_arrive_and_a_failure_reaches_everyone(tmp_path: Path) -> None:
@@ -72,10 +72,11 @@ def test_groups_are_atomic_outputs_arrive_and_a_failure_reaches_everyone(tmp_pat
         with pytest.raises(ValueError, match="empty"):  # queued before the model loaded; the group is refused whole
             await engine.add([EngineRequest("a", [1], params), EngineRequest("b", [], params)], OutputMailbox())
         mailbox = OutputMailbox()
-        await engine.add([EngineRequest("c", [1], params)], mailbox)
+        await engine.add([EngineRequest("c", [7, 8], params)], mailbox)
         assert engine.stats() == {"running": 1}  # "a" of the refused group was taken back
         (output,) = await mailbox.get()
         assert output.request_id == "c" and engine.info.max_model_len == 64
+        assert output.prompt_token_ids == [7, 8]  # left out of the pipe, put back from the request
         with pytest.raises(EngineDead, match="boom"):
             await mailbox.get()
         await asyncio.wait_for(fatal.wait(), 30)
