@@ -12,7 +12,8 @@
 # device tool does not bring back as files; TUNE_ARGS passes more arguments, e.g. TUNE_ARGS="--tokens 1 2 4";
 # serving / serving-ling = serving_benchmark.py on the 40-layer ZAYA1 / 16 Ling-flash layers, which needs guidellm
 # and the server's packages installed first from .whl and .whl-serving: see benchmarks/fetch_serving_wheels.sh;
-# tp = on nvidia-h200-x2: the TP=2 GPU test, 40-layer ZAYA1 at TP=2, and Ling-2.6-flash at full size at TP=2;
+# tp = on nvidia-h200-x2: the TP=2 GPU test, 40-layer ZAYA1 at TP=2, and Ling-2.6-flash at full size (32 layers
+# and its MTP layer) at TP=2;
 # structured = the structured-output GPU test and the 40-layer ZAYA1 offline benchmark with and without a JSON
 # grammar on every request; spec = speculative decoding: its GPU test, then 40-layer ZAYA1 with n-gram drafts and
 # 16 Ling-2.6-flash layers with MTP drafts, plain vs speculative vs forced acceptance at batch 1 and 16, greedy;
@@ -107,7 +108,7 @@ if [[ $what == tp ]]; then
   timeout 400 python benchmarks/offline_throughput.py --layers 40 --tp 2 --skip-hf --load-format dummy \
     --scenarios b1 b64 prefill --out "$OUT/offline_zaya40_tp2.json" > "$OUT/logs/offline_tp2.log" 2>&1
   grep -A 4 "^scenario" "$OUT/logs/offline_tp2.log"
-  timeout 500 python benchmarks/offline_throughput.py --model-type ling --layers 32 --tp 2 \
+  timeout 500 python benchmarks/offline_throughput.py --model-type ling --layers 32 --mtp-layer --tp 2 \
     --scenarios b1 b64 prefill --out "$OUT/offline_ling_flash_tp2.json" > "$OUT/logs/offline_ling_tp2.log" 2>&1
   grep -m 1 "memory plan" "$OUT/logs/offline_ling_tp2.log" | cut -c 1-300
   grep -A 4 "^scenario" "$OUT/logs/offline_ling_tp2.log"

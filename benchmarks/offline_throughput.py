@@ -340,11 +340,16 @@ def main() -> None:
     parser.add_argument("--speculative-algorithm", type=str.upper, default=None, choices=["NGRAM", "NEXTN"],
                         help="also run speculative decoding (and its forced-acceptance bound) beside the plain run")
     parser.add_argument("--num-draft-tokens", type=int, default=4, help="draft tokens per verify step")
+    parser.add_argument("--mtp-layer", action="store_true",
+                        help="the random Ling model carries its MTP layer (as released: loaded, in the memory plan) "
+                             "even without NEXTN drafts")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed runs per scenario of our engine; the median is reported (and every run's rate)")
     parser.add_argument("--out", default=None, help="write the results here as JSON")
     args = parser.parse_args()
     args.load_format = args.load_format or ("dummy" if args.model_type == "ling" else "auto")
+    if args.mtp_layer and (args.model_type != "ling" or args.model is not None):
+        parser.error("--mtp-layer applies to the random Ling model only")
     speculative = None
     if args.speculative_algorithm is not None:
         speculative = {"method": "mtp" if args.speculative_algorithm == "NEXTN" else "ngram",
@@ -352,7 +357,8 @@ def main() -> None:
 
     temporary = args.model is None
     model_dir = make_random_model(args.model_type, args.width, args.layers, args.load_format,
-                                  mtp=args.speculative_algorithm == "NEXTN") if temporary else args.model
+                                  mtp=args.mtp_layer or args.speculative_algorithm == "NEXTN") \
+        if temporary else args.model
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
         zaya = config["model_type"] == "zaya"
