@@ -62,10 +62,15 @@ class StepFailsEngine:
         return [RequestOutput(rid, None, [0] * 1000, [CompletionOutput(0, "x", [5])]) for rid in self.pending]
 
 
+def double(directory: Path, factory: type[StepFailsEngine]) -> AsyncEngine:
+    """An AsyncEngine whose process runs the test double `factory` (its config's model is `directory`)."""
+    return AsyncEngine(EngineConfig(model=str(directory), tokenizer=str(bundled_tokenizer_dir())),
+                       engine_factory=factory)
+
+
 def test_groups_are_atomic_outputs_arrive_and_a_failure_reaches_everyone(tmp_path: Path) -> None:
     async def scenario() -> None:
-        engine = AsyncEngine(EngineConfig(model=str(tmp_path), tokenizer=str(bundled_tokenizer_dir())),
-                             engine_factory=StepFailsEngine)
+        engine = double(tmp_path, StepFailsEngine)
         fatal = asyncio.Event()
         engine.start(asyncio.get_running_loop(), fatal.set)
         params = SamplingParams()
@@ -144,8 +149,7 @@ def test_an_engine_process_that_dies_fails_the_server_cleanly(tmp_path: Path) ->
     """Killed mid-step (out of memory, a segfault in a kernel): the open call and any later one get EngineDead
     naming the exit, and the server is told to stop instead of waiting forever."""
     async def scenario() -> None:
-        engine = AsyncEngine(EngineConfig(model=str(tmp_path), tokenizer=str(bundled_tokenizer_dir())),
-                             engine_factory=HangingEngine)
+        engine = double(tmp_path, HangingEngine)
         fatal = asyncio.Event()
         engine.start(asyncio.get_running_loop(), fatal.set)
         mailbox = OutputMailbox()
@@ -167,8 +171,7 @@ def test_an_engine_process_that_dies_fails_the_server_cleanly(tmp_path: Path) ->
 def test_stop_ends_a_wedged_engine(tmp_path: Path) -> None:
     """A step that never returns does not keep the server from stopping: the process is terminated."""
     async def scenario() -> None:
-        engine = AsyncEngine(EngineConfig(model=str(tmp_path), tokenizer=str(bundled_tokenizer_dir())),
-                             engine_factory=HangingEngine)
+        engine = double(tmp_path, HangingEngine)
         engine.start(asyncio.get_running_loop(), lambda: None)
         await engine.add([EngineRequest("a", [1], SamplingParams())], OutputMailbox())
         while not (tmp_path / "pid").exists():
@@ -203,8 +206,7 @@ def test_grammars_are_shipped_to_the_engine_once(tmp_path: Path) -> None:
     spec = StructuredOutputParams(json=schema)
 
     async def scenario() -> None:
-        engine = AsyncEngine(EngineConfig(model=str(tmp_path), tokenizer=str(bundled_tokenizer_dir())),
-                             engine_factory=GrammarCheckingEngine)
+        engine = double(tmp_path, GrammarCheckingEngine)
         engine.start(asyncio.get_running_loop(), lambda: None)
         while not engine.ready:
             await asyncio.sleep(0.05)
