@@ -258,6 +258,11 @@ class AsyncEngine:
                 pipe.send(command)
             except OSError:  # the engine's process is gone; the receiver reports it
                 break
+            except Exception as err:  # it does not pickle (nothing was written): only an added group can fail
+                if command[0] != "add":
+                    raise
+                self._deliver(("accepted", command[1], RuntimeError(f"the request could not be sent to the engine "
+                                                                    f"({type(err).__name__}: {err})"), self._stats))
         pipe.close()
 
     def _receive_events(self, pipe: Connection) -> None:
@@ -269,7 +274,10 @@ class AsyncEngine:
                 self._deliver(("exited",))
                 return
             if message[0] == "ready":  # the tokenizer and grammar compiler load here, off the event loop
-                message = ("ready", *self._server_side(message[1]), message[2])
+                try:
+                    message = ("ready", *self._server_side(message[1]), message[2])
+                except Exception as err:
+                    message = ("failed", f"the server could not load the tokenizer: {type(err).__name__}: {err}")
             if not self._deliver(message):
                 return
 

@@ -220,3 +220,35 @@ def test_grammars_are_shipped_to_the_engine_once(tmp_path: Path) -> None:
         engine.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_request_that_cannot_be_sent_fails_alone(tmp_path: Path) -> None:
+    """A request the pipe cannot carry (here: params holding a lambda) is refused alone; the engine keeps serving
+    (the sender thread survives it)."""
+    async def scenario() -> None:
+        engine = double(tmp_path, StepFailsEngine)
+        engine.start(asyncio.get_running_loop(), lambda: None)
+        params = SamplingParams()
+        object.__setattr__(params, "unpicklable", lambda: None)
+        with pytest.raises(RuntimeError, match="could not be sent"):
+            await engine.add([EngineRequest("bad", [1], params)], OutputMailbox())
+        mailbox = OutputMailbox()
+        await engine.add([EngineRequest("good", [1], SamplingParams())], mailbox)
+        (output,) = await mailbox.get()
+        assert output.request_id == "good"
+        engine.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_tokenizer_the_server_cannot_load_fails_the_start(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        engine = AsyncEngine(EngineConfig(model=str(tmp_path), tokenizer=str(tmp_path / "missing")),
+                             engine_factory=StepFailsEngine)
+        fatal = asyncio.Event()
+        engine.start(asyncio.get_running_loop(), fatal.set)
+        await asyncio.wait_for(fatal.wait(), 60)
+        assert not engine.ready and "could not load the tokenizer" in str(engine.error)
+        engine.stop()
+
+    asyncio.run(scenario())
