@@ -30,6 +30,7 @@ from hybridserve.outputs import RequestOutput, RequestOutputKind
 from hybridserve.sampling import SamplingParams
 from hybridserve.server import engine_process
 from hybridserve.server.engine_process import EngineDescription
+from hybridserve.structured import StructuredOutputParams
 from hybridserve.structured.compiler import GrammarCompiler, shared_compiler
 from hybridserve.tokenizer import load_tokenizer
 
@@ -172,11 +173,9 @@ class AsyncEngine:
 
         Their outputs (RequestOutputs of each request's output kind) arrive in `mailbox`.
         """
-        if self.error is not None:
-            raise EngineDead(f"the engine has failed ({self.error}); restart the server")
+        self._check_alive()
         grammars = await self._grammars_to_ship(requests)
-        if self.error is not None:
-            raise EngineDead(f"the engine has failed ({self.error}); restart the server")
+        self._check_alive()  # it may have failed while the grammars were serialized
         group, accepted = next(self._group_ids), self._loop.create_future()
         self._groups[group] = (accepted, [request.request_id for request in requests])
         self._mailboxes.update(
@@ -186,6 +185,10 @@ class AsyncEngine:
         self._outbox.put(("add", group, requests, grammars))
         await accepted
 
+    def _check_alive(self) -> None:
+        if self.error is not None:
+            raise EngineDead(f"the engine has failed ({self.error}); restart the server")
+
     def abort(self, request_ids: list[str]) -> None:
         """Stop requests wherever they are (pages and state are freed by the engine); no output follows."""
         for request_id in request_ids:
@@ -194,21 +197,23 @@ class AsyncEngine:
             self._outbox.put(("abort", request_ids))
 
     async def _grammars_to_ship(self, requests: list[EngineRequest]) -> dict[str, str]:
-        """The serialized grammars (by request id) the engine's process has not been sent yet: it adopts them
-        instead of compiling them again between two steps."""
-        wanted: dict[tuple, list[str]] = {}
+        """The serialized grammars (by the id of the first request using each) that the engine's process has not
+        been sent yet: it adopts them instead of compiling them again between two steps."""
+        if self._grammars is None:  # not loaded yet: the engine compiles what it gets
+            return {}
+        wanted: dict[tuple, tuple[str, StructuredOutputParams]] = {}
         for request in requests:
             spec = request.params.structured_output
-            if spec is not None and self._grammars is not None:
-                key = (spec.kind, spec.spec_text(), spec.strict)
-                if key in self._shipped:
-                    self._shipped.move_to_end(key)
-                else:
-                    wanted.setdefault(key, []).append(request.request_id)
+            if spec is None:
+                continue
+            key = spec.cache_key()
+            if key in self._shipped:
+                self._shipped.move_to_end(key)
+            else:
+                wanted.setdefault(key, (request.request_id, spec))
         shipped = {}
-        for key, request_ids in wanted.items():
-            spec = next(r.params.structured_output for r in requests if r.request_id == request_ids[0])
-            shipped[request_ids[0]] = await asyncio.to_thread(self._grammars.serialized, spec)
+        for key, (request_id, spec) in wanted.items():
+            shipped[request_id] = await asyncio.to_thread(self._grammars.serialized, spec)
             self._shipped[key] = None
         while len(self._shipped) > SHIPPED_GRAMMARS:
             self._shipped.popitem(last=False)

@@ -75,7 +75,7 @@ class GrammarCompiler:
     def compile(self, spec: StructuredOutputParams) -> xgrammar.CompiledGrammar:
         """The compiled grammar of `spec` (cached). Raises StructuredOutputError naming the field when the spec
         cannot be compiled or matches no text the model can produce."""
-        key = (spec.kind, spec.spec_text(), spec.strict)
+        key = spec.cache_key()
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
@@ -95,7 +95,7 @@ class GrammarCompiler:
         with `serialized`, unless this cache holds it already."""
         import xgrammar
 
-        key = (spec.kind, spec.spec_text(), spec.strict)
+        key = spec.cache_key()
         with self._lock:
             if key in self._cache:
                 return

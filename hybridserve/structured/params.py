@@ -100,13 +100,16 @@ class StructuredOutputParams:
         if not isinstance(self.strict, bool):
             raise StructuredOutputError("strict", self.strict, "must be a bool")
 
-    def spec_text(self) -> str:
-        """The language, as the text the compiled-grammar cache keys on (with `kind` and `strict`): JSON values
-        canonicalised (sorted keys), so equal schemas given as dicts or text share one compiled grammar."""
+    def cache_key(self) -> tuple[str, str, bool]:
+        """What a compiled grammar depends on: (kind, the language as text, strict), JSON values canonicalised
+        (sorted keys), so equal schemas given as dicts or text share one compiled grammar (in each process's cache,
+        and as shipped from the server's process to the engine's)."""
         value = getattr(self, self.kind)
         if self.kind in ("json", "structural_tag"):
             value = json.loads(value) if isinstance(value, str) else value
-            return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-        if self.kind == "choice":
-            return json.dumps(value, ensure_ascii=False)
-        return "" if self.kind == "json_object" else value
+            text = json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+        elif self.kind == "choice":
+            text = json.dumps(value, ensure_ascii=False)
+        else:
+            text = "" if self.kind == "json_object" else value
+        return self.kind, text, self.strict

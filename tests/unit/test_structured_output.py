@@ -78,8 +78,8 @@ def test_sampling_params_take_a_spec_and_refuse_min_tokens_beside_it():
 def test_equal_json_given_as_dict_or_text_has_one_cache_key():
     as_dict = StructuredOutputParams(json={"b": 1, "a": [1, {"y": 2, "x": 3}]})
     as_text = StructuredOutputParams(json='{"a": [1, {"x": 3, "y": 2}], "b": 1}')
-    assert as_dict.spec_text() == as_text.spec_text()
-    assert StructuredOutputParams(json={"a": 1}).spec_text() != StructuredOutputParams(json={"a": 2}).spec_text()
+    assert as_dict.cache_key() == as_text.cache_key()
+    assert StructuredOutputParams(json={"a": 1}).cache_key() != StructuredOutputParams(json={"a": 2}).cache_key()
 
 
 # --- the compiler ------------------------------------------------------------------------------------------------
