@@ -10,6 +10,8 @@ ignore_eos):
   nano     nano-vllm's workload: 256 requests, prompt and output lengths uniform in [100, 1024]
   prefill  64 prompts x 512 tokens, 1 new token: reported as prefill (prompt) tok/s
   smoke    2 requests, prompts of 16-32 tokens, 4 new tokens (a quick check that the script runs, e.g. on CPU)
+Prefix caching is off in our engine: the warm-up and every repeat send the same prompts, and a cached prompt would
+skip its prefill (the prefill scenario measured 4x its real rate that way).
 With no --model, a random model of `--model-type` is made in a temporary directory (deleted at the end): ZAYA1-8B
 widths (`--layers`, default 40 = the real depth) or Ling-2.6-flash widths (`--layers` a multiple of its layer group
 of 8, default 32: 7 lightning layers then one MLA layer per group); `--width demo` takes the demo checkpoints' tiny
@@ -158,7 +160,8 @@ def run_ours(model_dir: str, workloads: dict, args, speculative: dict | None = N
     run): drafts replayed from them, keyed by prompt."""
     llm = LLM(model_dir, use_tqdm=False, dtype=args.dtype, device=args.device, load_format=args.load_format,
               max_running_requests=args.max_running_requests, enforce_eager=args.enforce_eager, seed=args.seed,
-              tensor_parallel_size=args.tp, speculative_config=speculative)
+              tensor_parallel_size=args.tp, speculative_config=speculative,
+              enable_prefix_caching=False)  # the repeats and the warm-up reuse the prompts: no cached prefill
     kind = "" if speculative is None else " speculative" + (" forced" if forced else "")
     results = {}
     for name, (prompts, outputs) in workloads.items():

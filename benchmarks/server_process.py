@@ -31,11 +31,11 @@ class ServerProcess:
         self.port = free_local_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        command = [sys.executable, "-m", "hybridserve.cli", "serve", *args, "--host", "127.0.0.1",
-                   "--port", str(self.port)]
+        self.command = [sys.executable, "-m", "hybridserve.cli", "serve", *args, "--host", "127.0.0.1",
+                        "--port", str(self.port)]
         path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         with open(log_path, "wb") as log:  # a file, not a pipe: a full pipe would block the server
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
                                             env={**os.environ, "PYTHONPATH": path, **(env or {})},
                                             preexec_fn=_stop_with_parent)
 
