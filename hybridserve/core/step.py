@@ -24,6 +24,9 @@ class SamplingRow:
     # here but are not the sequence's yet (the draw is not counted on the device either: it may be rejected; the
     # host lists bring the kept counts up to date). None: an ordinary draw.
     draft_prefix: list[int] | None = None
+    # Forced acceptance (`LLMEngine.set_draft_source(..., force_acceptance=True)`, a benchmark instrument): the
+    # token this verify position yields whatever the target draws, i.e. the draft after it. None: the draw.
+    forced_token: int | None = None
 
     @property
     def index(self) -> int:

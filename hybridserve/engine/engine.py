@@ -220,12 +220,16 @@ class LLMEngine:
                 self.scheduler.finish(sequence.request, "abort")
         self._settle_discarded()
 
-    def set_draft_source(self, source: DraftSource) -> None:
+    def set_draft_source(self, source: DraftSource, force_acceptance: bool = False) -> None:
         """Replace where drafts come from (speculative decoding must be on): benchmarks and tests feed chosen drafts
-        (`spec.drafts.ReplayDrafts`) to measure verification alone or pin acceptance."""
+        (`spec.drafts.ReplayDrafts`) to measure verification alone or pin acceptance. `force_acceptance`: every
+        draft is accepted whatever the target draws (the output is then the drafts', not the model's): the cost of
+        verification at full acceptance, for benchmarks, where bf16 verify rows need not draw what a plain run
+        drew."""
         if self.scheduler.speculation is None:
             raise ValueError("speculative decoding is off; start the engine with a speculative_config")
         self.scheduler.speculation.drafts = source
+        self.scheduler.speculation.force_acceptance = force_acceptance
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None

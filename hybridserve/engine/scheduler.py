@@ -426,7 +426,8 @@ class Scheduler:
         step.plan.samples.append([
             SamplingRow(params=request.params, seed=request.seed, output_token_ids=request.output_token_ids,
                         prompt_token_ids=request.prompt_token_ids, banned_token_ids=request.banned_token_ids(i),
-                        key=request.serial, token_index=request.num_output_tokens + i, draft_prefix=drafts[:i])
+                        key=request.serial, token_index=request.num_output_tokens + i, draft_prefix=drafts[:i],
+                        forced_token=drafts[i] if self.speculation.force_acceptance and i < len(drafts) else None)
             for i in range(1 + len(drafts))])
         step.plan.prompt_logprobs.append(None)
         request.num_pending += 1  # the first draw: the others land only as far as the drafts are accepted

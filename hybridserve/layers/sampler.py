@@ -222,6 +222,10 @@ class Sampler:
             if drawn:
                 index = upload(drawn, device, torch.long)
                 tokens = tokens.index_copy(0, index, self._sample(logits[index], [rows[i] for i in drawn]))
+        forced = [(i, r.forced_token) for i, r in enumerate(rows) if r.forced_token is not None]
+        if forced:
+            index, values = upload(list(zip(*forced)), device, torch.long)
+            tokens = tokens.index_copy(0, index, values)
         if raw_logprobs is None:
             return Draws(tokens, rows, None, 0), counted
         top_k = max(r.params.logprobs or 0 for r in rows)

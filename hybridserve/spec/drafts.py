@@ -64,3 +64,6 @@ class Speculation:
     # Positions after a drawing row's last token whose KV the draft layer writes in the same step (an MTP chain of
     # k drafts: k - 1); the scheduler gives the row pages for them.
     lookahead: int = 0
+    # Every draft accepted, whatever the target draws (its logprobs are the target's for the draft): what
+    # verification costs at full acceptance, measured without depending on bf16 draws matching the drafts.
+    force_acceptance: bool = False

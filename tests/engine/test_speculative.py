@@ -179,6 +179,31 @@ def test_forced_acceptance_accepts_every_draft_and_wrong_drafts_are_all_rejected
     assert wrong["spec_draft_tokens"] == 8 * sum(min(3, 19 - done) for done in range(1, 19))
 
 
+def test_forced_acceptance_yields_wrong_drafts_with_the_targets_logprobs(model):
+    """The benchmarks' instrument (`force_acceptance`): always-wrong drafts are all accepted, so each step yields its
+    drafts, then the target's own draw after them (the bonus); the logprob given for a forced token is the
+    target's for that token, i.e. a plain engine's prompt logprob of it after the same tokens."""
+    kind, directory, method = model
+    prompts = _prompts(8, seed=11)
+    wrong = [[(t + 1) % 128 for t in tokens] for tokens in _reference(kind, directory, prompts)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=0)
+    engine = _engine(directory, _spec(method, 3), state_checkpoint_interval=256)
+    outputs = _replay(engine, prompts, params, [[w] for w in wrong], force_acceptance=True)
+    _assert_idle(engine)
+    stats = engine.stats()
+    assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] == 8 * (3 * 4 + 2)  # as all-right drafts
+    # Token 0 is the prefill's draw; then 4 steps of 3 drafts + the bonus, and a last step of 2 drafts + the bonus.
+    forced = [i for i in range(1, 17) if (i - 1) % 4 < 3] + [17, 18]
+    for tokens, drafts in zip(_tokens(outputs), wrong):
+        assert [tokens[i] for i in forced] == [drafts[i] for i in forced]
+    scored = _run(_engine(directory, enable_prefix_caching=False), [p + t for p, t in zip(prompts, _tokens(outputs))],
+                  SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+    for prompt, output, score in zip(prompts, outputs, scored):
+        completion = output.outputs[0]
+        assert [entry[t] for entry, t in zip(completion.logprobs, completion.token_ids)] == pytest.approx(
+            [score.prompt_logprobs[len(prompt) + i][t] for i, t in enumerate(completion.token_ids)], abs=1e-5)
+
+
 SAMPLING = [
     SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, ignore_eos=True, seed=3, logprobs=2),
     SamplingParams(temperature=1.0, top_k=5, min_p=0.05, max_tokens=16, ignore_eos=True, seed=4, logprobs=0),
@@ -197,11 +222,12 @@ def _logprobs(outputs) -> list[float]:
     return [value for o in outputs for c in o.outputs for entry in c.logprobs for value in entry.values()]
 
 
-def _replay(engine: LLMEngine, prompts, params, continuations: list[list[list[int]]]) -> list:
+def _replay(engine: LLMEngine, prompts, params, continuations: list[list[list[int]]],
+            force_acceptance: bool = False) -> list:
     """Run with drafts replayed from `continuations` (per prompt, per sequence of its n)."""
     ids = [f"replay-{next(_IDS)}" for _ in prompts]
     engine.set_draft_source(ReplayDrafts({f"{i}#{n}" if n else i: tokens for i, sequences in zip(ids, continuations)
-                                          for n, tokens in enumerate(sequences)}))
+                                          for n, tokens in enumerate(sequences)}), force_acceptance)
     for request_id, prompt, p in zip(ids, prompts, params if isinstance(params, list) else [params] * len(prompts)):
         engine.add_request(request_id, prompt, p)
     done = finish_all(engine)

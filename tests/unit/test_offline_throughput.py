@@ -45,7 +45,6 @@ def test_speculative_smoke_run_reports_plain_speculative_and_forced_acceptance(t
     assert result["speculative"] == {"method": "mtp", "num_speculative_tokens": 2}
     assert smoke["spec_tok_s"] > 0 and smoke["forced_tok_s"] > 0 and smoke["spec_mean_accept_length"] >= 1
     assert smoke["forced_acceptance_rate"] == 1.0 and smoke["forced_mean_accept_length"] == 3.0
-    assert smoke["forced_replay_passes"] == 1  # fp32: verify rows draw what plain decode drew
 
 
 def test_ling_floor_weights_are_the_model_parameters_when_every_expert_is_touched():
