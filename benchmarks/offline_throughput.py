@@ -190,16 +190,19 @@ def _timed_run(llm: LLM, name: str, prompts: list[list[int]], outputs: list[int]
     request-step and the number of those."""
     llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params[:2])
     before = llm.engine.stats()
-    rates = []
+    rates, gpu = [], []
     for _ in range(args.repeats):
         _sync(args.device)
         start = time.perf_counter()
         generated = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         _sync(args.device)
         rates.append(_tokens(name, prompts, outputs) / (time.perf_counter() - start))
+        gpu.append(_gpu_state(args.device))
         tokens = [r.outputs[0].token_ids for r in generated]
         assert [len(t) for t in tokens] == outputs
     entry = {"tok_s": statistics.median(rates), "tok_s_runs": rates, "tokens": tokens}
+    if any(gpu):
+        entry["gpu_after_runs"] = gpu
     if speculative:
         rows, drafts, accepted = (llm.engine.stats()[k] - before[k] for k in SPEC_STATS)
         # Tokens a verifying request gains per step (accepted drafts + the bonus); None: nothing verified.
@@ -301,6 +304,19 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _gpu_state(device: str) -> dict | None:
+    """SM clock (MHz), power (W) and temperature (C) right after a timed run, through NVML: whether a slower
+    repeat ran at lower clocks (the 40-layer prefill gave 144k, then 99k and 99k tok/s). None off CUDA or without
+    NVML."""
+    if not device.startswith("cuda"):
+        return None
+    try:
+        return {"sm_clock_mhz": torch.cuda.clock_rate(device), "power_w": torch.cuda.power_draw(device) / 1000,
+                "temperature_c": torch.cuda.temperature(device)}
+    except Exception:  # NVML missing or refused (e.g. in a container): the rates stand alone
+        return None
+
+
 def add_model_options(parser: argparse.ArgumentParser) -> None:
     """--model, or the random model's --model-type, --width and --layers (see make_random_model)."""
     parser.add_argument("--model", default=None, help="HF-layout directory with its tokenizer (default: a random "
@@ -382,6 +398,8 @@ def main() -> None:
                 entry["ours_json_tok_s"], entry["json_cost"] = rate, 1 - rate / entry["ours_tok_s"]
                 continue
             entry["ours_tok_s"], entry["ours_tok_s_runs"] = rate, run["tok_s_runs"]
+            if "gpu_after_runs" in run:
+                entry["gpu_after_runs"] = run["gpu_after_runs"]
             sc = SCENARIOS[name]
             if not sc.prefill:
                 context = (sc.min_input + sc.max_input) // 2 + (sc.min_output + sc.max_output) // 4
