@@ -4,7 +4,7 @@
 # Logs and JSON go to $OUT (default ./gpu-out); the per-file logs end up in one $OUT/logs.tgz, as the device tool
 # brings back at most 8 files. Usage, from the repository root on the GPU machine:
 #   bash benchmarks/gpu_session.sh [tests|kernels|engines|bench|all|ling|agreement|profile|tune|serving|serving-ling|tp|
-#                                   structured|spec|pdl|dp]
+#                                   structured|spec|pdl|dp|prefill-alloc]
 # (all = tests + bench; tests = kernels + engines: the two groups of test files, see below; ling = 16 Ling-2.6-flash
 # layers with dummy weights and the shared-expert overlap; agreement = Ling decode agreement per lightning
 # implementation; profile = the b1, b64 and prefill step profiles of the 40-layer
@@ -19,7 +19,9 @@
 # 16 Ling-2.6-flash layers with MTP drafts, plain vs speculative vs forced acceptance at batch 1 and 16, greedy;
 # pdl = programmatic dependent launch: the kernel-chain benchmark, its GPU test, then the 40-layer ZAYA1 offline
 # benchmark at b1 and b64 with HYBRIDSERVE_PDL=0 and =1; dp = on nvidia-h200-x2, the 40-layer ZAYA1 serving benchmark at
-# concurrency 64 and 256 with one replica and with --dp 2, which needs the serving wheels as `serving` does)
+# concurrency 64 and 256 with one replica and with --dp 2, which needs the serving wheels as `serving` does;
+# prefill-alloc = the 40-layer ZAYA1 prefill scenario, 5 calls on one engine, with the default caching allocator and
+# with expandable segments: whether the repeats' slowdown is the allocator's (its retry counters are in the JSON))
 set -u
 OUT=${OUT:-gpu-out}
 what=${1:-all}
@@ -143,8 +145,22 @@ if [[ $what == pdl ]]; then
   grep -E "largest|passed|failed|skipped" "$OUT/logs/test_pdl_gpu.log"
   for flag in 0 1; do
     HYBRIDSERVE_PDL=$flag timeout 300 python benchmarks/offline_throughput.py --layers 40 --load-format dummy \
-      --skip-hf --scenarios b1 b64 --out "$OUT/offline_pdl$flag.json" > "$OUT/logs/offline_pdl$flag.log" 2>&1
+      --skip-hf --scenarios b1 b64 --repeats 5 --out "$OUT/offline_pdl$flag.json" \
+      > "$OUT/logs/offline_pdl$flag.log" 2>&1
     echo "HYBRIDSERVE_PDL=$flag" && grep -A 4 "^scenario" "$OUT/logs/offline_pdl$flag.log"
+  done
+fi
+
+if [[ $what == prefill-alloc ]]; then
+  for conf in "" expandable_segments:True; do
+    PYTORCH_CUDA_ALLOC_CONF=$conf timeout 200 python benchmarks/offline_throughput.py --layers 40 --load-format dummy \
+      --skip-hf --scenarios prefill --repeats 5 --out "$OUT/prefill_alloc${conf:+_expandable}.json" \
+      > "$OUT/logs/prefill_alloc${conf:+_expandable}.log" 2>&1
+    python - "$OUT/prefill_alloc${conf:+_expandable}.json" "${conf:-default allocator}" <<'PY'
+import json, sys
+entry = json.load(open(sys.argv[1]))["scenarios"]["prefill"]
+print(sys.argv[2], [round(r) for r in entry["ours_tok_s_runs"]], entry.get("gpu_after_runs"))
+PY
   done
 fi
 

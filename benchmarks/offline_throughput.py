@@ -305,16 +305,21 @@ def _sync(device: str) -> None:
 
 
 def _gpu_state(device: str) -> dict | None:
-    """SM clock (MHz), power (W) and temperature (C) right after a timed run, through NVML: whether a slower
-    repeat ran at lower clocks (the 40-layer prefill gave 144k, then 99k and 99k tok/s). None off CUDA or without
-    NVML."""
+    """Right after a timed run: the caching allocator's counters so far (retries = a failed cudaMalloc that freed
+    the cache and tried again; device allocs / frees = cudaMalloc / cudaFree calls) and, through NVML, the SM clock
+    (MHz), power (W) and temperature (C): whether a slower repeat thrashed the allocator or ran at lower clocks (the
+    40-layer prefill gave 144k, then 99k and 99k tok/s). None off CUDA."""
     if not device.startswith("cuda"):
         return None
+    stats = torch.cuda.memory_stats(device)
+    state = {"alloc_retries": stats.get("num_alloc_retries"), "device_allocs": stats.get("num_device_alloc"),
+             "device_frees": stats.get("num_device_free")}
     try:
-        return {"sm_clock_mhz": torch.cuda.clock_rate(device), "power_w": torch.cuda.power_draw(device) / 1000,
-                "temperature_c": torch.cuda.temperature(device)}
-    except Exception:  # NVML missing or refused (e.g. in a container): the rates stand alone
-        return None
+        state |= {"sm_clock_mhz": torch.cuda.clock_rate(device), "power_w": torch.cuda.power_draw(device) / 1000,
+                  "temperature_c": torch.cuda.temperature(device)}
+    except Exception:  # NVML missing or refused (e.g. in a container): the allocator's counters stand alone
+        pass
+    return state
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
