@@ -1,13 +1,15 @@
 """benchmarks/serving_benchmark.py: option checks, the tokenizer filler of the random model, the summary of a
-guidellm report (and the problems it must flag), and one end-to-end smoke run on CPU.
+guidellm report (and the problems it must flag), and end-to-end smoke runs on CPU.
 
-The smoke run needs guidellm, which is not a test dependency (its closure is large, and the benchmark only runs on
-the GPU machine with carried wheels): it is skipped unless `import guidellm` works (`pip install guidellm==0.8.1`);
-it takes ~25 s on 2 cores."""
+guidellm is not a test dependency (its closure is large, and the benchmark only runs on the GPU machine with
+carried wheels): one smoke run drives the server with a stand-in load generator (`stand_in_load_generator.py`, which
+writes guidellm's report), always; the other with guidellm itself, skipped unless `import guidellm` works
+(`pip install guidellm==0.8.1`). Each takes ~25 s on 2 cores."""
 from __future__ import annotations
 
 import importlib.util
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -101,11 +103,10 @@ def test_summary_flags_failed_requests_and_wrong_lengths():
     assert "1 errored" in problems[0] and "[7, 8]" in problems[1]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("guidellm") is None, reason="guidellm is not installed")
-def test_smoke_run_drives_the_server_with_guidellm(tmp_path):
+def _smoke_run(tmp_path: Path, *options: str) -> None:
     out = tmp_path / "serving.json"
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serving_benchmark.py"), "--smoke",
-                          "--out", str(out)], timeout=240, capture_output=True, text=True)
+                          "--out", str(out), *options], timeout=240, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["problems"] == [] and result["load_generator"].startswith("guidellm ")
@@ -114,4 +115,14 @@ def test_smoke_run_drives_the_server_with_guidellm(tmp_path):
         for stats in (entry["ttft_ms"], entry["itl_ms"]):
             assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"]
         assert entry["output_tok_s"] > 0 and entry["req_s"] > 0
-    assert "| concurrency | requests |" in run.stdout
+    assert "| concurrency | requests |" in run.stdout and "lone-request TTFT" in run.stdout
+
+
+def test_smoke_run_drives_the_server_with_a_stand_in_load_generator(tmp_path):
+    stand_in = ROOT / "tests" / "unit" / "stand_in_load_generator.py"
+    _smoke_run(tmp_path, "--guidellm", shlex.join([sys.executable, str(stand_in)]))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("guidellm") is None, reason="guidellm is not installed")
+def test_smoke_run_drives_the_server_with_guidellm(tmp_path):
+    _smoke_run(tmp_path)
