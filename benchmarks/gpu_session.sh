@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session's checks in one call: every kernel and GPU test file in its own process (an illegal memory access
 # poisons the whole process, so one faulting kernel must not hide the others' results), then the benchmarks.
+# The device image lacks packages the tests and benchmarks import: fetch their wheels here first with
+# benchmarks/fetch_device_wheels.sh, carry them and install them there as that script says.
 # Logs and JSON go to $OUT (default ./gpu-out); the per-file logs end up in one $OUT/logs.tgz, as the device tool
 # brings back at most 8 files. Usage, from the repository root on the GPU machine:
 #   bash benchmarks/gpu_session.sh [tests|kernels|engines|bench|all|ling|agreement|profile|tune|serving|serving-ling|tp|
