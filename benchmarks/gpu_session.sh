@@ -9,7 +9,7 @@
 #                                   structured|spec|pdl|dp|prefill-alloc]
 # (all = tests + bench; tests = kernels + engines: the two groups of test files, see below; ling = 16 Ling-2.6-flash
 # layers with dummy weights and the shared-expert overlap; agreement = Ling decode agreement per lightning
-# implementation; profile = the b1, b64 and prefill step profiles of the 40-layer
+# implementation; profile = the b1, b64, prefill and b1-under-a-JSON-grammar step profiles of the 40-layer
 # ZAYA1 run; tune = the fused-MoE tile tables, as $OUT/moe_configs.tgz: their names hold '=' and ',', which the
 # device tool does not bring back as files; TUNE_ARGS passes more arguments, e.g. TUNE_ARGS="--tokens 1 2 4";
 # serving / serving-ling = serving_benchmark.py on the 40-layer ZAYA1 / 16 Ling-flash layers, which needs guidellm
@@ -78,10 +78,11 @@ if [[ $what == agreement ]]; then
 fi
 
 if [[ $what == profile ]]; then
-  for scenario in b1 b64 prefill; do
-    timeout 250 python benchmarks/profile_step.py --layers 40 --scenario $scenario --out "$OUT/profile_$scenario.json" \
-      > "$OUT/logs/profile_$scenario.log" 2>&1
-    grep -E "median_late|profiled:" "$OUT/logs/profile_$scenario.log"
+  for run in b1 b64 prefill "b1 --json-grammar"; do
+    name=$(echo "$run" | tr -d ' -')
+    timeout 250 python benchmarks/profile_step.py --layers 40 --scenario $run --out "$OUT/profile_$name.json" \
+      > "$OUT/logs/profile_$name.log" 2>&1
+    echo "$run:" && grep -E "median_late|profiled:" "$OUT/logs/profile_$name.log"
   done
 fi
 

@@ -6,9 +6,10 @@ The model is the offline benchmark's ZAYA1-8B widths (`--layers` of them) with r
 seeded sampling at temperature 0.6), so the numbers explain that benchmark's rates. The profiled steps are decode
 steps in the middle of a run, or for the prefill scenario the first steps (all prefill). The summary's
 `device_busy_ms_per_step` (kernel time summed over the profiled steps) next to `wall_ms_per_step` says whether a
-step is bound by the GPU or by the host.
+step is bound by the GPU or by the host. `--json-grammar` puts the offline benchmark's JSON grammar on every request
+(where the time of a constrained step goes). Prefix caching is off, as in the offline benchmark.
 
-    python benchmarks/profile_step.py --layers 40 --scenario b64 [--out profile.json]
+    python benchmarks/profile_step.py --layers 40 --scenario b64 [--json-grammar] [--out profile.json]
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.offline_throughput import SCENARIOS, workload, zaya1_8b_config  # noqa: E402
+from benchmarks.offline_throughput import BENCH_GRAMMAR, SCENARIOS, workload, zaya1_8b_config  # noqa: E402
 from hybridserve import LLM, SamplingParams  # noqa: E402
 from hybridserve.demo import copy_bundled_tokenizer  # noqa: E402
 from hybridserve.outputs import RequestOutputKind  # noqa: E402
@@ -36,7 +37,8 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _timed_steps(llm: LLM, prompts: list[list[int]], outputs: list[int], temperature: float) -> list[float]:
+def _timed_steps(llm: LLM, prompts: list[list[int]], outputs: list[int], temperature: float, grammar
+                 ) -> list[float]:
     """Run the workload with every engine step timed (synchronised): seconds per step, in order."""
     engine, steps = llm.engine, []
     original = engine.step
@@ -51,8 +53,8 @@ def _timed_steps(llm: LLM, prompts: list[list[int]], outputs: list[int], tempera
 
     engine.step = timed_step
     try:
-        params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=i)
-                  for i, n in enumerate(outputs)]
+        params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=i,
+                                 structured_output=grammar) for i, n in enumerate(outputs)]
         llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     finally:
         engine.step = original
@@ -70,18 +72,21 @@ def main() -> None:
     parser.add_argument("--scenario", default="b64", choices=list(SCENARIOS))
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--profile-steps", type=int, default=4)
+    parser.add_argument("--json-grammar", action="store_true", help="every request under the offline benchmark's "
+                        "JSON grammar")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    grammar = BENCH_GRAMMAR if args.json_grammar else None
 
     directory = Path(tempfile.mkdtemp(prefix="zaya-profile-"))
     try:
         (directory / "config.json").write_text(json.dumps(zaya1_8b_config(args.layers), indent=2))
         copy_bundled_tokenizer(directory)
         llm = LLM(str(directory), use_tqdm=False, dtype="bfloat16", load_format="dummy",
-                  device="cuda" if torch.cuda.is_available() else "cpu")
+                  device="cuda" if torch.cuda.is_available() else "cpu", enable_prefix_caching=False)
         prompts, outputs = workload(SCENARIOS[args.scenario], 0)
-        _timed_steps(llm, prompts[:2], [4] * len(prompts[:2]), args.temperature)  # warm-up of the Python paths
-        seconds = _timed_steps(llm, prompts, outputs, args.temperature)
+        _timed_steps(llm, prompts[:2], [4] * len(prompts[:2]), args.temperature, grammar)  # warm-up, compile
+        seconds = _timed_steps(llm, prompts, outputs, args.temperature, grammar)
         late = sorted(seconds if args.scenario == "prefill" else seconds[-(min(outputs) - 2):])
         summary = {"steps": len(seconds), "total_s": sum(seconds), "median_late_step_ms": 1e3 * late[len(late) // 2],
                    "first_steps_ms": [round(1e3 * s, 2) for s in seconds[:8]]}
@@ -89,9 +94,10 @@ def main() -> None:
 
         # Profile a few decode steps in the middle of a run (prefill: the first steps).
         params = [SamplingParams(temperature=args.temperature, max_tokens=32, ignore_eos=True, seed=i,
-                                 output_kind=RequestOutputKind.DELTA) for i in range(len(prompts))]  # as the server
+                                 output_kind=RequestOutputKind.DELTA, structured_output=grammar)
+                  for i in range(len(prompts))]  # DELTA: as the server
         engine = llm.engine
-        prompts, _ = workload(SCENARIOS[args.scenario], 1)  # new prompts: the first run's are in the prefix cache
+        prompts, _ = workload(SCENARIOS[args.scenario], 1)
         for i, (p, sp) in enumerate(zip(prompts, params)):
             engine.add_request(f"profile-{i}", p, sp)
         for _ in range(0 if args.scenario == "prefill" else 12):  # through the prefill into steady decode
