@@ -23,7 +23,8 @@
 # benchmark at b1 and b64 with HYBRIDSERVE_PDL=0 and =1; dp = on nvidia-h200-x2, the 40-layer ZAYA1 serving benchmark at
 # concurrency 64 and 256 with one replica and with --dp 2, which needs the serving wheels as `serving` does;
 # prefill-alloc = the 40-layer ZAYA1 prefill scenario, 5 calls on one engine, with the default caching allocator and
-# with expandable segments: whether the repeats' slowdown is the allocator's (its retry counters are in the JSON))
+# with expandable segments: whether the repeats' slowdown is the allocator's, the clocks' or Python's garbage
+# collector's (the JSON has the allocator's retry counters, the clocks and the collections of each call))
 set -u
 OUT=${OUT:-gpu-out}
 what=${1:-all}
@@ -162,7 +163,7 @@ if [[ $what == prefill-alloc ]]; then
     python - "$OUT/prefill_alloc${conf:+_expandable}.json" "${conf:-default allocator}" <<'PY'
 import json, sys
 entry = json.load(open(sys.argv[1]))["scenarios"]["prefill"]
-print(sys.argv[2], [round(r) for r in entry["ours_tok_s_runs"]], entry.get("gpu_after_runs"))
+print(sys.argv[2], [round(r) for r in entry["ours_tok_s_runs"]], entry.get("gpu_after_runs"), entry["gc_runs"])
 PY
   done
 fi
