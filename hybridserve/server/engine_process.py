@@ -7,12 +7,18 @@ written delayed the next step. Here the engine runs alone: between steps it drai
 back as one message, with the engine's stats. It ignores Ctrl+C (the server drains first and then stops it) and
 ends when the server's pipe closes or the server's process is gone, so it never outlives the server.
 
+Once the engine is built, everything the process holds so far (torch, Triton, transformers, the model, the CUDA
+graphs) is moved out of the garbage collector's reach (`gc.freeze`): it lives as long as the process, and a full
+collection would otherwise walk all of it (about 80 ms for the 214k objects of a CPU process) in the middle of a
+step. Later collections walk only what serving creates.
+
 Messages, server -> engine: ("add", group, [EngineRequest], {request_id: serialized grammar}), ("abort", [id]),
 ("stop",). Engine -> server: ("ready", EngineDescription, stats), ("accepted", group, None | the refusal's
 exception, stats), ("outputs", [RequestOutput without its prompt ids], stats), ("stats", stats), ("failed", message).
 """
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import pickle
@@ -60,6 +66,8 @@ def serve(config: EngineConfig, factory: Callable[[EngineConfig], LLMEngine], co
         except Exception as err:  # a bad model directory or engine option: report it and stop the server
             _report(events, err, "the engine could not start")
             return
+        gc.collect()
+        gc.freeze()
         try:
             events.send(("ready", describe(engine, config), engine.stats()))
             runner = engine.runner

@@ -5,6 +5,7 @@ of compiled twice. Test doubles run in the engine's process, so what they observ
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 from pathlib import Path
@@ -236,6 +237,25 @@ def test_a_request_that_cannot_be_sent_fails_alone(tmp_path: Path) -> None:
         await engine.add([EngineRequest("good", [1], SamplingParams())], mailbox)
         (output,) = await mailbox.get()
         assert output.request_id == "good"
+        engine.stop()
+
+    asyncio.run(scenario())
+
+
+class FreezeReportingEngine(StepFailsEngine):
+    def stats(self) -> dict[str, int]:
+        return {"frozen_objects": gc.get_freeze_count()}
+
+
+def test_the_engine_process_freezes_its_startup_heap(tmp_path: Path) -> None:
+    """By the time the engine reports ready, what its process built (imports, model) is out of the collector's
+    reach, so full collections during steps do not walk it."""
+    async def scenario() -> None:
+        engine = double(tmp_path, FreezeReportingEngine)
+        engine.start(asyncio.get_running_loop(), lambda: None)
+        while not engine.ready:
+            await asyncio.sleep(0.05)
+        assert engine.stats()["frozen_objects"] > 10_000  # the interpreter, torch, the engine's modules
         engine.stop()
 
     asyncio.run(scenario())
