@@ -6,7 +6,9 @@ The model is the offline benchmark's ZAYA1-8B widths (`--layers` of them) with r
 seeded sampling at temperature 0.6), so the numbers explain that benchmark's rates. The profiled steps are decode
 steps in the middle of a run, or for the prefill scenario the first steps (all prefill). The summary's
 `device_busy_ms_per_step` (kernel time summed over the profiled steps) next to `wall_ms_per_step` says whether a
-step is bound by the GPU or by the host. `--json-grammar` puts the offline benchmark's JSON grammar on every request
+step is bound by the GPU or by the host; so does `host` (decode scenarios): steady steps of the overlapped loop
+timed unsynchronised, split into time blocked on the device and the host's own work, and a cProfile of it.
+`--json-grammar` puts the offline benchmark's JSON grammar on every request
 (where the time of a constrained step goes). Prefix caching is off, as in the offline benchmark.
 
     python benchmarks/profile_step.py --layers 40 --scenario b64 [--json-grammar] [--out profile.json]
@@ -14,7 +16,9 @@ step is bound by the GPU or by the host. `--json-grammar` puts the offline bench
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import shutil
 import sys
 import tempfile
@@ -61,6 +65,49 @@ def _timed_steps(llm: LLM, prompts: list[list[int]], outputs: list[int], tempera
     return steps
 
 
+def _host_share(engine, steps: int) -> dict:
+    """Whether steady decode steps are bound by the host: `steps` unsynchronised steps (the engine's overlapped
+    loop as the benchmark runs it) with the time spent blocked on the device (CUDA event waits) split from the
+    host's own work, then the same steps under cProfile for where the host's work goes (cProfile slows Python,
+    so its times are only shares). A step whose blocked time is near zero waits for the host, not the GPU."""
+    blocked = [0.0]
+    original_wait = torch.cuda.Event.synchronize
+
+    def timed_wait(event):
+        start = time.perf_counter()
+        original_wait(event)
+        blocked[0] += time.perf_counter() - start
+
+    torch.cuda.Event.synchronize = timed_wait
+    try:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = time.perf_counter() - start
+    finally:
+        torch.cuda.Event.synchronize = original_wait
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        engine.step()
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    rows = sorted(stats.stats.items(), key=lambda item: item[1][2], reverse=True)[:40]  # by own time
+    total = sum(row[2] for row in stats.stats.values())
+    ours = sorted(((key, value) for key, value in stats.stats.items() if "hybridserve" in key[0]),
+                  key=lambda item: item[1][3], reverse=True)[:40]  # our functions by time inside them
+
+    def named(key: tuple) -> str:
+        return f"{Path(key[0]).name}:{key[1]}:{key[2]}"
+
+    return {"per_step_ms": {"wall": 1e3 * wall / steps, "blocked_on_device": 1e3 * blocked[0] / steps,
+                            "host_work": 1e3 * (wall - blocked[0]) / steps},
+            "cprofile_own_time_share": [(named(key), value[1] / steps, round(value[2] / total, 4))
+                                        for key, value in rows],
+            "cprofile_inclusive_share": [(named(key), value[1] / steps, round(value[3] / total, 4))
+                                         for key, value in ours]}
+
+
 def _table(trace, key: str, limit: int) -> list[tuple[str, int, float]]:
     rows = sorted(trace.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:limit]
     return [(e.key[:100], e.count, getattr(e, key) / 1e3) for e in rows]
@@ -72,6 +119,8 @@ def main() -> None:
     parser.add_argument("--scenario", default="b64", choices=list(SCENARIOS))
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--profile-steps", type=int, default=4)
+    parser.add_argument("--host-steps", type=int, default=24, help="steady decode steps timed unsynchronised "
+                        "(blocked-on-device vs host work), then under cProfile")
     parser.add_argument("--json-grammar", action="store_true", help="every request under the offline benchmark's "
                         "JSON grammar")
     parser.add_argument("--out", default=None)
@@ -93,7 +142,8 @@ def main() -> None:
         print(json.dumps(summary, indent=1))
 
         # Profile a few decode steps in the middle of a run (prefill: the first steps).
-        params = [SamplingParams(temperature=args.temperature, max_tokens=32, ignore_eos=True, seed=i,
+        tokens = 16 + args.profile_steps + 2 * args.host_steps  # through every profiled step
+        params = [SamplingParams(temperature=args.temperature, max_tokens=tokens, ignore_eos=True, seed=i,
                                  output_kind=RequestOutputKind.DELTA, structured_output=grammar)
                   for i in range(len(prompts))]  # DELTA: as the server
         engine = llm.engine
@@ -109,6 +159,9 @@ def main() -> None:
                 engine.step()
             _sync()
             wall = time.perf_counter() - start
+        if args.scenario != "prefill":
+            summary["host"] = _host_share(engine, args.host_steps)
+            print("host share of steady decode steps:", json.dumps(summary["host"]["per_step_ms"]))
         while engine.has_unfinished_requests():
             engine.step()
         host = _table(trace, "self_cpu_time_total", 30)
