@@ -6,8 +6,8 @@ edges keep the attribute).
 
 Each kernel that opts in calls `wait_for_previous(USE_PDL)` as its first statement, so whatever the previous kernel
 was (ours, cuBLAS, a copy) everything it wrote is complete before any load; only then does it let the next kernel
-launch, so at most one kernel waits ahead of the running one. Opt-in with HYBRIDSERVE_PDL=1 until measured on the
-device (docs/architecture.md, "Programmatic dependent launch"); off on the CPU (the interpreter) and below sm90."""
+launch, so at most one kernel waits ahead of the running one. On by default on sm90+ (measured: docs/architecture.md,
+"Programmatic dependent launch"); HYBRIDSERVE_PDL=0 turns it off; always off on the CPU (the interpreter)."""
 from __future__ import annotations
 
 import functools
@@ -30,7 +30,9 @@ def wait_for_previous(USE_PDL: tl.constexpr):
 
 @functools.cache
 def _enabled(device: torch.device) -> bool:
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("HYBRIDSERVE_PDL") != "1":
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if os.environ.get("HYBRIDSERVE_PDL", "1") == "0":
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
