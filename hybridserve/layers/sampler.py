@@ -1,8 +1,8 @@
 """Batched sampling from fp32 logits: penalties, temperature, top-k, top-p, min-p, greedy, and logprobs.
 
 Each draw uses one uniform number derived on the host from (request seed, token index) with splitmix64, and
-inverts the CDF of the filtered distribution. The draw for a request therefore never depends on what else is in
-the batch or on the device, and needs no per-request generator objects.
+inverts the CDF of the filtered distribution (`ops.sampling`). The draw for a request therefore never depends on
+what else is in the batch or on the device, and needs no per-request generator objects.
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 
 from hybridserve.core.step import SampledToken, SamplingRow
 from hybridserve.core.upload import device_scalar, upload
+from hybridserve.ops.sampling import draw_sorted, draw_unsorted
 from hybridserve.structured.bitmask import TokenMask, apply_token_mask
 
 _MASK64 = (1 << 64) - 1
@@ -274,71 +275,20 @@ class Sampler:
     @staticmethod
     def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """One token per row (every row samples), by inverting the CDF of each row's filtered distribution at the
-        row's own uniform number. Only rows with top-k or top-p need the vocabulary sorted; the others invert the
-        CDF in vocabulary order. Which path a row takes depends on its own parameters only, so a draw never
-        depends on the rest of the batch."""
+        row's own uniform number (`ops.sampling`). Only rows with top-k or top-p need the vocabulary sorted; the
+        others invert the CDF in vocabulary order. Which path a row takes depends on its own parameters only, so a
+        draw never depends on the rest of the batch."""
         vocab = logits.shape[-1]
         params = upload([[r.params.temperature, r.params.top_k if 0 < r.params.top_k < vocab else vocab,
                            r.params.top_p, r.params.min_p, uniform_for(r.seed, r.index)]
                           for r in rows], logits.device)
-        probs = torch.softmax(logits / params[:, :1].float(), dim=-1)
         needs_sort = [0 < r.params.top_k < vocab or r.params.top_p < 1.0 for r in rows]
         if not any(needs_sort):
-            return _invert(probs, params)
+            return draw_unsorted(logits, params)
         if all(needs_sort):
-            return _sorted_draw(probs, params)
+            return draw_sorted(logits, params)
         picks = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-        for wanted, draw in ((True, _sorted_draw), (False, _invert)):
+        for wanted, draw in ((True, draw_sorted), (False, draw_unsorted)):
             index = upload([i for i, s in enumerate(needs_sort) if s == wanted], logits.device, torch.long)
-            picks[index] = draw(probs[index], params[index])
+            picks[index] = draw(logits[index], params[index])
         return picks
-
-
-def _min_p_filter(probs: torch.Tensor, top: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    return probs.masked_fill(probs < min_p * top, 0.0)
-
-
-# Entries per block of the two-level CDF in `_pick`.
-_CDF_BLOCK = 1024
-
-
-def _pick(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Index where each row's CDF (float64) first exceeds u * total, never on a zeroed entry.
-
-    Two levels, so that no float64 scan runs over the whole vocabulary (on the H200 a [64, 262144] float64 cumsum
-    took 0.5 ms of a 10.8 ms decode step): block sums and their CDF find the block that holds u * total, then only
-    that block's entries are scanned. Same inversion as one flat CDF up to float64 rounding."""
-    rows, vocab = probs.shape
-    blocks = -(-vocab // _CDF_BLOCK)
-    padded = torch.nn.functional.pad(probs, (0, blocks * _CDF_BLOCK - vocab)).double().view(rows, blocks, _CDF_BLOCK)
-    block_mass = padded.sum(dim=-1)
-    block_cdf = block_mass.cumsum(dim=-1)
-    target = u * block_cdf[:, -1:]
-    block = torch.searchsorted(block_cdf, target, right=True).clamp(max=blocks - 1)
-    entries = padded.gather(1, block[:, :, None].expand(rows, 1, _CDF_BLOCK)).squeeze(1)
-    cdf = entries.cumsum(dim=-1) + (block_cdf.gather(-1, block) - block_mass.gather(-1, block))
-    # Rounding must not step past the block's last kept entry, nor the row's.
-    last_in_block = _CDF_BLOCK - 1 - (entries > 0).flip(-1).int().argmax(dim=-1, keepdim=True)
-    pick = block * _CDF_BLOCK + torch.minimum(torch.searchsorted(cdf, target, right=True), last_in_block)
-    last_kept = vocab - 1 - (probs > 0).flip(-1).int().argmax(dim=-1, keepdim=True)
-    return torch.minimum(pick, last_kept)
-
-
-def _invert(probs: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-    """Rows with neither top-k nor top-p: min-p against the row's top probability, then the CDF in vocab order."""
-    probs = _min_p_filter(probs, probs.amax(dim=-1, keepdim=True), params[:, 3:4].float())
-    return _pick(probs, params[:, 4:5]).squeeze(-1)
-
-
-def _sorted_draw(probs: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-    """Rows with top-k or top-p: top-k, renormalise, top-p (the smallest prefix holding top_p of the mass), min-p,
-    then the CDF in descending-probability order."""
-    vocab = probs.shape[-1]
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab, device=probs.device)[None, :]
-    sorted_probs = sorted_probs.masked_fill(rank >= params[:, 1:2], 0.0)
-    sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill((mass_before > params[:, 2:3]) & (rank > 0), 0.0)
-    sorted_probs = _min_p_filter(sorted_probs, sorted_probs[:, :1], params[:, 3:4].float())
-    return order.gather(-1, _pick(sorted_probs, params[:, 4:5])).squeeze(-1)

@@ -14,7 +14,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 OPS = ("attention", "moe", "router", "conv", "lightning", "norm", "ling_norm", "activation", "zaya_qk",
-       "zaya_router", "linear")
+       "zaya_router", "linear", "sampling")
 CHOICES = ("auto", "triton", "torch")
 
 _selected: dict[str, str] = {}
