@@ -7,7 +7,9 @@ seeded sampling at temperature 0.6), so the numbers explain that benchmark's rat
 steps in the middle of a run, or for the prefill scenario the first steps (all prefill). The summary's
 `device_busy_ms_per_step` (kernel time summed over the profiled steps) next to `wall_ms_per_step` says whether a
 step is bound by the GPU or by the host; so does `host` (decode scenarios): steady steps of the overlapped loop
-timed unsynchronised, split into time blocked on the device and the host's own work, and a cProfile of it.
+timed unsynchronised, split into time blocked on the device and the host's own work, and a cProfile of it; and
+`first_token`, the same split for one prompt alone until its first token (an eager prefill step: on the H200 a
+512-token prompt's took 50-78 ms where an 8192-token chunk's kernels take ~56 ms).
 `--json-grammar` puts the offline benchmark's JSON grammar on every request
 (where the time of a constrained step goes). Prefix caching is off, as in the offline benchmark.
 
@@ -23,6 +25,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -65,11 +68,12 @@ def _timed_steps(llm: LLM, prompts: list[list[int]], outputs: list[int], tempera
     return steps
 
 
-def _host_share(engine, steps: int) -> dict:
-    """Whether steady decode steps are bound by the host: `steps` unsynchronised steps (the engine's overlapped
-    loop as the benchmark runs it) with the time spent blocked on the device (CUDA event waits) split from the
-    host's own work, then the same steps under cProfile for where the host's work goes (cProfile slows Python,
-    so its times are only shares). A step whose blocked time is near zero waits for the host, not the GPU."""
+def _host_share(run_once: Callable[[], None], times: int) -> dict:
+    """Whether `run_once` (some engine steps) is bound by the host: `times` runs unsynchronised (the engine's
+    overlapped loop as the benchmark runs it) with the time spent blocked on the device (CUDA event waits) split
+    from the host's own work, then the same runs under cProfile for where the host's work goes (cProfile slows
+    Python, so its times are only shares). Times are per run; near-zero blocked time means the GPU waits for the
+    host, not the other way round."""
     blocked = [0.0]
     original_wait = torch.cuda.Event.synchronize
 
@@ -81,15 +85,15 @@ def _host_share(engine, steps: int) -> dict:
     torch.cuda.Event.synchronize = timed_wait
     try:
         start = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
+        for _ in range(times):
+            run_once()
         wall = time.perf_counter() - start
     finally:
         torch.cuda.Event.synchronize = original_wait
     profiler = cProfile.Profile()
     profiler.enable()
-    for _ in range(steps):
-        engine.step()
+    for _ in range(times):
+        run_once()
     profiler.disable()
     stats = pstats.Stats(profiler)
     rows = sorted(stats.stats.items(), key=lambda item: item[1][2], reverse=True)[:40]  # by own time
@@ -100,12 +104,27 @@ def _host_share(engine, steps: int) -> dict:
     def named(key: tuple) -> str:
         return f"{Path(key[0]).name}:{key[1]}:{key[2]}"
 
-    return {"per_step_ms": {"wall": 1e3 * wall / steps, "blocked_on_device": 1e3 * blocked[0] / steps,
-                            "host_work": 1e3 * (wall - blocked[0]) / steps},
-            "cprofile_own_time_share": [(named(key), value[1] / steps, round(value[2] / total, 4))
+    return {"per_run_ms": {"wall": 1e3 * wall / times, "blocked_on_device": 1e3 * blocked[0] / times,
+                           "host_work": 1e3 * (wall - blocked[0]) / times},
+            "cprofile_own_time_share": [(named(key), value[1] / times, round(value[2] / total, 4))
                                         for key, value in rows],
-            "cprofile_inclusive_share": [(named(key), value[1] / steps, round(value[3] / total, 4))
+            "cprofile_inclusive_share": [(named(key), value[1] / times, round(value[3] / total, 4))
                                          for key, value in ours]}
+
+
+def _first_token(engine, prompt: list[int], temperature: float, grammar) -> Callable[[], None]:
+    """One run: `prompt` alone on the idle engine, stepped until its first (and only) token is out, then the device
+    drained, so that a run is one eager prefill step and its sampling, as a batch-1 request's time to first token."""
+    serial = iter(range(1 << 30))
+
+    def run_once() -> None:
+        params = SamplingParams(temperature=temperature, max_tokens=1, ignore_eos=True, seed=0,
+                                structured_output=grammar)
+        engine.add_request(f"first-token-{next(serial)}", prompt, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        _sync()
+    return run_once
 
 
 def _table(trace, key: str, limit: int) -> list[tuple[str, int, float]]:
@@ -121,6 +140,8 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=4)
     parser.add_argument("--host-steps", type=int, default=24, help="steady decode steps timed unsynchronised "
                         "(blocked-on-device vs host work), then under cProfile")
+    parser.add_argument("--first-token-runs", type=int, default=5, help="one prompt alone until its first token "
+                        "(an eager prefill step), timed like --host-steps, then under cProfile")
     parser.add_argument("--json-grammar", action="store_true", help="every request under the offline benchmark's "
                         "JSON grammar")
     parser.add_argument("--out", default=None)
@@ -160,10 +181,15 @@ def main() -> None:
             _sync()
             wall = time.perf_counter() - start
         if args.scenario != "prefill":
-            summary["host"] = _host_share(engine, args.host_steps)
-            print("host share of steady decode steps:", json.dumps(summary["host"]["per_step_ms"]))
+            summary["host"] = _host_share(engine.step, args.host_steps)
+            print("host share of steady decode steps:", json.dumps(summary["host"]["per_run_ms"]))
         while engine.has_unfinished_requests():
             engine.step()
+        if args.scenario != "prefill":
+            summary["first_token"] = _host_share(_first_token(engine, prompts[0], args.temperature, grammar),
+                                                 args.first_token_runs)
+            print(f"host share of a {len(prompts[0])}-token prompt's first token:",
+                  json.dumps(summary["first_token"]["per_run_ms"]))
         host = _table(trace, "self_cpu_time_total", 30)
         device = _table(trace, "self_device_time_total", 30)
         busy = sum(e.self_device_time_total for e in trace.key_averages()) / 1e3
