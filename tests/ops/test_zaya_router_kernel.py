@@ -1,11 +1,13 @@
 """EDA router kernels vs the reference (ops/reference/zaya_router.py), fp32 throughout, down-projection included.
 
-Both forms are checked: the fused decode form (three launches, the last program of a token block selecting) at
-token counts around its tile buckets, and the cuBLAS prefill form above FUSED_MAX_TOKENS. The carry and the
-probabilities are fp32 arithmetic in another summation order (and FMA contractions): 1e-5 relative and absolute on
-values of unit scale. The choice is discrete: it must equal the reference's wherever the reference's best and
-second-best p + bias differ by more than 1e-5 (every other difference is a genuine near-tie), and the inputs are
-drawn so that such ties are rare. Exact ties (equal p + bias) take the first class, as torch's argmax.
+Both forms are checked: the fused decode form (three launches, the last program of a token block selecting) at token
+counts around its tile buckets, and the 3xTF32 GEMM prefill form above FUSED_MAX_TOKENS in several of its tile
+shapes (the interpreter multiplies in fp32: 3xTF32's accuracy is checked on the GPU,
+tests/gpu/test_zaya_kernels_gpu.py). The carry and the probabilities are fp32 arithmetic in another summation order
+(and FMA contractions): 1e-5 relative and absolute on values of unit scale. The choice is discrete: it must equal
+the reference's wherever the reference's best and second-best p + bias differ by more than 1e-5 (every other
+difference is a genuine near-tie), and the inputs are drawn so that such ties are rare. Exact ties (equal p + bias)
+take the first class, as torch's argmax.
 """
 from __future__ import annotations
 
@@ -95,9 +97,10 @@ def test_fused_form_matches_reference(tokens, with_carry, hidden, width, experts
         assert (want.expert_ids[skip] == 0).all() and (want.expert_weights[skip] == 0).all()
 
 
+@pytest.mark.parametrize("tokens", [kernel.FUSED_MAX_TOKENS + 1, 3000, 5000])  # GEMM tiles 16x32, 32x32, 64x32
 @pytest.mark.parametrize("with_carry", [True, False])
-def test_prefill_form_matches_reference(with_carry):
-    args = router_inputs(kernel.FUSED_MAX_TOKENS + 1, 40, 24, 6, 0.15, device="cpu")
+def test_prefill_form_matches_reference(tokens, with_carry):
+    args = router_inputs(tokens, 40, 24, 6, 0.15, seed=tokens, device="cpu")
     if not with_carry:
         args["carry"] = None
     with mock.patch.object(kernel, "fused_route", side_effect=AssertionError("the decode form ran")):

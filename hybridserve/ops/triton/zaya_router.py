@@ -19,18 +19,22 @@ program that arrives last reads the whole u2 rows back through L2 and resets the
 every CUDA-graph replay) starts from zero (ops/triton/counters.py).
 
 Prefill (more tokens): the three matmuls become FLOP-bound (8192 tokens: 8.6 GFLOP in the down-projection; at
-512 tokens 0.54 GFLOP, 8 us at the H200's fp32 FMA peak) and cuBLAS's fp32 GEMM (TF32 stays off) does them
-better than FMA tiles sized to spread weight reads, while a few more launches no longer matter; around them one
-ops.norm kernel adds the carry and normalises, and `_select_kernel` applies fc2's GELU on load and selects.
-Six launches where the torch reference takes about fifteen. The switch depends only on the host-known token count.
+512 tokens 0.54 GFLOP), and plain fp32 FMAs are slow: cuBLAS's fp32 GEMM ran the 8192-token down-projection in
+0.19 ms (44 TFLOPS), and the router's three GEMMs took 10 of a 56 ms prefill chunk's kernel time. So the prefill
+form runs them on the tensor cores in 3xTF32 (`_gemm_kernel`, tl.dot's input_precision "tf32x3"): each fp32
+operand is split into a TF32 part and a TF32 remainder, and the three products that matter are summed in fp32;
+the dropped remainder x remainder term is about 2^-22 of each product, the size of fp32's own rounding, so the
+result keeps fp32 accuracy (tests: 1e-5 at ZAYA1-8B widths on the GPU) where one TF32 pass (2^-11) would not.
+Tiles are chosen per token-count bucket to fill the SMs. Around the GEMMs one ops.norm kernel adds the carry and
+normalises, the GELUs ride in the GEMMs' epilogues, and `_select_kernel` selects: five launches where the torch
+reference takes about fifteen. The switch between the forms depends only on the host-known token count.
 
 Numerics are fp32 end to end (a top-1 choice flips on a near-tie, and a flip changes a token by a whole expert);
-only summation orders differ from the reference.
+only summation orders (and, in the prefill form, 3xTF32's remainder rounding) differ from the reference.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -47,6 +51,8 @@ PROGRAMS = 128  # programs per fused launch to aim for: about one per SM of an H
 TILE_ELEMENTS = 8192  # a program's [tokens, columns, K chunk] product tile: 64 fp32 registers a thread at 4 warps
 PIPELINE_STAGES = 6  # K chunks in flight (cp.async) per program when its loop has several: latency, not FLOPs
 SELECT_TOKENS = 16  # tokens per program of the prefill form's selection
+GEMM_BK = 32  # K chunk of the prefill form's GEMM tiles (fp32: [128, 32] + [32, 128] is 32 KB a stage)
+GEMM_STAGES = 3
 
 
 @triton.jit
@@ -141,11 +147,32 @@ def _dense_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
+def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, K: tl.constexpr, N: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, GELU: tl.constexpr):
+    """out[rows, cols] = act(x[rows] @ w[cols]^T + b[cols]) for this program's BM x BN tile, x [num_tokens, K] and
+    w [N, K] fp32 row-major; the product in 3xTF32 on the tensor cores (module docstring)."""
+    rows = tl.program_id(1) * BM + tl.arange(0, BM)
+    cols = tl.program_id(0) * BN + tl.arange(0, BN)
+    row_ok, col_ok = rows < num_tokens, cols < N
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        k = k0 + tl.arange(0, BK)
+        k_ok = k < K
+        x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + cols[None, :] * K + k[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(x, w, acc, input_precision="tf32x3")
+    acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    if GELU:
+        acc = _gelu(acc)
+    tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
 def _select_kernel(u_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr, num_tokens,
                    K: tl.constexpr, CLASSES: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     _select(u_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr, rows,
-            rows < num_tokens, K, CLASSES, BT, BC, BK, True, "")
+            rows < num_tokens, K, CLASSES, BT, BC, BK, False, "")
 
 
 def _arrival_counters(device: torch.device) -> torch.Tensor:
@@ -226,19 +253,40 @@ def fused_route(x32, down_weight, down_bias, carry, states_scale, norm_weight, e
     return Routing(choice, weight, ids, expert_w, skip_w, z)
 
 
+def gemm_tiles(tokens: int, n: int) -> tuple[int, int]:
+    """(BM, BN) of the prefill form's GEMM: the largest tiles that still give about PROGRAMS programs (BM at least
+    16, tl.dot's smallest), for the next power of two of the token count, as the warm-up ladder buckets them."""
+    bucket = triton.next_power_of_2(tokens)
+    bn = min(triton.next_power_of_2(n), 128 if bucket >= 4096 else 64)
+    bm = 128
+    while bm > 16 and triton.cdiv(bucket, bm) * triton.cdiv(n, bn) < PROGRAMS:
+        bm //= 2
+    return bm, bn
+
+
+def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out: torch.Tensor, gelu: bool) -> None:
+    tokens, k = x.shape
+    n = weight.shape[0]
+    bm, bn = gemm_tiles(tokens, n)
+    _gemm_kernel[(triton.cdiv(n, bn), triton.cdiv(tokens, bm))](
+        x, weight, bias, out, tokens, K=k, N=n, BM=bm, BN=bn, BK=min(GEMM_BK, triton.next_power_of_2(k)),
+        STAGES=GEMM_STAGES, GELU=gelu, num_warps=8 if bm * bn >= 128 * 64 else 4)
+
+
 def gemm_route(x32, down_weight, down_bias, carry, states_scale, norm_weight, eps, fc1_weight, fc1_bias, fc2_weight,
                fc2_bias, out_weight, balancing_biases) -> Routing:
-    """The prefill form: cuBLAS fp32 matmuls, ops.norm's kernel for carry + RMSNorm, `_select_kernel` for fc2's
-    GELU and the selection. Arguments as `eda_route`'s, checked."""
+    """The prefill form: 3xTF32 GEMMs (`_gemm_kernel`, fc1's and fc2's GELUs in their epilogues), ops.norm's kernel
+    for carry + RMSNorm, `_select_kernel` for the selection. Arguments as `eda_route`'s, checked."""
     tokens = x32.shape[0]
     width, classes = down_weight.shape[0], out_weight.shape[0]
-    z = F.linear(x32, down_weight, down_bias)
+    choice, ids, weight, expert_w, skip_w, (z, u1, u2) = _outputs(tokens, 3, width, x32.device)
+    _gemm(x32, down_weight, down_bias, z, gelu=False)
     if carry is None:
         new_carry, normed, _ = residual_rms_norm(z, norm_weight, eps)
     else:
         new_carry, normed, _ = residual_rms_norm(carry, norm_weight, eps, residual=z, update_scale=states_scale)
-    u2 = F.linear(F.gelu(F.linear(normed, fc1_weight, fc1_bias)), fc2_weight, fc2_bias)
-    choice, ids, weight, expert_w, skip_w, _ = _outputs(tokens, 0, width, x32.device)
+    _gemm(normed, fc1_weight, fc1_bias, u1, gelu=True)
+    _gemm(u1, fc2_weight, fc2_bias, u2, gelu=True)
     bc = triton.next_power_of_2(classes)
     _select_kernel[(triton.cdiv(tokens, SELECT_TOKENS),)](
         u2, out_weight, balancing_biases, choice, weight, ids, expert_w, skip_w, tokens, K=width, CLASSES=classes,
