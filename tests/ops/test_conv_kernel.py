@@ -47,7 +47,7 @@ def _batch(rows: list[tuple[int, int, bool]], page_size: int, device: torch.devi
 
 
 def run_conv_case(rows, dtype, form, page_size=4, q_heads=4, k_heads=2, d=16, full_k_heads=None, kv_head_offset=0,
-                  bias=True, footers=True, seed=0, verify=()):
+                  bias=True, footers=True, seed=0, verify=(), block_tokens=None):
     """Kernel (in `form`, None: chosen by the token count) vs reference on `rows` (see _batch), with every slot and
     page of the pools not used by a row (and every fresh row's slot) poisoned; returns the batch."""
     gen = torch.Generator().manual_seed(seed)
@@ -78,7 +78,7 @@ def run_conv_case(rows, dtype, form, page_size=4, q_heads=4, k_heads=2, d=16, fu
     dev = [None if t is None else t.to(DEVICE) for t in (conv, lag, conv_footer, lag_footer)]
     got = kernel.cca_conv(proj.to(DEVICE), *[w.to(DEVICE) for w in weights],
                           None if lag_bias is None else lag_bias.to(DEVICE), q_heads, kv_head_offset, batch, *dev,
-                          form=form)
+                          form=form, block_tokens=block_tokens)
     tol = 3e-3 if ON_GPU and dtype != torch.float32 and form != "columns" else 1e-5
     for name, want, have in zip(("query", "key"), ref[:2], got[:2]):
         scale = want.abs().max().item()
@@ -142,6 +142,19 @@ def test_blocks_of_many_rows_split_across_programs(form):
     overlapping token blocks)."""
     rows = [(i % 5, 1 + (i % 3), i % 4 != 0) for i in range(11)]
     run_conv_case(rows, torch.float32, form)
+
+
+@pytest.mark.parametrize("block_tokens", [64, 128])
+def test_heads_form_at_larger_token_blocks(block_tokens):
+    """The heads form's token block forced above its default (the prefill sweep of benchmarks/ops/conv.py): rows
+    that start, end and complete pages at every position of a block, one longer than a block."""
+    rows = [(i % 5, 3 + 11 * (i % 4), i % 3 != 0) for i in range(9)] + [(2, block_tokens + 9, True)]
+    run_conv_case(rows, torch.float32, "heads", block_tokens=block_tokens)
+
+
+def test_token_block_must_be_a_power_of_two():
+    with pytest.raises(ValueError, match="block_tokens"):
+        run_conv_case(FRESH, torch.float32, "heads", block_tokens=48)
 
 
 def _decode_rows(count: int) -> list[tuple[int, int, bool]]:

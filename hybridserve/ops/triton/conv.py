@@ -344,9 +344,10 @@ def cca_conv(proj: torch.Tensor, weight0: torch.Tensor, bias0: torch.Tensor, wei
              bias1: torch.Tensor, lag_bias: torch.Tensor | None, q_heads: int, kv_head_offset: int,
              batch: ForwardBatch, conv_state: torch.Tensor, lag_state: torch.Tensor,
              conv_footer: torch.Tensor | None = None, lag_footer: torch.Tensor | None = None,
-             form: Literal["heads", "columns"] | None = None):
+             form: Literal["heads", "columns"] | None = None, block_tokens: int | None = None):
     """ops.conv.cca_conv on the GPU. `form` forces one of the kernel's two forms (tests, benchmarks); by default
-    steps of at most COLUMNS_MAX_TOKENS tokens take the columns form, larger ones the heads form."""
+    steps of at most COLUMNS_MAX_TOKENS tokens take the columns form, larger ones the heads form. `block_tokens`
+    forces the heads form's token block (a power of two of at least 16; benchmarks/ops/conv.py sweeps it)."""
     tokens, channels = proj.shape[0], weight0.shape[0]
     d, k0, k1 = weight1.shape[1], weight0.shape[-1], weight1.shape[-1]
     k_heads = channels // d - q_heads
@@ -362,6 +363,8 @@ def cca_conv(proj: torch.Tensor, weight0: torch.Tensor, bias0: torch.Tensor, wei
         raise ValueError("the conv weights must be contiguous")
     if (conv_footer is None) != (lag_footer is None):
         raise ValueError("page footers come as a pair (conv and lag) or not at all")
+    if block_tokens is not None and (block_tokens < 16 or block_tokens & (block_tokens - 1)):
+        raise ValueError(f"block_tokens must be a power of two of at least 16, not {block_tokens}")
     qk = torch.empty(tokens, q_heads + k_heads, d, device=proj.device, dtype=torch.float32)
     value = torch.empty(tokens, k_heads, d, device=proj.device, dtype=proj.dtype)
     if tokens == 0:
@@ -375,7 +378,9 @@ def cca_conv(proj: torch.Tensor, weight0: torch.Tensor, bias0: torch.Tensor, wei
         launch = dict(COLUMNS=True, BLOCK_O=block_o, BLOCK_K=block_k,
                       STAGES=PIPELINE_STAGES if block_k < d * k1 else 1, PRECISION="ieee", num_warps=COLUMN_WARPS)
     else:
-        block_t, block_o = _block_tokens(tokens, history), block_d
+        block_t = max(block_tokens, triton.next_power_of_2(history + 1)) if block_tokens else _block_tokens(
+            tokens, history)
+        block_o = block_d
         launch = dict(COLUMNS=False, BLOCK_O=block_o, BLOCK_K=1, STAGES=1,
                       PRECISION="ieee" if proj.dtype == torch.float32 else "tf32",
                       num_warps=8 if block_d >= 128 else 4)
