@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from hybridserve.parsers.reasoning import ReasoningFormat
-from hybridserve.parsers.tool_calls import ToolFormat, forced_calls_format
+from hybridserve.parsers.tool_calls import MAX_WHITESPACE, ToolFormat, forced_calls_format
 from hybridserve.sampling import SamplingParamError, SamplingParams
 from hybridserve.server.assistant import OutputParsing
 from hybridserve.server.errors import APIError
@@ -46,9 +46,9 @@ class ToolSelection:
         if self.forced is None:
             return None
         calls = forced_calls_format(fmt, self.forced, self.parallel)
-        if reasoning is not None:
-            calls = {"type": "sequence", "elements": [reasoning.grammar_prefix(in_reasoning),
-                                                      {"type": "regex", "pattern": r"[ \n\r\t]*"}, calls]}
+        if reasoning is not None:  # the whitespace bounded too: a model could otherwise never reach the call
+            gap = {"type": "regex", "pattern": rf"[ \n\r\t]{{0,{MAX_WHITESPACE}}}"}
+            calls = {"type": "sequence", "elements": [reasoning.grammar_prefix(in_reasoning), gap, calls]}
         return StructuredOutputParams(structural_tag={"type": "structural_tag", "format": calls})
 
     async def prepare_chat(self, server: ServerState, tokenizer: PreTrainedTokenizerBase, max_model_len: int,

@@ -5,8 +5,11 @@
 - `tiny_server`: the tiny ZAYA1 checkpoint of `zaya_dir` (vocab 128: token-id prompts only), fast enough for the
   64-client, disconnect and chaos tests.
 - `guarded_server`: the demo with the operator's hardening options on (an API key from the environment, a small
-  context, body limit, --max-n and default max_tokens, an operator chat template, request templates trusted) and a
-  reasoning parser: the API-key, template, reasoning and schemathesis tests.
+  context, body limit, --max-n and default max_tokens, an operator chat template, request templates trusted), a
+  reasoning parser and Ling's tool-call parser in place of ZAYA1's own (--tool-call-parser): the API-key, template,
+  reasoning, parser-override and schemathesis tests.
+- `ling_server`: the Ling-2.6 demo checkpoint (its Qwen3 tokenizer and template, Ling's tool-call format) with the
+  Ling reasoning parser on, as a Ling deployment runs: the Ling tool-call tests.
 
 Each server runs with one intra-op thread: two servers and the test client share the CI machine's 2 cores, and
 oversubscribed OpenMP threads spin, slowing tiny ops a hundredfold.
@@ -25,7 +28,11 @@ from benchmarks.server_process import ServerProcess
 STARTUP_TIMEOUT_S = 120
 SMALL_CACHE = ["--kv-cache-memory-bytes", str(64 << 20)]  # quick to allocate and to free
 API_KEY = "test-key-0123"
-OPERATOR_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+# Opens a reasoning block in the generation prompt when the first message is THINKING_ON (the Responses API takes
+# no request template, so its reasoning tests need an operator template that can open one).
+THINKING_ON = "detailed thinking on"
+OPERATOR_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+                     "{% if messages[0].content == '" + THINKING_ON + "' %}<think>\n{% endif %}")
 
 
 class Server(ServerProcess):
@@ -90,7 +97,15 @@ def guarded_server(tmp_path_factory):
     template.write_text(OPERATOR_TEMPLATE)
     server = serve(["--dtype", "float32", *SMALL_CACHE, "--max-model-len", "48", "--max-n", "4",
                     "--max-request-body-bytes", "65536", "--default-max-tokens", "8", "--chat-template", str(template),
-                    "--trust-request-chat-template", "--reasoning-parser", "qwen3"], tmp_path_factory,
-                   env={"HYBRIDSERVE_API_KEY": API_KEY})
+                    "--trust-request-chat-template", "--reasoning-parser", "qwen3", "--tool-call-parser", "ling"],
+                   tmp_path_factory, env={"HYBRIDSERVE_API_KEY": API_KEY})
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")  # only the Ling tests use it: freed after their module
+def ling_server(tmp_path_factory):
+    server = serve(["--demo", "ling", "--dtype", "float32", *SMALL_CACHE, "--reasoning-parser", "ling"],
+                   tmp_path_factory)
     yield server
     server.stop()

@@ -1,7 +1,8 @@
 """Tool calls, reasoning and the Responses API through the official `openai` client against the demo server
 (random weights, ZAYA1's tool-call format): forced calls parse into tool_calls whose arguments validate against
 the tool's schema, streamed == non-streamed; a history with tool calls and results renders and runs; the Responses
-API streams the event sequence the client parses and continues stored responses.
+API streams the event sequence the client parses and continues stored responses. The same for Ling-2.6 (its own
+format, with its reasoning parser on); --tool-call-parser and chat_template_kwargs change what they should.
 
 The tools' parameters are bounded (enums, integer ranges, booleans): a random model under a grammar closes those
 in a few tokens, while a free string could run to max_tokens.
@@ -9,12 +10,14 @@ in a few tokens, while a free string could run to max_tokens.
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import jsonschema
 import pytest
 
-from tests.server.conftest import API_KEY
+from hybridserve.parsers.tool_calls import MAX_WHITESPACE
+from tests.server.conftest import API_KEY, THINKING_ON
 
 DEMO = "hybridserve-demo"
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
@@ -25,6 +28,14 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
          {"type": "function", "function": {"name": "ping", "parameters": PING}}]
 SCHEMAS = {"get_weather": WEATHER, "ping": PING}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+HISTORY = ASK + [  # two calls, their results, the next question
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": '{"city": "Paris", "days": 2}'}},
+        {"id": "call_2", "type": "function", "function": {"name": "ping", "arguments": '{"loud": true}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 24 C"},
+    {"role": "tool", "tool_call_id": "call_2", "content": "pong"},
+    {"role": "user", "content": "Thanks. And tomorrow?"}]
 
 
 @pytest.fixture(scope="module")
@@ -76,14 +87,7 @@ def test_parallel_required_calls_all_validate(client):
 
 
 def test_a_history_with_tool_calls_and_results_renders_and_runs(client, demo_server):
-    messages = ASK + [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather",
-                                                              "arguments": '{"city": "Paris", "days": 2}'}},
-            {"id": "call_2", "type": "function", "function": {"name": "ping", "arguments": '{"loud": true}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 24 C"},
-        {"role": "tool", "tool_call_id": "call_2", "content": "pong"},
-        {"role": "user", "content": "Thanks. And tomorrow?"}]
+    messages = HISTORY
     rendered = demo_server.post("/tokenize", json={"messages": messages, "tools": TOOLS}).json()
     text = demo_server.post("/detokenize", json={"tokens": rendered["tokens"]}).json()["prompt"]
     assert ("<zyphra_tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
@@ -103,6 +107,73 @@ def test_tool_choice_none_hides_the_tools_from_the_template(demo_server):
     plain = demo_server.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 1})
     assert hidden.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"] < \
         with_tools.json()["usage"]["prompt_tokens"]
+
+
+def test_chat_template_kwargs_reach_the_template_through_chat_completions(client, demo_server):
+    """Qwen3's template writes an empty <think> block into the prompt when enable_thinking is false: the request's
+    chat_template_kwargs must reach the template of /v1/chat/completions, not only /tokenize's."""
+    prompts = {}
+    for kwargs in (None, {"enable_thinking": False}):
+        out = client.chat.completions.create(model=DEMO, messages=ASK, max_tokens=1, extra_body={
+            "chat_template_kwargs": kwargs, "return_token_ids": True}).model_dump()
+        text = demo_server.post("/detokenize", json={"tokens": out["prompt_token_ids"]}).json()["prompt"]
+        rendered = demo_server.post("/tokenize", json={"messages": ASK, "chat_template_kwargs": kwargs}).json()
+        assert out["usage"]["prompt_tokens"] == rendered["count"] and out["prompt_token_ids"] == rendered["tokens"]
+        prompts[json.dumps(kwargs)] = text
+    default, off = prompts["null"], prompts['{"enable_thinking": false}']
+    assert off == default + "<think>\n\n</think>\n\n" and "<think>" not in default
+
+
+# --- Ling-2.6 (the Ling demo, --reasoning-parser ling): its own tool-call format ---------------------------------
+
+LING = "hybridserve-demo-ling"
+
+
+@pytest.fixture(scope="module")
+def ling_client(ling_server):
+    return ling_server.client()
+
+
+@pytest.mark.parametrize("choice, sampling", [
+    ("required", {"temperature": 0.8, "seed": 0}),  # this seed makes two parallel calls
+    ({"type": "function", "function": {"name": "ping"}}, {"temperature": 0, "parallel_tool_calls": False})],
+    ids=["required-parallel", "named"])
+def test_ling_forced_calls_with_reasoning_on_parse_and_stream_the_same(ling_client, ling_server, choice, sampling):
+    """With a reasoning parser on, the forcing grammar lets the output reason first; the calls must still land in
+    tool_calls (not reasoning_content), streamed pieces must add up to the same calls, and the gap before the first
+    call is bounded (it once was not: a model could spend every token on whitespace and never call)."""
+    body = dict(model=LING, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=240, **sampling)
+    full = ling_client.chat.completions.create(**body, extra_body={"return_token_ids": True})
+    message = full.choices[0].message
+    assert full.choices[0].finish_reason == "tool_calls" and message.content is None
+    assert message.model_extra["reasoning_content"] is None
+    calls = [(c.function.name, c.function.arguments) for c in message.tool_calls]
+    assert len(calls) >= 2 if choice == "required" else [name for name, _ in calls] == ["ping"]
+    assert len({c.id for c in message.tool_calls}) == len(calls)
+    for name, arguments in calls:
+        jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+    raw = ling_server.post("/detokenize", json={"tokens": full.choices[0].model_extra["token_ids"]}).json()["prompt"]
+    assert re.match(rf"[ \n\r\t]{{0,{MAX_WHITESPACE}}}<tool_call>\n", raw), raw[:300]  # Ling's format
+    streamed, finish, content = _streamed_calls(ling_client.chat.completions.create(**body, stream=True))
+    assert finish == "tool_calls" and content == ""
+    assert [(c["name"], c["arguments"]) for c in streamed] == calls
+    assert all(c["id"].startswith("call_") for c in streamed) and len({c["id"] for c in streamed}) == len(calls)
+
+
+def test_ling_history_with_tool_calls_and_results_renders_and_runs(ling_client, ling_server):
+    """Assistant tool_calls and tool results render in Ling's (Qwen3's) format, and the conversation runs."""
+    messages = HISTORY
+    rendered = ling_server.post("/tokenize", json={"messages": messages, "tools": TOOLS}).json()
+    text = ling_server.post("/detokenize", json={"tokens": rendered["tokens"]}).json()["prompt"]
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+            '"days": 2}}\n</tool_call>\n<tool_call>\n{"name": "ping", "arguments": {"loud": true}}\n</tool_call>'
+            '<|im_end|>') in text
+    assert "<|im_start|>user\n<tool_response>\nsunny, 24 C\n</tool_response>\n<tool_response>\npong\n" \
+           "</tool_response><|im_end|>" in text
+    assert '"name": "get_weather"' in text.split("<|im_end|>")[0]  # the offered tools are listed in the system turn
+    out = ling_client.chat.completions.create(model=LING, messages=messages, tools=TOOLS, max_tokens=4,
+                                              temperature=0, extra_body={"ignore_eos": True})
+    assert out.usage.prompt_tokens == rendered["count"] and out.choices[0].finish_reason == "length"
 
 
 # --- reasoning (the guarded server runs --reasoning-parser qwen3 and trusts request templates) ---------------------
@@ -127,6 +198,25 @@ def test_reasoning_opened_by_the_prompt_goes_to_reasoning_content(guarded_server
     closed = _guarded_chat(guarded_server, chat_template="{{ messages[0].content }}<think></think>", max_tokens=6,
                            temperature=0, ignore_eos=True).json()["choices"][0]["message"]
     assert closed["reasoning_content"] is None and closed["content"]
+
+
+def test_the_tool_call_parser_flag_replaces_the_model_types_format(guarded_server):
+    """The guarded server runs the ZAYA1 demo with --tool-call-parser ling: an output pinned (by guided_choice) to a
+    call in Ling's format is parsed into tool_calls, the same call in ZAYA1's own format stays content. (The calls
+    take no arguments: spelled out by a random model they must fit the 48-token context.)"""
+    ping = [{"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}]
+    ling = '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'
+    zaya = "<zyphra_tool_call>\n<function=ping>\n</function>\n</zyphra_tool_call>"
+    choices = {}
+    for text in (ling, zaya):
+        response = _guarded_chat(guarded_server, tools=ping, guided_choice=[text], max_tokens=40, temperature=0)
+        assert response.status_code == 200, response.text
+        choices[text] = response.json()["choices"][0]
+    assert choices[ling]["finish_reason"] == "tool_calls" and choices[ling]["message"]["content"] is None
+    (call,) = choices[ling]["message"]["tool_calls"]
+    assert (call["function"]["name"], call["function"]["arguments"]) == ("ping", "{}")
+    assert choices[zaya]["finish_reason"] == "stop" and choices[zaya]["message"]["content"] == zaya
+    assert "tool_calls" not in choices[zaya]["message"]
 
 
 def _sse(server, path: str, body: dict) -> list[dict]:
@@ -189,11 +279,44 @@ def test_responses_tool_call_then_continue_from_the_stored_response(client, demo
     assert httpx.get(f"{demo_server.url}/v1/responses/resp_nope").status_code == 404
 
 
-def test_responses_json_schema_output(client):
+def test_responses_json_schema_output_streamed_and_not(client):
+    """text.format json_schema constrains the output of both modes; the streamed deltas and the client's
+    accumulated response give the same valid JSON as the non-streamed call."""
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
                                                                                "maximum": 9}},
               "required": ["ok", "n"], "additionalProperties": False}
-    out = client.responses.create(model=DEMO, input="Give JSON.", max_output_tokens=40, temperature=0,
-                                  text={"format": {"type": "json_schema", "name": "answer", "schema": schema}})
+    body = dict(model=DEMO, input="Give JSON.", max_output_tokens=40, temperature=0,
+                text={"format": {"type": "json_schema", "name": "answer", "schema": schema}})
+    out = client.responses.create(**body)
     assert out.status == "completed"
     jsonschema.validate(json.loads(out.output_text), schema)
+    with client.responses.stream(**body) as stream:
+        deltas = "".join(event.delta for event in stream if event.type == "response.output_text.delta")
+        streamed = stream.get_final_response()
+    assert streamed.status == "completed" and streamed.output_text == deltas == out.output_text
+    assert streamed.text.format.type == "json_schema"
+
+
+def test_responses_reasoning_item_and_events(guarded_server):
+    """With a reasoning parser, an output inside a reasoning block (the operator template opens one for THINKING_ON
+    instructions) becomes a reasoning item of reasoning_text, streamed as reasoning_text events the client parses,
+    and its tokens are counted as reasoning tokens."""
+    client = guarded_server.client(API_KEY)
+    body = dict(model=DEMO, input="hi", instructions=THINKING_ON, max_output_tokens=6, temperature=0)
+    full = client.responses.create(**body)
+    assert full.status == "incomplete" and full.output_text == ""
+    (item,) = full.output
+    assert item.type == "reasoning" and item.summary == [] and item.id.startswith("rs_")
+    (part,) = item.content
+    assert part.type == "reasoning_text" and part.text
+    assert full.usage.output_tokens == full.usage.output_tokens_details.reasoning_tokens == 6
+    events = list(client.responses.create(**body, stream=True))  # the client parses every event
+    kinds = [e.type for e in events]
+    assert kinds[2:4] == ["response.output_item.added", "response.content_part.added"]
+    assert events[2].item.type == "reasoning" and events[3].part.type == "reasoning_text"
+    assert "response.output_text.delta" not in kinds and kinds[-4:] == [
+        "response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
+        "response.incomplete"]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == part.text
+    assert events[-4].text == part.text and events[-1].response.output[0].content[0].text == part.text
+    assert events[-1].response.usage.output_tokens_details.reasoning_tokens == 6

@@ -91,6 +91,17 @@ CASES = [
     # issue 13: structured output (a grammar that cannot be compiled, conflicting or malformed constraints)
     ("uncompilable guided_json", "/v1/completions", {**OK, "guided_json": {"type": "foo"}}, 400, "guided_json",
      'cannot be compiled: Unsupported type "foo"'),
+    # streamed: the grammar is compiled before the stream starts, so the error is a 4xx, not an error event
+    ("streamed uncompilable guided_json", "/v1/completions", {**OK, "stream": True, "guided_json": {"type": "foo"}},
+     400, "guided_json", 'cannot be compiled: Unsupported type "foo"'),
+    ("streamed chat json_schema with a dangling $ref", "/v1/chat/completions", {**CHAT, "stream": True,
+     "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}}}}, 400,
+     "response_format", "cannot be compiled"),
+    ("streamed chat grammar with an undefined rule", "/v1/chat/completions",
+     {**CHAT, "stream": True, "guided_grammar": "root ::= nowhere"}, 400, "guided_grammar", "is not defined"),
+    ("streamed completion regex that cannot compile", "/v1/completions",
+     {**OK, "stream": True, "stream_options": {"include_usage": True}, "guided_regex": "(ab"}, 400, "guided_regex",
+     "cannot be compiled"),
     ("guided_json that is not JSON", "/v1/completions", {**OK, "guided_json": "{oops"}, 400, "guided_json",
      "not valid JSON text"),
     ("json_schema with a dangling $ref", "/v1/chat/completions", {**CHAT, "response_format": {
@@ -184,6 +195,12 @@ CASES = [
      400, "previous_response_id", "no stored response"),
     ("responses json_schema without a schema", "/v1/responses",
      {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "text", "schema"),
+    ("responses uncompilable json_schema", "/v1/responses",
+     {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "foo"}}}}, 400,
+     "text", 'cannot be compiled: Unsupported type "foo"'),
+    ("streamed responses json_schema with a dangling $ref", "/v1/responses", {"input": "hi", "stream": True,
+     "text": {"format": {"type": "json_schema", "name": "x", "schema": {"$ref": "#/$defs/missing"}}}}, 400, "text",
+     "cannot be compiled"),
     ("responses web_search tool", "/v1/responses", {"input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools",
      "'function'"),
     ("responses tool_choice naming an unknown function", "/v1/responses",
@@ -235,6 +252,7 @@ def _send(server, path: str, body, headers: dict | None = None) -> httpx.Respons
 
 def _check(response: httpx.Response, status: int, param: str | None, word: str) -> None:
     assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"  # never an event stream, even for stream: true
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["param"] == param and word in error["message"], error

@@ -35,13 +35,23 @@ def _statuses(report) -> Counter:
     return counts
 
 
-# Fields schemathesis must fuzz (it generates from the published request schemas): structured output and vLLM's
-# extras (issue 13).
+# Fields schemathesis must fuzz (it generates from the published request schemas): structured output, vLLM's
+# extras, tools and the Responses API (issue 13).
 FUZZED_FIELDS = {"CompletionRequest": ("response_format", "structured_outputs", "guided_json", "guided_regex",
                                        "guided_choice", "guided_grammar", "prompt_logprobs", "return_token_ids"),
                  "ChatCompletionRequest": ("response_format", "structured_outputs", "guided_json", "guided_regex",
-                                           "guided_choice", "guided_grammar", "prompt_logprobs", "return_token_ids"),
-                 "StreamOptions": ("include_usage", "continuous_usage_stats")}
+                                           "guided_choice", "guided_grammar", "prompt_logprobs", "return_token_ids",
+                                           "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs"),
+                 "StreamOptions": ("include_usage", "continuous_usage_stats"),
+                 "ResponsesRequest": ("input", "instructions", "previous_response_id", "text", "tools", "tool_choice",
+                                      "parallel_tool_calls", "max_output_tokens", "store"),
+                 "TextConfig": ("format",),
+                 "TextFormat": ("type", "name", "schema", "strict")}
+
+
+def _refs(schema: dict) -> set[str]:
+    """The component names a property's schema refers to (directly or in an anyOf)."""
+    return {option["$ref"].rsplit("/", 1)[1] for option in [schema, *schema.get("anyOf", [])] if "$ref" in option}
 
 
 def test_the_fuzzed_schemas_publish_the_new_fields(guarded_server):
@@ -49,6 +59,17 @@ def test_the_fuzzed_schemas_publish_the_new_fields(guarded_server):
     for model, fields in FUZZED_FIELDS.items():
         assert set(fields) <= set(schemas[model]["properties"]), model
     assert set(schemas["ResponseFormat"]["properties"]["type"]["enum"]) == {"text", "json_object", "json_schema"}
+    assert set(schemas["TextFormat"]["properties"]["type"]["enum"]) == {"text", "json_object", "json_schema"}
+    chat, responses = schemas["ChatCompletionRequest"]["properties"], schemas["ResponsesRequest"]["properties"]
+    assert _refs(responses["text"]) == {"TextConfig"} and _refs(schemas["TextConfig"]["properties"]["format"]) == {
+        "TextFormat"}  # text.format is reachable, so schemathesis generates it
+    assert all({"type": "string"} in responses[name]["anyOf"] for name in ("instructions", "previous_response_id"))
+    assert _refs(chat["tool_choice"]) == {"NamedToolChoice"}
+    assert {"none", "auto", "required"} == {value for option in chat["tool_choice"]["anyOf"]
+                                            for value in option.get("enum", [])}
+    assert chat["tools"]["anyOf"][0]["items"]["$ref"].endswith("/ChatTool")
+    assert {"type": "boolean"} in chat["parallel_tool_calls"]["anyOf"]
+    assert {"type": "object", "additionalProperties": True} in chat["chat_template_kwargs"]["anyOf"]
 
 
 def test_schemathesis_finds_no_server_error_and_nothing_undocumented(guarded_server, tmp_path):

@@ -9,8 +9,10 @@ import pytest
 import xgrammar
 from xgrammar.testing import _is_grammar_accept_string
 
-from hybridserve.parsers import LING, TOOL_FORMATS, ZAYA, model_tool_format, tool_format
-from hybridserve.parsers.tool_calls import Extracted, ToolCallExtractor, forced_calls_format
+from hybridserve.parsers import LING, TOOL_FORMATS, ZAYA, model_tool_format, reasoning_format, tool_format
+from hybridserve.parsers.tool_calls import MAX_WHITESPACE, Extracted, ToolCallExtractor, forced_calls_format
+from hybridserve.server.protocol import ChatTool
+from hybridserve.server.tool_choice import select_tools
 
 TOOLS = {
     "get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
@@ -156,3 +158,26 @@ def test_forcing_grammar_accepts_what_the_parser_reads(name, parallel):
                   call("launch", count=1)):
         assert not _is_grammar_accept_string(grammar, wrong), wrong
     assert [c.name for c in parse_whole(fmt, two).calls] == ["get_weather", "ping"]
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_FORMATS))
+def test_forced_calls_with_a_reasoning_parser_may_reason_first_within_bounds(name):
+    """With a reasoning parser the forcing grammar allows a whole <think> block (or, when the prompt opened one,
+    its rest) before the call, then at most MAX_WHITESPACE whitespace: unbounded, a model with random weights spent
+    every token on whitespace and never called."""
+    fmt, call = TOOL_FORMATS[name], WRITERS[name]("ping")
+    selection = select_tools([ChatTool.model_validate({"type": "function", "function": {"name": "ping"}})],
+                             "required", False)
+
+    def accepts(in_reasoning: bool, text: str) -> bool:
+        params = selection.structured_output(fmt, reasoning_format("qwen3"), in_reasoning)
+        return _is_grammar_accept_string(xgrammar.Grammar.from_structural_tag(json.dumps(params.structural_tag)),
+                                         text)
+
+    gap = " \n" * (MAX_WHITESPACE // 2)
+    for text in (call, "<think>\nplan\n</think>\n\n" + call, gap + call, "<think></think>" + gap + call):
+        assert accepts(False, text), text
+    for text in (gap + " " + call, "plan</think>" + call, "hello " + call):
+        assert not accepts(False, text), text
+    assert accepts(True, "still planning\n</think>\n" + call)
+    assert not accepts(True, call)  # the open block must be closed first
