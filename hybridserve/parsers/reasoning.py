@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridserve.parsers.scan import first_tag, tag_prefix_start
+from hybridserve.parsers.tool_calls import MAX_WHITESPACE
 
 
 @dataclass(frozen=True)
@@ -32,12 +33,21 @@ class ReasoningFormat:
         """Whether the rendered prompt leaves the output inside a reasoning block."""
         return prompt_text.rstrip().endswith(self.start)
 
-    def grammar_prefix(self, in_reasoning: bool) -> dict:
-        """The structural-tag format of the reasoning an output may have before a forced tool call: the rest of
-        an open block, or an optional whole one."""
+    def prompt_closes_reasoning(self, prompt_text: str) -> bool:
+        """Whether the rendered prompt ends with a closed reasoning block: thinking turned off (Qwen3's
+        enable_thinking=False writes an empty one), so a constrained output starts its constrained part at once."""
+        return prompt_text.rstrip().endswith(self.end)
+
+    def lead(self, in_reasoning: bool) -> dict:
+        """The structural-tag format of what a constrained output (a forced tool call, a JSON schema, ...) may
+        write before its constrained part: the rest of an open reasoning block, or an optional whole one, then at
+        most MAX_WHITESPACE whitespace characters (unbounded, a model with random weights spent every token on
+        whitespace and never reached the constrained part)."""
         block = {"type": "tag", "begin": "" if in_reasoning else self.start, "content": {"type": "any_text"},
                  "end": self.end}
-        return block if in_reasoning else {"type": "optional", "content": block}
+        gap = {"type": "regex", "pattern": rf"[ \n\r\t]{{0,{MAX_WHITESPACE}}}"}
+        return {"type": "sequence", "elements": [block if in_reasoning else {"type": "optional", "content": block},
+                                                 gap]}
 
 
 REASONING_FORMATS = {f.name: f for f in (ReasoningFormat("qwen3"), ReasoningFormat("zaya"), ReasoningFormat("ling"))}

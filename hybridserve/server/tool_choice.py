@@ -5,9 +5,10 @@ are parsed for, and the grammar that forces calls.
 neither (the template does not see the tools; past calls and tool results in the history still render).
 `required` and a named function: the output is constrained, through structured output, to calls in the model's
 format (one or more of any tool; exactly one of the named one), arguments valid for the tool's schema, so even a
-model with random weights returns well-formed calls. With a reasoning parser the constrained output may first
-reason (the rest of a block the prompt opened, or an optional `<think>` block). parallel_tool_calls false: at
-most one call.
+model with random weights returns well-formed calls. With a reasoning parser any constrained output (forced calls,
+or the request's own response_format / structured output) may first reason (the rest of a block the prompt
+opened, or an optional `<think>` block; `ReasoningFormat.lead`), so the constrained part is the answer after the
+reasoning and not text the reasoning parser reads as reasoning. parallel_tool_calls false: at most one call.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from hybridserve.parsers.reasoning import ReasoningFormat
-from hybridserve.parsers.tool_calls import MAX_WHITESPACE, ToolFormat, forced_calls_format
+from hybridserve.parsers.tool_calls import ToolFormat, forced_calls_format
 from hybridserve.sampling import SamplingParamError, SamplingParams
 from hybridserve.server.assistant import OutputParsing
 from hybridserve.server.errors import APIError
@@ -46,9 +47,8 @@ class ToolSelection:
         if self.forced is None:
             return None
         calls = forced_calls_format(fmt, self.forced, self.parallel)
-        if reasoning is not None:  # the whitespace bounded too: a model could otherwise never reach the call
-            gap = {"type": "regex", "pattern": rf"[ \n\r\t]{{0,{MAX_WHITESPACE}}}"}
-            calls = {"type": "sequence", "elements": [reasoning.grammar_prefix(in_reasoning), gap, calls]}
+        if reasoning is not None:
+            calls = {"type": "sequence", "elements": [reasoning.lead(in_reasoning), calls]}
         return StructuredOutputParams(structural_tag={"type": "structural_tag", "format": calls})
 
     async def prepare_chat(self, server: ServerState, tokenizer: PreTrainedTokenizerBase, max_model_len: int,
@@ -74,8 +74,10 @@ class ToolSelection:
         its outputs are parsed; `names` maps SamplingParams names to the request's fields (for errors)."""
         reasoning = server.reasoning_format
         in_reasoning = reasoning is not None and reasoning.prompt_opens_reasoning(prompt_text)
+        # What a constrained output may reason in first: nothing when the prompt closed the block (thinking off).
+        lead = reasoning if reasoning is not None and not reasoning.prompt_closes_reasoning(prompt_text) else None
         fmt = server.tool_format() if self.offered else None  # a request without tools needs no tool format
-        forced = self.structured_output(fmt, reasoning, in_reasoning) if fmt is not None else None
+        forced = self.structured_output(fmt, lead, in_reasoning) if fmt is not None else None
         if forced is not None:
             if params.structured_output is not None:
                 raise APIError("tool_choice 'required' or a named function already constrains the output; it "
@@ -85,6 +87,9 @@ class ToolSelection:
             except SamplingParamError as err:  # min_tokens beside a grammar
                 raise invalid_field(err, names) from None
             await server.compile_grammar(params, "tools")  # the grammar is made of the tools' schemas
+        elif params.structured_output is not None and lead is not None:  # the request's own, after reasoning
+            params = replace(params, structured_output=replace(params.structured_output,
+                                                               reasoning=lead.lead(in_reasoning)))
         parsing = OutputParsing(reasoning, in_reasoning, fmt, self.offered, self.max_calls)
         return params, parsing
 

@@ -116,27 +116,51 @@ class GrammarCompiler:
         return len(self._cache)
 
     def _compile(self, spec: StructuredOutputParams, compiler: xgrammar.GrammarCompiler) -> xgrammar.CompiledGrammar:
-        kind = spec.kind
-        value = getattr(spec, kind)
+        import xgrammar
+
+        if spec.reasoning is not None:
+            # The language alone first (compiled and cached): one that matches nothing must still be refused,
+            # though with a lead the output could always start a reasoning block.
+            self.compile(spec.without_reasoning())
+            try:
+                lead = xgrammar.Grammar.from_structural_tag(json.dumps(
+                    {"type": "structural_tag", "format": _as_dict(spec.reasoning)}))
+            except Exception as err:
+                raise StructuredOutputError("reasoning", spec.reasoning, f"cannot be compiled: {_reason(err)}") \
+                    from None
+            return compiler.compile_grammar(xgrammar.Grammar.concat(lead, _language(spec)))
         try:
-            if kind == "json":
-                compiled = compiler.compile_json_schema(value if isinstance(value, str) else json.dumps(value),
-                                                        any_whitespace=False, strict_mode=spec.strict)
-            elif kind == "json_object":
-                compiled = compiler.compile_json_schema(_OBJECT_SCHEMA, any_whitespace=False, strict_mode=False)
-            elif kind == "regex":
-                compiled = compiler.compile_regex(value)
-            elif kind == "choice":
-                compiled = compiler.compile_grammar("root ::= " + " | ".join(ebnf_literal(c) for c in value))
-            elif kind == "grammar":
-                compiled = compiler.compile_grammar(value)
-            else:
-                compiled = compiler.compile_structural_tag(value if isinstance(value, str) else json.dumps(value))
+            compiled = compiler.compile_grammar(_language(spec))
         except Exception as err:  # xgrammar raises RuntimeError / ValueError subclasses with the reason
-            raise StructuredOutputError(kind, value, f"cannot be compiled: {_reason(err)}") from None
+            raise StructuredOutputError(spec.kind, getattr(spec, spec.kind), f"cannot be compiled: {_reason(err)}") \
+                from None
         if not _allows_any_token(compiled, self.vocab_size):
-            raise StructuredOutputError(kind, value, "matches no text the model can produce")
+            raise StructuredOutputError(spec.kind, getattr(spec, spec.kind), "matches no text the model can produce")
         return compiled
+
+
+def _language(spec: StructuredOutputParams) -> xgrammar.Grammar:
+    """The grammar of `spec`'s language (without its reasoning lead)."""
+    import xgrammar
+
+    kind = spec.kind
+    value = getattr(spec, kind)
+    if kind == "json":
+        return xgrammar.Grammar.from_json_schema(json.dumps(_as_dict(value)), any_whitespace=False,
+                                                 strict_mode=spec.strict)
+    if kind == "json_object":
+        return xgrammar.Grammar.from_json_schema(_OBJECT_SCHEMA, any_whitespace=False, strict_mode=False)
+    if kind == "regex":
+        return xgrammar.Grammar.from_regex(value)
+    if kind == "choice":
+        return xgrammar.Grammar.from_ebnf("root ::= " + " | ".join(ebnf_literal(c) for c in value))
+    if kind == "grammar":
+        return xgrammar.Grammar.from_ebnf(value)
+    return xgrammar.Grammar.from_structural_tag(json.dumps(_as_dict(value)))
+
+
+def _as_dict(value: dict | str) -> dict:
+    return json.loads(value) if isinstance(value, str) else value
 
 
 def _allows_any_token(compiled: xgrammar.CompiledGrammar, vocab_size: int) -> bool:

@@ -8,7 +8,7 @@ grammar that cannot be compiled is an error naming the field, never a failure in
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # The kinds, in the order the fields are declared; exactly one is given.
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
@@ -49,6 +49,12 @@ class StructuredOutputParams:
     - `structural_tag`: an xgrammar structural tag (a dict, or its JSON text), e.g.
       `{"type": "structural_tag", "format": {"type": "triggered_tags", ...}}`: free text with tagged regions
       whose contents follow a schema (tool calls inside `<tool_call>...</tool_call>` and the like).
+
+    `reasoning` (optional, beside any kind): an xgrammar structural-tag *format* (a dict, or its JSON text) that
+    the output writes first, the language above applying only after it: a reasoning model's `<think>` ...
+    `</think>` block. The server sets it for chat and Responses requests when a reasoning parser is on
+    (`ReasoningFormat.lead`), so that the constrained answer lands in `content` after the reasoning instead of
+    being forced from the first token, which a reasoning parser would then read as reasoning.
     """
 
     json: dict | str | None = None
@@ -58,6 +64,7 @@ class StructuredOutputParams:
     grammar: str | None = None
     structural_tag: dict | str | None = None
     strict: bool = True
+    reasoning: dict | str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.choice, tuple):
@@ -99,17 +106,36 @@ class StructuredOutputParams:
                 fail(f"must be a list of 1 to {MAX_CHOICES} non-empty strings")
         if not isinstance(self.strict, bool):
             raise StructuredOutputError("strict", self.strict, "must be a bool")
+        if self.reasoning is not None:
+            lead = self.reasoning
+            if isinstance(lead, str):
+                try:
+                    lead = json.loads(lead)
+                except ValueError as err:
+                    raise StructuredOutputError("reasoning", self.reasoning, f"is not valid JSON text ({err})") \
+                        from None
+            if not isinstance(lead, dict) or "type" not in lead:
+                raise StructuredOutputError("reasoning", self.reasoning,
+                                            "must be a structural-tag format: a JSON object with a 'type'")
 
-    def cache_key(self) -> tuple[str, str, bool]:
-        """What a compiled grammar depends on: (kind, the language as text, strict), JSON values canonicalised
-        (sorted keys), so equal schemas given as dicts or text share one compiled grammar (in each process's cache,
-        and as shipped from the server's process to the engine's)."""
+    def cache_key(self) -> tuple[str, str, bool, str]:
+        """What a compiled grammar depends on: (kind, the language as text, strict, the reasoning lead as text),
+        JSON values canonicalised (sorted keys), so equal schemas given as dicts or text share one compiled grammar
+        (in each process's cache, and as shipped from the server's process to the engine's)."""
         value = getattr(self, self.kind)
         if self.kind in ("json", "structural_tag"):
-            value = json.loads(value) if isinstance(value, str) else value
-            text = json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+            text = _canonical(value)
         elif self.kind == "choice":
             text = json.dumps(value, ensure_ascii=False)
         else:
             text = "" if self.kind == "json_object" else value
-        return self.kind, text, self.strict
+        return self.kind, text, self.strict, "" if self.reasoning is None else _canonical(self.reasoning)
+
+    def without_reasoning(self) -> StructuredOutputParams:
+        """The same language with no reasoning lead."""
+        return replace(self, reasoning=None)
+
+
+def _canonical(value: dict | str) -> str:
+    value = json.loads(value) if isinstance(value, str) else value
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))

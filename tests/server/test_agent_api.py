@@ -183,6 +183,45 @@ def _guarded_chat(server, **body) -> httpx.Response:
                        headers={"authorization": f"Bearer {API_KEY}"})
 
 
+THINKING_OFF = "{% for m in messages %}{{ m.content }}{% endfor %}<think>\n\n</think>\n\n"  # as Qwen3's off switch
+
+
+@pytest.mark.parametrize("opens", [True, False])
+def test_a_json_schema_answer_follows_the_reasoning_instead_of_becoming_it(guarded_server, opens):
+    """With a reasoning parser a request's own grammar applies after the reasoning (ReasoningFormat.lead). A prompt
+    that opens <think>: the output reasons freely first, and the schema's JSON is never forced into
+    reasoning_content, as it was when the grammar began at the first token (finish "stop", the JSON as
+    reasoning_content, content empty). Either the block closes and the content is the schema's JSON, or the
+    reasoning runs to max_tokens. A prompt that opens none: an optional block, then the same JSON."""
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}" + ("<think>\n" if opens else "")
+    schema = {"type": "object", "properties": {"n": {"enum": [1, 2]}}, "required": ["n"]}
+    response_format = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    for seed in range(3):
+        reply = _guarded_chat(guarded_server, chat_template=template, response_format=response_format,
+                              max_tokens=12, temperature=1.0, seed=seed).json()
+        choice = reply["choices"][0]
+        content, reasoning = choice["message"]["content"], choice["message"]["reasoning_content"]
+        if content:
+            jsonschema.validate(json.loads(content), schema)
+        else:
+            assert choice["finish_reason"] == "length" and reasoning, reply
+        if opens:
+            assert reasoning and not reasoning.lstrip().startswith('{"n"'), reply
+
+
+def test_with_thinking_off_a_json_schema_answer_starts_at_once(guarded_server):
+    """A prompt that closes its reasoning block (Qwen3's enable_thinking=False writes an empty one): no reasoning
+    may come first, the grammar holds from the first token, so even a random model answers with the JSON."""
+    schema = {"type": "object", "properties": {"n": {"enum": [1, 2]}}, "required": ["n"]}
+    response_format = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    for seed in range(3):
+        reply = _guarded_chat(guarded_server, chat_template=THINKING_OFF, response_format=response_format,
+                              max_tokens=12, temperature=1.0, seed=seed).json()
+        choice = reply["choices"][0]
+        assert choice["finish_reason"] == "stop" and choice["message"]["reasoning_content"] is None, reply
+        jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+
+
 def test_reasoning_opened_by_the_prompt_goes_to_reasoning_content(guarded_server):
     """A template that opens <think> in the generation prompt: the whole (never closed) output is reasoning,
     streamed and not; without the open block the same parser leaves everything in the content."""
@@ -203,13 +242,15 @@ def test_reasoning_opened_by_the_prompt_goes_to_reasoning_content(guarded_server
 def test_the_tool_call_parser_flag_replaces_the_model_types_format(guarded_server):
     """The guarded server runs the ZAYA1 demo with --tool-call-parser ling: an output pinned (by guided_choice) to a
     call in Ling's format is parsed into tool_calls, the same call in ZAYA1's own format stays content. (The calls
-    take no arguments: spelled out by a random model they must fit the 48-token context.)"""
+    take no arguments: spelled out by a random model they must fit the 48-token context.) The prompt closes its
+    reasoning block (thinking off), so the pinned output starts at the first token."""
     ping = [{"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}]
     ling = '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'
     zaya = "<zyphra_tool_call>\n<function=ping>\n</function>\n</zyphra_tool_call>"
     choices = {}
     for text in (ling, zaya):
-        response = _guarded_chat(guarded_server, tools=ping, guided_choice=[text], max_tokens=40, temperature=0)
+        response = _guarded_chat(guarded_server, tools=ping, guided_choice=[text], max_tokens=40, temperature=0,
+                                 chat_template=THINKING_OFF)  # no reasoning lead: the choice from the first token
         assert response.status_code == 200, response.text
         choices[text] = response.json()["choices"][0]
     assert choices[ling]["finish_reason"] == "tool_calls" and choices[ling]["message"]["content"] is None

@@ -58,6 +58,9 @@ def test_the_prompt_decides_whether_the_output_starts_inside_reasoning():
     assert qwen3.prompt_opens_reasoning("<|im_start|>assistant\n<think>\n")
     assert not qwen3.prompt_opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # enable_thinking off
     assert not qwen3.prompt_opens_reasoning("<|im_start|>user\nsay <think><|im_end|>\n<|im_start|>assistant\n")
+    assert qwen3.prompt_closes_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # enable_thinking off
+    assert not qwen3.prompt_closes_reasoning("<|im_start|>assistant\n<think>\n")
+    assert not qwen3.prompt_closes_reasoning("<|im_start|>assistant\n")
     with pytest.raises(ValueError, match="choose one of ling, qwen3, zaya"):
         reasoning_format("deepseek_r1")
 

@@ -10,6 +10,7 @@ import torch
 import xgrammar
 
 from hybridserve.demo import bundled_tokenizer_dir
+from hybridserve.parsers import reasoning_format
 from hybridserve.sampling import SamplingParamError, SamplingParams
 from hybridserve.structured import StructuredOutputError, StructuredOutputParams
 from hybridserve.structured.bitmask import TokenMask, apply_token_mask, words_for
@@ -44,6 +45,17 @@ def _walk(compiler: GrammarCompiler, tokenizer, spec: StructuredOutputParams, te
     return state
 
 
+def _completes(compiler: GrammarCompiler, tokenizer, spec: StructuredOutputParams, text: str) -> bool:
+    """Whether the grammar allows `text` token by token and then the stop token (the whole output)."""
+    try:
+        state = _walk(compiler, tokenizer, spec, text)
+    except AssertionError:
+        return False
+    bits = torch.zeros(1, words_for(VOCAB), dtype=torch.int32)
+    state.fill(bits, 0)
+    return bool((bits[0, EOS[0] // 32] >> (EOS[0] % 32)) & 1)
+
+
 # --- the spec ----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("fields, param, why", [
     ({}, "structured_output", "exactly one of json, json_object, regex, choice, grammar, structural_tag"),
@@ -59,6 +71,8 @@ def _walk(compiler: GrammarCompiler, tokenizer, spec: StructuredOutputParams, te
     ({"structural_tag": "[]"}, "structural_tag", "must be a JSON object"),
     ({"json_object": 1}, "json_object", "must be True"),
     ({"regex": "a", "strict": "yes"}, "strict", "must be a bool"),
+    ({"regex": "a", "reasoning": "<think>"}, "reasoning", "is not valid JSON text"),
+    ({"regex": "a", "reasoning": {"begin": "<think>"}}, "reasoning", "a JSON object with a 'type'"),
 ])
 def test_a_malformed_spec_names_its_field(fields, param, why):
     with pytest.raises(StructuredOutputError, match="invalid structured output") as caught:
@@ -80,6 +94,11 @@ def test_equal_json_given_as_dict_or_text_has_one_cache_key():
     as_text = StructuredOutputParams(json='{"a": [1, {"x": 3, "y": 2}], "b": 1}')
     assert as_dict.cache_key() == as_text.cache_key()
     assert StructuredOutputParams(json={"a": 1}).cache_key() != StructuredOutputParams(json={"a": 2}).cache_key()
+    lead = reasoning_format("qwen3").lead(False)
+    led = StructuredOutputParams(json={"a": 1}, reasoning=lead)
+    assert led.cache_key() != StructuredOutputParams(json={"a": 1}).cache_key()  # another grammar
+    assert led.cache_key() == StructuredOutputParams(json='{"a": 1}', reasoning=json.dumps(lead)).cache_key()
+    assert led.without_reasoning().cache_key() == StructuredOutputParams(json={"a": 1}).cache_key()
 
 
 # --- the compiler ------------------------------------------------------------------------------------------------
@@ -121,6 +140,31 @@ def test_choices_are_literal_whatever_their_characters(compiler, tokenizer):
     with pytest.raises(AssertionError):
         _walk(compiler, tokenizer, spec, "say hi")
     assert ebnf_literal('a"b\\c\n') == '"a\\"b\\\\c\\u000a"'
+
+
+@pytest.mark.parametrize("in_reasoning", [False, True])
+def test_a_reasoning_lead_puts_the_language_after_the_reasoning(compiler, tokenizer, in_reasoning):
+    """With a reasoning parser the server gives the request's own language a lead: the rest of the reasoning block
+    the prompt opened (or an optional whole block), a bounded gap, then the language, so the constrained answer is
+    what follows the reasoning (without the lead it was forced from the first token, which the reasoning parser
+    read as reasoning). The language itself stays exact after the lead: compact, strict JSON."""
+    lead = reasoning_format("qwen3").lead(in_reasoning)
+    spec = StructuredOutputParams(json=SCHEMA, reasoning=lead)
+    answer = '{"a": 1, "b": "x"}'
+    block = "plan: a=1 {not json}\n</think>" if in_reasoning else "<think>plan: a=1 {not json}\n</think>"
+    for text in (block + "\n\n" + answer, block + answer) + (() if in_reasoning else (answer, "  " + answer)):
+        assert _completes(compiler, tokenizer, spec, text), text
+    refused = [block + "answer: " + answer, block + " " * 17 + answer, block + '{"a":1, "b": "x"}']
+    refused += [answer] if in_reasoning else ["plan</think>" + answer]  # in a block: reasoning, not the answer
+    for text in refused:
+        assert not _completes(compiler, tokenizer, spec, text), text
+
+
+def test_a_language_that_matches_nothing_is_refused_even_with_a_reasoning_lead(compiler):
+    """A reasoning block could always start the output, so the lead alone would hide an empty language."""
+    with pytest.raises(StructuredOutputError) as caught:
+        compiler.compile(StructuredOutputParams(regex=r"[^\s\S]", reasoning=reasoning_format("qwen3").lead(False)))
+    assert caught.value.param == "regex" and caught.value.why == "matches no text the model can produce"
 
 
 @pytest.mark.parametrize("fields, why", [
