@@ -6,7 +6,7 @@
 # Logs and JSON go to $OUT (default ./gpu-out); the per-file logs end up in one $OUT/logs.tgz, as the device tool
 # brings back at most 8 files. Usage, from the repository root on the GPU machine:
 #   bash benchmarks/gpu_session.sh [tests|kernels|engines|bench|all|ling|agreement|profile|tune|serving|serving-ling|tp|
-#                                   structured|spec|pdl|dp|prefill-alloc]
+#                                   structured|spec|pdl|dp|prefill-alloc|new-kernels]
 # (all = tests + bench; tests = kernels + engines: the two groups of test files, see below; ling = 16 Ling-2.6-flash
 # layers with dummy weights and the shared-expert overlap; agreement = Ling decode agreement per lightning
 # implementation; profile = the b1, b64, prefill and b1-under-a-JSON-grammar step profiles of the 40-layer
@@ -24,7 +24,10 @@
 # concurrency 64 and 256 with one replica and with --dp 2, which needs the serving wheels as `serving` does;
 # prefill-alloc = the 40-layer ZAYA1 prefill scenario, 5 calls on one engine, with the default caching allocator and
 # with expandable segments: whether the repeats' slowdown is the allocator's, the clocks' or Python's garbage
-# collector's (the JSON has the allocator's retry counters, the clocks and the collections of each call))
+# collector's (the JSON has the allocator's retry counters, the clocks and the collections of each call);
+# new-kernels = the kernels written without a GPU (the sampler's unsorted draw, the router's 3xTF32 prefill GEMMs,
+# the conv's larger prefill token blocks): their test files on the GPU, their micro-benchmarks against the paths
+# they replace, and the 40-layer ZAYA1 offline benchmark at b1, b64 and prefill)
 set -u
 OUT=${OUT:-gpu-out}
 what=${1:-all}
@@ -166,6 +169,21 @@ entry = json.load(open(sys.argv[1]))["scenarios"]["prefill"]
 print(sys.argv[2], [round(r) for r in entry["ours_tok_s_runs"]], entry.get("gpu_after_runs"), entry["gc_runs"])
 PY
   done
+fi
+
+if [[ $what == new-kernels ]]; then
+  for f in tests/ops/test_sampling_kernel.py tests/ops/test_zaya_router_kernel.py tests/ops/test_conv_kernel.py \
+           tests/gpu/test_zaya_kernels_gpu.py; do
+    n=$(basename $f .py)
+    timeout 300 python -m pytest -p no:cacheprovider $f > "$OUT/logs/$n.log" 2>&1
+    echo "$n: $(grep -E ' (passed|failed|error)' "$OUT/logs/$n.log" | tail -n 1)"
+  done
+  timeout 200 python benchmarks/op_microbench.py --ops zaya_router conv --out "$OUT/op_microbench_new.json" \
+    > "$OUT/logs/op_microbench_new.log" 2>&1
+  grep -E "prefill|eda route T=(2048|8192)" "$OUT/logs/op_microbench_new.log"
+  timeout 400 python benchmarks/offline_throughput.py --layers 40 --load-format dummy --skip-hf \
+    --scenarios b1 b64 prefill --out "$OUT/offline_new_kernels.json" > "$OUT/logs/offline_new.log" 2>&1
+  grep -A 4 "^scenario" "$OUT/logs/offline_new.log"
 fi
 
 if [[ $what == dp ]]; then
