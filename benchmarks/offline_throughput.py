@@ -24,21 +24,21 @@ class here (n/a). Results also go to --out as JSON. `--json-grammar` runs each o
 a JSON schema on every request (an array of at least 100000 short strings, so every draw stays masked to its last
 token) and reports both rates: with no grammar, structured output must cost nothing.
 
-Speculative decoding (`--speculative-algorithm NGRAM|NEXTN --num-draft-tokens K`; NEXTN gives the random Ling model
-its MTP layer): every decode scenario runs three engines on the same prompts, plain (overlap and CUDA graphs as
-usual), speculative (its acceptance rate and accepted length from the same run) and forced acceptance: drafts
-replayed from the plain run's outputs (keyed by prompt) and every one accepted (`set_draft_source(...,
-force_acceptance=True)`), so its rate is the upper bound speculation can reach, i.e. what verification costs (with
-NEXTN the MTP layer still drafts, as it would). Accepting by the target's own draws would not do: verify rows round
-differently from plain decode rows in bf16 (other kernels and GEMM shapes), and on a random model whose top logits
-nearly tie, a row whose draw differs from the replayed token once has every later draft rejected (Ling-2.6-flash at
-batch 16 accepted 12% of the plain run's own tokens that way).
+Speculative decoding (`--speculative-algorithm NGRAM|NEXTN --speculative-num-draft-tokens K`, K defaults to 4; NEXTN
+gives the random Ling model its MTP layer): every decode scenario runs three engines on the same prompts, plain
+(overlap and CUDA graphs as usual), speculative (its acceptance rate and accepted length from the same run) and
+forced acceptance: drafts replayed from the plain run's outputs (keyed by prompt) and every one accepted
+(`set_draft_source(..., force_acceptance=True)`), so its rate is the upper bound speculation can reach, i.e. what
+verification costs (with NEXTN the MTP layer still drafts, as it would). Accepting by the target's own draws would
+not do: verify rows round differently from plain decode rows in bf16 (other kernels and GEMM shapes), and on a
+random model whose top logits nearly tie, a row whose draw differs from the replayed token once has every later
+draft rejected (Ling-2.6-flash at batch 16 accepted 12% of the plain run's own tokens that way).
 
     python benchmarks/offline_throughput.py --layers 40 --scenarios b1 b64 prefill --out results.json
     python benchmarks/offline_throughput.py --model-type ling --layers 16 --scenarios b1 b64 prefill
     python benchmarks/offline_throughput.py --layers 40 --scenarios b1 b64 --json-grammar --skip-hf
     python benchmarks/offline_throughput.py --layers 40 --scenarios b1 b16 --temperature 0 --skip-hf \\
-        --speculative-algorithm NGRAM --num-draft-tokens 4
+        --speculative-algorithm NGRAM --speculative-num-draft-tokens 4
 """
 from __future__ import annotations
 
@@ -383,7 +383,9 @@ def main() -> None:
                         help="also run each scenario with a JSON grammar on every request (structured output)")
     parser.add_argument("--speculative-algorithm", type=str.upper, default=None, choices=["NGRAM", "NEXTN"],
                         help="also run speculative decoding (and its forced-acceptance bound) beside the plain run")
-    parser.add_argument("--num-draft-tokens", type=int, default=4, help="draft tokens per verify step")
+    parser.add_argument("--speculative-num-draft-tokens", "--num-draft-tokens", dest="num_draft_tokens", type=int,
+                        default=None, metavar="K", help="draft tokens per verify step (default 4; needs "
+                                                        "--speculative-algorithm)")
     parser.add_argument("--mtp-layer", action="store_true",
                         help="the random Ling model carries its MTP layer (as released: loaded, in the memory plan) "
                              "even without NEXTN drafts")
@@ -397,7 +399,10 @@ def main() -> None:
     speculative = None
     if args.speculative_algorithm is not None:
         speculative = {"method": "mtp" if args.speculative_algorithm == "NEXTN" else "ngram",
-                       "num_speculative_tokens": args.num_draft_tokens}
+                       "num_speculative_tokens": 4 if args.num_draft_tokens is None else args.num_draft_tokens}
+    elif args.num_draft_tokens is not None:  # ignored, it would report plain runs as if K drafts were verified
+        parser.error("--speculative-num-draft-tokens (--num-draft-tokens) needs --speculative-algorithm (NGRAM or "
+                     "NEXTN)")
 
     temporary = args.model is None
     model_dir = make_random_model(args.model_type, args.width, args.layers, args.load_format,

@@ -71,7 +71,9 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
                              "same either way)")
     parser.add_argument("--cuda-graph-max-bs", type=int, default=None,
                         help="largest decode batch replayed from a CUDA graph (default: 256 or "
-                             "--max-running-requests, whichever is smaller); larger decode steps run eagerly")
+                             "--max-running-requests, whichever is smaller); larger decode steps run eagerly. With "
+                             "speculative decoding the verify graphs hold as many tokens: up to max(1, this // "
+                             "(K + 1)) requests of 1 + K tokens (K: --speculative-num-draft-tokens)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed for requests that bring none (and for --load-format dummy weights)")
     parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
@@ -96,10 +98,15 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
 
 
 _SPECULATIVE_METHODS = {"NEXTN": "mtp", "NGRAM": "ngram"}
+_SPECULATIVE_FLAGS = {"method": "--speculative-algorithm", "num_speculative_tokens": "--speculative-num-draft-tokens",
+                      "prompt_lookup_min": "--speculative-ngram-min-match-window-size",
+                      "prompt_lookup_max": "--speculative-ngram-max-match-window-size"}
 
 
 def _speculative_config(args: argparse.Namespace) -> dict | None:
     """EngineConfig.speculative_config from the --speculative-* options."""
+    from hybridserve.config import SpeculativeConfig
+
     ngram = {"prompt_lookup_min": args.speculative_ngram_min_match_window_size,
              "prompt_lookup_max": args.speculative_ngram_max_match_window_size}
     if args.speculative_algorithm is None:
@@ -116,7 +123,9 @@ def _speculative_config(args: argparse.Namespace) -> dict | None:
     config = {"method": method, "num_speculative_tokens": args.speculative_num_draft_tokens}
     if method != "ngram" and any(v is not None for v in ngram.values()):
         raise ValueError("the --speculative-ngram-* options apply to --speculative-algorithm NGRAM only")
-    return config | {k: v for k, v in ngram.items() if v is not None}
+    config |= {k: v for k, v in ngram.items() if v is not None}
+    SpeculativeConfig.checked(config, _SPECULATIVE_FLAGS)  # a bad value is reported as the flag that gave it
+    return config
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:

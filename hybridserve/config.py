@@ -23,28 +23,40 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None  # ngram only (default 4)
 
     def __post_init__(self) -> None:
-        def fail(name: str, why: str) -> None:
-            raise ValueError(f"invalid speculative_config {name}={getattr(self, name)!r}: {why}")
+        for name, value in self.checked(vars(self)).items():
+            object.__setattr__(self, name, value)
 
-        if self.method not in SPECULATIVE_METHODS:
+    @staticmethod
+    def checked(values: dict, names: dict[str, str] | None = None) -> dict:
+        """`values` (the four fields) with the n-gram defaults filled in, or a ValueError that names the offending
+        key as the user spelled it: `names` maps a key to e.g. its CLI flag (default 'speculative_config KEY'), so
+        a bad flag is reported as that flag. Types first: a string "2" or True must not reach the comparisons."""
+        def label(key: str) -> str:
+            return (names or {}).get(key) or f"speculative_config {key}"
+
+        def fail(key: str, why: str) -> None:
+            raise ValueError(f"invalid {label(key)}={values.get(key)!r}: {why}")
+
+        def integer(value) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        method, k = values.get("method"), values.get("num_speculative_tokens")
+        if not isinstance(method, str) or method not in SPECULATIVE_METHODS:
             fail("method", f"must be one of {', '.join(SPECULATIVE_METHODS)}")
-        k = self.num_speculative_tokens
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        if not integer(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             fail("num_speculative_tokens", f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}]")
-        if self.method != "ngram":
-            for name in ("prompt_lookup_min", "prompt_lookup_max"):
-                if getattr(self, name) is not None:
-                    fail(name, "applies to method 'ngram' only")
-            return
-        object.__setattr__(self, "prompt_lookup_min", 2 if self.prompt_lookup_min is None else self.prompt_lookup_min)
-        object.__setattr__(self, "prompt_lookup_max", max(4, self.prompt_lookup_min) if self.prompt_lookup_max is None
-                           else self.prompt_lookup_max)
-        for name in ("prompt_lookup_min", "prompt_lookup_max"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                fail(name, "must be an integer >= 1")
-        if self.prompt_lookup_max < self.prompt_lookup_min:
-            fail("prompt_lookup_max", f"must be >= prompt_lookup_min ({self.prompt_lookup_min})")
+        n_min, n_max = values.get("prompt_lookup_min"), values.get("prompt_lookup_max")
+        for key, value in (("prompt_lookup_min", n_min), ("prompt_lookup_max", n_max)):
+            if value is not None and method != "ngram":
+                fail(key, "applies to method 'ngram' only")
+            if value is not None and (not integer(value) or value < 1):
+                fail(key, "must be an integer >= 1")
+        if method == "ngram":
+            n_min = 2 if n_min is None else n_min
+            n_max = max(4, n_min) if n_max is None else n_max
+            if n_max < n_min:
+                fail("prompt_lookup_max", f"must be >= {label('prompt_lookup_min')} ({n_min})")
+        return {"method": method, "num_speculative_tokens": k, "prompt_lookup_min": n_min, "prompt_lookup_max": n_max}
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict) -> SpeculativeConfig:
@@ -87,7 +99,9 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict | None = None
     kernel_backend: str = "auto"  # auto (Triton kernels on CUDA) | triton | torch (the pure-torch references)
     enforce_eager: bool = False  # run decode op by op: no CUDA graphs
-    cuda_graph_max_bs: int | None = None  # largest decode batch replayed from a graph (default min(256, running cap))
+    # Decode rows the largest graph replays (default min(256, running cap)); with speculative decoding the verify
+    # graphs hold as many tokens, i.e. up to max(1, cuda_graph_max_bs // (k + 1)) requests of 1 + k tokens.
+    cuda_graph_max_bs: int | None = None
     tensor_parallel_size: int = 1  # ranks (processes, one GPU each on CUDA) that shard every layer
     nnodes: int = 1  # machines the tensor-parallel ranks span (tensor_parallel_size / nnodes ranks on each)
     node_rank: int = 0  # this machine's index; node 0 runs the engine (and the server), the others only ranks

@@ -376,7 +376,11 @@ class LLMEngine:
 
     def _accept_drafts(self, scheduled: ScheduledStep, results: list[ChunkResult]) -> dict[int, int]:
         """Count each live verify row's accepted drafts (the same count the runner committed its state by) and roll
-        its computed length and pages back to them, before the step's pages are cached. {request serial: count}"""
+        its computed length and pages back to them, before the step's pages are cached. {request serial: count}
+
+        The acceptance counters take every draft verification accepted, also those a stop inside the run then drops
+        from the output (as vLLM's spec-decode counters do): they measure the drafter against the target, not where
+        a request happened to end. Rows of requests finished or aborted meanwhile, or failed, are not counted."""
         accepted = {}
         for request, result, chunk in zip(scheduled.requests, results, scheduled.plan.chunks):
             if not chunk.num_drafts or request.finished or result.error is not None:

@@ -1,14 +1,17 @@
 """Speculative decoding on both model families (n-gram drafts; Ling also with its MTP layer drafting): greedy
-output with speculation on == off token for token (k = 1, 2, 4; 16 prompts in one batch with prefix caching and
-chunked prefill on, cache hits on pages and checkpoints written while verifying, preemption in tiny pools, aborts
-between a verify's launch and its results), resources back to idle; forced acceptance (all accepted / all
-rejected, same output); sampling, penalties, min_tokens, logprobs, n > 1 and stops inside an accepted run equal
-the plain run's; the distribution over seeds. Where a test replaces the drafts, the MTP layer still drafts beside
-(its KV, pages and chain run every step)."""
+output with speculation on == off token for token (k = 1, 2, 4; 16 prompts running together in one batch with
+prefix caching and chunked prefill on, over a KV pool small enough to preempt, with cache hits, aborts between a
+verify's launch and its results, and for Ling MTP also with mostly-accepted drafts; pages and checkpoints written
+while verifying), resources back to idle; forced acceptance (all accepted / all rejected, same output); sampling,
+penalties, min_tokens, logprobs, n > 1 and stops inside an accepted run equal the plain run's, and the drafts
+accepted before a stop stay counted; the distribution over seeds; the start-up line on the intermediate states.
+Where a test replaces the drafts, the MTP layer still drafts beside (its KV, pages and chain run every step)."""
 from __future__ import annotations
 
 import itertools
+import logging
 import random
+import re
 
 import pytest
 import torch
@@ -93,16 +96,19 @@ def _reference(kind: str, directory, prompts) -> list[list[int]]:
     return [_REFERENCE[kind, tuple(p)] for p in prompts]
 
 
-def _abort_mid_verify(engine: LLMEngine, victims: int) -> set[str]:
+def _instrument(engine: LLMEngine, victims: int) -> tuple[set[str], list[int]]:
     """Make the runner abort the first `victims` requests it verifies drafts for, between launching the verify and
-    collecting its results (what a client disconnect does while the device runs the step)."""
+    collecting its results (what a client disconnect does while the device runs the step). Returns the aborted ids
+    and, filled as the engine runs, the number of rows of every launched step."""
     aborted: set[str] = set()
+    batches: list[int] = []
     runner = engine.runner
     launch, collect = runner.launch, runner.collect
     launched = []
 
     def launch_and_remember(plan):
         launched.append(plan)
+        batches.append(len(plan.chunks))
         return launch(plan)
 
     def abort_then_collect(handle):
@@ -116,36 +122,61 @@ def _abort_mid_verify(engine: LLMEngine, victims: int) -> set[str]:
         return collect(handle)
 
     runner.launch, runner.collect = launch_and_remember, abort_then_collect
-    return aborted
+    return aborted, batches
+
+
+CROWD = 16  # requests running together
+CROWD_SLOTS = 3 * CROWD  # Ling: a working slot and two checkpoint slots per running request
+CROWD_PAGES = 64  # about a third of what the 16 requests' full lengths take
+
+
+def _crowded_engine(directory, spec: dict) -> LLMEngine:
+    """An engine that runs all 16 requests at once (16 running places, a step budget for 16 prefill chunks of 6
+    tokens) over a KV pool too small for them all to finish together, so running rows preempt the newest."""
+    roomy = _engine(directory, spec).runner.memory_plan
+    k = spec["num_speculative_tokens"]
+    budget = (CROWD_SLOTS + k * CROWD) * roomy.slot_bytes + CROWD_PAGES * (roomy.page_bytes + roomy.window_page_bytes)
+    engine = _engine(directory, spec, chunked_prefill_size=6, max_num_batched_tokens=6 * CROWD,
+                     max_state_slots=CROWD_SLOTS, max_running_requests=CROWD, kv_cache_memory_bytes=budget,
+                     max_model_len=64)
+    plan = engine.runner.memory_plan
+    assert plan.max_running_requests == CROWD and plan.num_pages <= CROWD_PAGES, plan
+    return engine
+
+
+def _run_crowded(engine: LLMEngine, kind: str, directory, prompts) -> dict:
+    """Warm the prefix cache with the first prompt (a third of the prompts share its 9-token prefix), then run all
+    16 prompts in one batch, aborting two of them mid-verify; every other output must be the plain greedy one, the
+    resources must add up after every step and be idle at the end. Returns the run's counters (deltas)."""
+    reference = _reference(kind, directory, prompts)
+    assert _tokens(_run(engine, prompts[:1])) == reference[:1]
+    before = engine.stats()
+    aborted, batches = _instrument(engine, victims=2)
+    ids = _submit(engine, prompts, GREEDY)
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished and out.outputs[0].finish_reason != "abort":
+                finished[out.request_id] = out.outputs[0].token_ids
+        engine.scheduler.check_resources()
+    assert len(aborted) == 2 and set(finished) == set(ids) - aborted
+    assert [finished.get(i) for i in ids] == [None if i in aborted else t for i, t in zip(ids, reference)]
+    _assert_idle(engine)
+    stats = {key: value - before[key] for key, value in engine.stats().items() if key in before}
+    assert max(batches) == len(prompts), batches  # every request in one step's batch
+    assert stats["preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0, stats
+    return stats
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_greedy_speculation_equals_plain_with_cache_chunks_preemption_and_aborts(model, k):
     kind, directory, method = model
-    prompts = _prompts(16, seed=k)
-    roomy = _engine(directory, _spec(method, k)).runner.memory_plan
-    # Tiny pools: 10 state slots, 4 running requests, and KV pages for about one and a half requests' full length.
-    budget = (10 + k * 3) * roomy.slot_bytes + 20 * (roomy.page_bytes + roomy.window_page_bytes)
-    engine = _engine(directory, _spec(method, k), chunked_prefill_size=6, max_num_batched_tokens=24, max_state_slots=10,
-                     max_running_requests=3, kv_cache_memory_bytes=budget, max_model_len=64)
-    assert engine.runner.memory_plan.num_pages <= 32
-    aborted = _abort_mid_verify(engine, victims=2)
-    ids = _submit(engine, prompts, GREEDY)
-    finished = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished and not out.outputs[0].finish_reason == "abort":
-                finished[out.request_id] = out.outputs[0].token_ids
-        engine.scheduler.check_resources()
-    assert len(aborted) == 2 and set(finished) == set(ids) - aborted
-    reference = _reference(kind, directory, prompts)
-    assert [finished.get(i) for i in ids] == [None if i in aborted else t for i, t in zip(ids, reference)]
-    stats = engine.stats()
+    prompts = _prompts(CROWD, seed=k)
+    stats = _run_crowded(_crowded_engine(directory, _spec(method, k)), kind, directory, prompts)
     assert stats["spec_draft_tokens"] > stats["spec_accepted_tokens"]
     assert stats["spec_accepted_tokens"] > 0 or method == "mtp"  # random MTP weights: its drafts rarely hold
-    assert stats["preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0, stats
-    _assert_idle(engine)
     # Prompts that run into pages (ZAYA footers) and checkpoints (Ling) written while verifying, in a roomy pool.
+    reference = _reference(kind, directory, prompts)
     engine = _engine(directory, _spec(method, k), chunked_prefill_size=6)
     originals = prompts[:8]
     assert _tokens(_run(engine, originals)) == reference[:8]
@@ -154,6 +185,23 @@ def test_greedy_speculation_equals_plain_with_cache_chunks_preemption_and_aborts
     assert _tokens(again) == _reference(kind, directory, extended)
     assert all(o.num_cached_tokens > len(p) for o, p in zip(again, originals))
     _assert_idle(engine)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_accepted_mtp_drafts_meet_preemption_cache_hits_and_aborts(ling_dir, k):
+    """Ling's random MTP layer rarely drafts right, so the test above hardly meets an accepted MTP run. Here the
+    verified drafts are the plain run's tokens with every fifth one wrong (runs of up to 4 accepted, then a
+    rejection), replayed while the MTP layer still drafts beside, keeping its KV and chain over each accepted run,
+    in the same crowded batch with preemption, cache hits and mid-verify aborts."""
+    prompts = _prompts(CROWD, seed=60 + k)
+    reference = _reference("ling", ling_dir, prompts)
+    engine = _crowded_engine(ling_dir, _spec("mtp", k))
+    drafts = {tuple(p): [(t + 1) % 128 if j % 5 == 4 else t for j, t in enumerate(tokens)]
+              for p, tokens in zip(prompts, reference)}
+    engine.set_draft_source(ReplayDrafts(drafts, key=lambda request: tuple(request.prompt_token_ids)))
+    stats = _run_crowded(engine, "ling", ling_dir, prompts)
+    assert 0 < stats["spec_draft_tokens"] < 2 * stats["spec_accepted_tokens"], stats
+    assert stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
 
 
 def _forced(kind, directory, method, drafts_for) -> tuple[list[list[int]], dict]:
@@ -275,6 +323,43 @@ def test_stops_inside_an_accepted_run_truncate_it(model):
         [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for o in plain for c in o.outputs]
     assert engine.stats()["spec_accepted_tokens"] > 0
     _assert_idle(engine)
+
+
+def test_acceptance_counts_the_drafts_verification_accepted_also_past_a_stop(model):
+    """A stop inside an accepted run drops the rest of the run from the output, but verification accepted those
+    drafts and they stay counted (vLLM's counting): the acceptance rate measures the drafter, not where requests
+    ended. Right drafts, k = 4: verify row s yields tokens 5s - 4 .. 5s, so a stop token first drawn at position p
+    (a draft's, with drafts after it) ends the request in row ceil(p / 5), every row having accepted all 4."""
+    kind, directory, method = model
+    prompts = _prompts(8, seed=11)
+    stops = [(prompt, tokens, p) for prompt, tokens in zip(prompts, _reference(kind, directory, prompts))
+             for p in range(1, 19) if p % 5 in (1, 2, 3) and tokens[p] not in tokens[:p]]
+    assert stops, "no greedy continuation with a new token inside a run"  # (random weights soon repeat one)
+    prompt, tokens, p = stops[0]
+    engine = _engine(directory, _spec(method, 4), state_checkpoint_interval=256)  # no snapshot cuts a run short
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[tokens[p]])
+    completion = _replay(engine, [prompt], params, [[tokens]])[0].outputs[0]
+    assert (completion.token_ids, completion.finish_reason) == (tokens[:p + 1], "stop")
+    rows = -(-p // 5)
+    stats = engine.stats()
+    assert stats["spec_verify_rows"] == rows and stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] == 4 * rows
+    kept = p + 1 - rows  # output drafts: all tokens but the prefill's draw and the bonuses of the rows before
+    assert kept < 4 * rows
+    _assert_idle(engine)
+
+
+def test_start_up_logs_the_intermediate_states_the_planner_reserved(model, caplog):
+    """k intermediate states per running request, as logged and as the state pool holds them beside its slots."""
+    kind, directory, method = model
+    with caplog.at_level(logging.INFO, logger="hybridserve.runtime.model_runner"):
+        engine = _engine(directory, _spec(method, 3), max_running_requests=5, max_state_slots=20)
+    plan = engine.runner.memory_plan
+    assert (plan.max_running_requests, plan.num_state_slots) == (5, 20)
+    lines = [r.getMessage() for r in caplog.records if "intermediate states" in r.getMessage()]
+    assert len(lines) == 1 and re.fullmatch(rf"speculative decoding: {method}, 3 draft tokens; 15 intermediate states "
+                                            r"of \d+\.\d\d MiB reserved \(3 per running request, 5 running\)", lines[0])
+    assert all(buffer.shape[1] == 1 + 20 + 15 for buffer in engine.runner.state_pool.buffers.values())
+    assert plan.intermediate_bytes == 15 * plan.slot_bytes
 
 
 def test_sampled_token_distribution_matches_the_plain_runs(model):

@@ -2,6 +2,8 @@
 one-hot drafts, measured), the device-side state commit, and the configuration's checks."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -108,6 +110,29 @@ def test_speculative_config_checks():
             EngineConfig(model="m", speculative_config=bad)
 
 
+@pytest.mark.parametrize("key, value", [
+    ("method", 3), ("method", ["ngram"]), ("method", "NGRAM"),
+    ("num_speculative_tokens", "2"), ("num_speculative_tokens", True), ("num_speculative_tokens", 2.0),
+    ("prompt_lookup_min", "2"), ("prompt_lookup_min", True), ("prompt_lookup_min", 1.5), ("prompt_lookup_min", 0),
+    ("prompt_lookup_max", "4"), ("prompt_lookup_max", False), ("prompt_lookup_max", [4]),
+])
+def test_speculative_config_values_of_the_wrong_type_are_a_value_error_naming_the_key(key, value):
+    """A string, bool or float where an int belongs (or a non-string method) is a ValueError that names the key and
+    shows the value, not a TypeError from comparing it."""
+    config = {"method": "ngram", "num_speculative_tokens": 2, key: value}
+    with pytest.raises(ValueError, match=rf"^invalid speculative_config {key}={re.escape(repr(value))}: "):
+        EngineConfig(model="m", speculative_config=config)
+    with pytest.raises(ValueError, match=rf"^invalid speculative_config {key}="):
+        SpeculativeConfig(**config)
+
+
+def test_speculative_config_fills_the_ngram_window():
+    assert SpeculativeConfig("ngram", 2, prompt_lookup_min=6).prompt_lookup_max == 6  # max(4, min)
+    assert SpeculativeConfig("ngram", 2, prompt_lookup_max=3).prompt_lookup_min == 2
+    mtp = SpeculativeConfig("mtp", 2)
+    assert (mtp.prompt_lookup_min, mtp.prompt_lookup_max) == (None, None)
+
+
 def test_mtp_is_refused_for_models_without_an_mtp_layer():
     check_speculative({"model_type": "zaya"}, None)
     check_speculative({"model_type": "zaya"}, SpeculativeConfig("ngram", 2))
@@ -131,6 +156,46 @@ def test_serve_flags_build_the_speculative_config():
                            "--speculative-ngram-min-match-window-size", "1"), "NGRAM only")]:
         with pytest.raises(ValueError, match=match):
             kwargs(*flags)
+
+
+@pytest.mark.parametrize("flags, match", [
+    (("--speculative-num-draft-tokens", "0"), r"^invalid --speculative-num-draft-tokens=0: must be an integer in"),
+    (("--speculative-num-draft-tokens", "17"), r"^invalid --speculative-num-draft-tokens=17: "),
+    (("--speculative-num-draft-tokens", "2", "--speculative-ngram-min-match-window-size", "0"),
+     r"^invalid --speculative-ngram-min-match-window-size=0: must be an integer >= 1"),
+    (("--speculative-num-draft-tokens", "2", "--speculative-ngram-max-match-window-size", "-1"),
+     r"^invalid --speculative-ngram-max-match-window-size=-1: "),
+    (("--speculative-num-draft-tokens", "2", "--speculative-ngram-min-match-window-size", "5",
+      "--speculative-ngram-max-match-window-size", "3"),
+     r"^invalid --speculative-ngram-max-match-window-size=3: must be >= --speculative-ngram-min-match-window-size "
+     r"\(5\)$"),
+])
+def test_bad_speculative_flag_values_are_reported_as_the_flag(flags, match):
+    """Values from the command line are named by their flag, not by the speculative_config key they fill."""
+    with pytest.raises(ValueError, match=match):
+        _engine_kwargs(build_parser().parse_args(["serve", "/m", "--speculative-algorithm", "NGRAM", *flags]))
+
+
+def test_a_non_integer_speculative_flag_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "/m", "--speculative-algorithm", "NGRAM",
+                                   "--speculative-num-draft-tokens", "two"])
+    assert "--speculative-num-draft-tokens" in capsys.readouterr().err
+
+
+def test_offline_benchmark_refuses_draft_tokens_without_an_algorithm(monkeypatch, capsys):
+    """`--num-draft-tokens K` alone used to be ignored (a plain run reported as if K drafts were asked for); the
+    error names both flags, before any model is built. The old spelling stays an alias (benchmarks/gpu_session.sh)."""
+    from benchmarks import offline_throughput
+
+    monkeypatch.setattr(offline_throughput, "make_random_model", lambda *a, **k: pytest.fail("a model was built"))
+    for flag in ("--speculative-num-draft-tokens", "--num-draft-tokens"):
+        monkeypatch.setattr("sys.argv", ["offline_throughput.py", "--device", "cpu", flag, "2"])
+        with pytest.raises(SystemExit) as exit_info:
+            offline_throughput.main()
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert "--speculative-num-draft-tokens" in err and "needs --speculative-algorithm" in err, err
 
 
 def test_metrics_report_acceptance():
