@@ -8,7 +8,8 @@ format (one or more of any tool; exactly one of the named one), arguments valid 
 model with random weights returns well-formed calls. With a reasoning parser any constrained output (forced calls,
 or the request's own response_format / structured output) may first reason (the rest of a block the prompt
 opened, or an optional `<think>` block; `ReasoningFormat.lead`), so the constrained part is the answer after the
-reasoning and not text the reasoning parser reads as reasoning. parallel_tool_calls false: at most one call.
+reasoning and not text the reasoning parser reads as reasoning; a prompt that closed its block (thinking off) gets
+no lead. parallel_tool_calls false: at most one call.
 """
 from __future__ import annotations
 
