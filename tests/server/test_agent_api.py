@@ -184,6 +184,14 @@ def _guarded_chat(server, **body) -> httpx.Response:
 
 
 THINKING_OFF = "{% for m in messages %}{{ m.content }}{% endfor %}<think>\n\n</think>\n\n"  # as Qwen3's off switch
+ONE_OR_TWO = {"type": "object", "properties": {"n": {"enum": [1, 2]}}, "required": ["n"]}
+
+
+def _json_answers(server, template: str) -> list[dict]:
+    """The choices of three seeded chat requests under the ONE_OR_TWO schema, rendered by `template`."""
+    response_format = {"type": "json_schema", "json_schema": {"name": "n", "schema": ONE_OR_TWO}}
+    return [_guarded_chat(server, chat_template=template, response_format=response_format, max_tokens=12,
+                          temperature=1.0, seed=seed).json()["choices"][0] for seed in range(3)]
 
 
 @pytest.mark.parametrize("opens", [True, False])
@@ -194,32 +202,22 @@ def test_a_json_schema_answer_follows_the_reasoning_instead_of_becoming_it(guard
     reasoning_content, content empty). Either the block closes and the content is the schema's JSON, or the
     reasoning runs to max_tokens. A prompt that opens none: an optional block, then the same JSON."""
     template = "{% for m in messages %}{{ m.content }}{% endfor %}" + ("<think>\n" if opens else "")
-    schema = {"type": "object", "properties": {"n": {"enum": [1, 2]}}, "required": ["n"]}
-    response_format = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
-    for seed in range(3):
-        reply = _guarded_chat(guarded_server, chat_template=template, response_format=response_format,
-                              max_tokens=12, temperature=1.0, seed=seed).json()
-        choice = reply["choices"][0]
+    for choice in _json_answers(guarded_server, template):
         content, reasoning = choice["message"]["content"], choice["message"]["reasoning_content"]
         if content:
-            jsonschema.validate(json.loads(content), schema)
+            jsonschema.validate(json.loads(content), ONE_OR_TWO)
         else:
-            assert choice["finish_reason"] == "length" and reasoning, reply
+            assert choice["finish_reason"] == "length" and reasoning, choice
         if opens:
-            assert reasoning and not reasoning.lstrip().startswith('{"n"'), reply
+            assert reasoning and not reasoning.lstrip().startswith('{"n"'), choice
 
 
 def test_with_thinking_off_a_json_schema_answer_starts_at_once(guarded_server):
     """A prompt that closes its reasoning block (Qwen3's enable_thinking=False writes an empty one): no reasoning
     may come first, the grammar holds from the first token, so even a random model answers with the JSON."""
-    schema = {"type": "object", "properties": {"n": {"enum": [1, 2]}}, "required": ["n"]}
-    response_format = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
-    for seed in range(3):
-        reply = _guarded_chat(guarded_server, chat_template=THINKING_OFF, response_format=response_format,
-                              max_tokens=12, temperature=1.0, seed=seed).json()
-        choice = reply["choices"][0]
-        assert choice["finish_reason"] == "stop" and choice["message"]["reasoning_content"] is None, reply
-        jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+    for choice in _json_answers(guarded_server, THINKING_OFF):
+        assert choice["finish_reason"] == "stop" and choice["message"]["reasoning_content"] is None, choice
+        jsonschema.validate(json.loads(choice["message"]["content"]), ONE_OR_TWO)
 
 
 def test_reasoning_opened_by_the_prompt_goes_to_reasoning_content(guarded_server):
