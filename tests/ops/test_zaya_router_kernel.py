@@ -97,9 +97,14 @@ def test_fused_form_matches_reference(tokens, with_carry, hidden, width, experts
         assert (want.expert_ids[skip] == 0).all() and (want.expert_weights[skip] == 0).all()
 
 
-@pytest.mark.parametrize("tokens", [kernel.FUSED_MAX_TOKENS + 1, 3000, 5000])  # GEMM tiles 16x32, 32x32, 64x32
+# (tokens, programs to aim for): the GEMM tiles 16x32, 32x32, 64x32 and 128x32 (gemm_tiles) at token counts the
+# interpreter runs quickly, fewer programs standing for the larger token buckets that choose those tiles on an H200.
+@pytest.mark.parametrize("tokens, programs", [(kernel.FUSED_MAX_TOKENS + 1, kernel.PROGRAMS), (300, 16), (300, 8),
+                                              (600, 8)])
 @pytest.mark.parametrize("with_carry", [True, False])
-def test_prefill_form_matches_reference(tokens, with_carry):
+def test_prefill_form_matches_reference(tokens, programs, with_carry, monkeypatch):
+    monkeypatch.setattr(kernel, "PROGRAMS", programs)
+    assert kernel.gemm_tiles(tokens, 24)[0] == {kernel.PROGRAMS: 16, 16: 32, 8: 64 if tokens < 512 else 128}[programs]
     args = router_inputs(tokens, 40, 24, 6, 0.15, seed=tokens, device="cpu")
     if not with_carry:
         args["carry"] = None
