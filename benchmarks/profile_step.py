@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import itertools
 import json
 import pstats
 import shutil
@@ -115,7 +116,7 @@ def _host_share(run_once: Callable[[], None], times: int) -> dict:
 def _first_token(engine, prompt: list[int], temperature: float, grammar) -> Callable[[], None]:
     """One run: `prompt` alone on the idle engine, stepped until its first (and only) token is out, then the device
     drained, so that a run is one eager prefill step and its sampling, as a batch-1 request's time to first token."""
-    serial = iter(range(1 << 30))
+    serial = itertools.count()
 
     def run_once() -> None:
         params = SamplingParams(temperature=temperature, max_tokens=1, ignore_eos=True, seed=0,

@@ -75,10 +75,10 @@ class ToolSelection:
         its outputs are parsed; `names` maps SamplingParams names to the request's fields (for errors)."""
         reasoning = server.reasoning_format
         in_reasoning = reasoning is not None and reasoning.prompt_opens_reasoning(prompt_text)
-        # What a constrained output may reason in first: nothing when the prompt closed the block (thinking off).
-        lead = reasoning if reasoning is not None and not reasoning.prompt_closes_reasoning(prompt_text) else None
+        # The reasoning a constrained output may write first: none when the prompt closed the block (thinking off).
+        reasons_first = None if reasoning is None or reasoning.prompt_closes_reasoning(prompt_text) else reasoning
         fmt = server.tool_format() if self.offered else None  # a request without tools needs no tool format
-        forced = self.structured_output(fmt, lead, in_reasoning) if fmt is not None else None
+        forced = self.structured_output(fmt, reasons_first, in_reasoning) if fmt is not None else None
         if forced is not None:
             if params.structured_output is not None:
                 raise APIError("tool_choice 'required' or a named function already constrains the output; it "
@@ -88,9 +88,9 @@ class ToolSelection:
             except SamplingParamError as err:  # min_tokens beside a grammar
                 raise invalid_field(err, names) from None
             await server.compile_grammar(params, "tools")  # the grammar is made of the tools' schemas
-        elif params.structured_output is not None and lead is not None:  # the request's own, after reasoning
+        elif params.structured_output is not None and reasons_first is not None:  # the request's own, after it
             params = replace(params, structured_output=replace(params.structured_output,
-                                                               reasoning=lead.lead(in_reasoning)))
+                                                               reasoning=reasons_first.lead(in_reasoning)))
         parsing = OutputParsing(reasoning, in_reasoning, fmt, self.offered, self.max_calls)
         return params, parsing
 

@@ -15,7 +15,7 @@ import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-from hybridserve.structured.params import StructuredOutputError, StructuredOutputParams
+from hybridserve.structured.params import StructuredOutputError, StructuredOutputParams, json_object
 
 if TYPE_CHECKING:
     import xgrammar
@@ -124,7 +124,7 @@ class GrammarCompiler:
             self.compile(spec.without_reasoning())
             try:
                 lead = xgrammar.Grammar.from_structural_tag(json.dumps(
-                    {"type": "structural_tag", "format": _as_dict(spec.reasoning)}))
+                    {"type": "structural_tag", "format": json_object("reasoning", spec.reasoning)}))
             except Exception as err:
                 raise StructuredOutputError("reasoning", spec.reasoning, f"cannot be compiled: {_reason(err)}") \
                     from None
@@ -146,7 +146,7 @@ def _language(spec: StructuredOutputParams) -> xgrammar.Grammar:
     kind = spec.kind
     value = getattr(spec, kind)
     if kind == "json":
-        return xgrammar.Grammar.from_json_schema(json.dumps(_as_dict(value)), any_whitespace=False,
+        return xgrammar.Grammar.from_json_schema(json.dumps(json_object(kind, value)), any_whitespace=False,
                                                  strict_mode=spec.strict)
     if kind == "json_object":
         return xgrammar.Grammar.from_json_schema(_OBJECT_SCHEMA, any_whitespace=False, strict_mode=False)
@@ -156,11 +156,7 @@ def _language(spec: StructuredOutputParams) -> xgrammar.Grammar:
         return xgrammar.Grammar.from_ebnf("root ::= " + " | ".join(ebnf_literal(c) for c in value))
     if kind == "grammar":
         return xgrammar.Grammar.from_ebnf(value)
-    return xgrammar.Grammar.from_structural_tag(json.dumps(_as_dict(value)))
-
-
-def _as_dict(value: dict | str) -> dict:
-    return json.loads(value) if isinstance(value, str) else value
+    return xgrammar.Grammar.from_structural_tag(json.dumps(json_object(kind, value)))
 
 
 def _allows_any_token(compiled: xgrammar.CompiledGrammar, vocab_size: int) -> bool:

@@ -87,13 +87,7 @@ class StructuredOutputParams:
             raise StructuredOutputError(kind, value, why)
 
         if kind in ("json", "structural_tag"):
-            if isinstance(value, str):
-                try:
-                    value = json.loads(value)
-                except ValueError as err:
-                    fail(f"is not valid JSON text ({err})")
-            if not isinstance(value, dict):
-                fail("must be a JSON object (a dict, or its JSON text)")
+            json_object(kind, value)
         elif kind == "json_object":
             if value is not True:
                 fail("must be True (or left False when another field is given)")
@@ -106,17 +100,9 @@ class StructuredOutputParams:
                 fail(f"must be a list of 1 to {MAX_CHOICES} non-empty strings")
         if not isinstance(self.strict, bool):
             raise StructuredOutputError("strict", self.strict, "must be a bool")
-        if self.reasoning is not None:
-            lead = self.reasoning
-            if isinstance(lead, str):
-                try:
-                    lead = json.loads(lead)
-                except ValueError as err:
-                    raise StructuredOutputError("reasoning", self.reasoning, f"is not valid JSON text ({err})") \
-                        from None
-            if not isinstance(lead, dict) or "type" not in lead:
-                raise StructuredOutputError("reasoning", self.reasoning,
-                                            "must be a structural-tag format: a JSON object with a 'type'")
+        if self.reasoning is not None and "type" not in json_object("reasoning", self.reasoning):
+            raise StructuredOutputError("reasoning", self.reasoning, "must be a structural-tag format: a JSON object "
+                                        "with a 'type'")
 
     def cache_key(self) -> tuple[str, str, bool, str]:
         """What a compiled grammar depends on: (kind, the language as text, strict, the reasoning lead as text),
@@ -136,6 +122,18 @@ class StructuredOutputParams:
         return replace(self, reasoning=None)
 
 
+def json_object(param: str, value: dict | str) -> dict:
+    """`value` (a dict, or its JSON text) as a dict, or a StructuredOutputError on `param` saying why it is none."""
+    parsed = value
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except ValueError as err:
+            raise StructuredOutputError(param, value, f"is not valid JSON text ({err})") from None
+    if not isinstance(parsed, dict):
+        raise StructuredOutputError(param, value, "must be a JSON object (a dict, or its JSON text)")
+    return parsed
+
+
 def _canonical(value: dict | str) -> str:
-    value = json.loads(value) if isinstance(value, str) else value
-    return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return json.dumps(json_object("", value), sort_keys=True, ensure_ascii=False, separators=(",", ":"))

@@ -97,14 +97,15 @@ def test_fused_form_matches_reference(tokens, with_carry, hidden, width, experts
         assert (want.expert_ids[skip] == 0).all() and (want.expert_weights[skip] == 0).all()
 
 
-# (tokens, programs to aim for): the GEMM tiles 16x32, 32x32, 64x32 and 128x32 (gemm_tiles) at token counts the
-# interpreter runs quickly, fewer programs standing for the larger token buckets that choose those tiles on an H200.
-@pytest.mark.parametrize("tokens, programs", [(kernel.FUSED_MAX_TOKENS + 1, kernel.PROGRAMS), (300, 16), (300, 8),
-                                              (600, 8)])
+# (tokens, programs to aim for, GEMM tile rows): the tiles 16x32, 32x32, 64x32 and 128x32 (gemm_tiles) at token
+# counts the interpreter runs quickly, fewer programs standing for the larger token buckets that choose them on an
+# H200.
+@pytest.mark.parametrize("tokens, programs, tile_rows", [(kernel.FUSED_MAX_TOKENS + 1, kernel.PROGRAMS, 16),
+                                                         (300, 16, 32), (300, 8, 64), (600, 8, 128)])
 @pytest.mark.parametrize("with_carry", [True, False])
-def test_prefill_form_matches_reference(tokens, programs, with_carry, monkeypatch):
+def test_prefill_form_matches_reference(tokens, programs, tile_rows, with_carry, monkeypatch):
     monkeypatch.setattr(kernel, "PROGRAMS", programs)
-    assert kernel.gemm_tiles(tokens, 24)[0] == {kernel.PROGRAMS: 16, 16: 32, 8: 64 if tokens < 512 else 128}[programs]
+    assert kernel.gemm_tiles(tokens, 24) == (tile_rows, 32)
     args = router_inputs(tokens, 40, 24, 6, 0.15, seed=tokens, device="cpu")
     if not with_carry:
         args["carry"] = None
