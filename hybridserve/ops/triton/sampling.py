@@ -6,8 +6,9 @@ mass, exp(x - row max) summed in float64 over the entries that pass min-p; (3) o
 masses, finds the block that holds u * total and scans that block's entries. The unnormalised masses invert the
 same CDF as the reference's softmax (its probabilities are these divided by the row's sum, and min-p's test
 p >= min_p * p_max is exp(x - max) >= min_p), so the picks agree up to rounding at a CDF step's edge; the clamps
-keep a pick on a kept entry as the reference's do. A row of the batch never reads another row. `params` rows hold 5
-values (temperature, top-k, top-p, min-p, u), read by offset.
+keep a pick on a kept entry as the reference's do. A row of the batch never reads another row. `draw_params` rows
+hold 5 values (temperature, top-k, top-p, min-p, u), read by offset; the kernels' argument is not named `params`,
+which Triton's launcher uses for its own binding (a kernel argument of that name fails to launch on the GPU).
 """
 from __future__ import annotations
 
@@ -21,72 +22,73 @@ from hybridserve.ops.triton.pdl import wait_for_previous
 
 
 @triton.jit
-def _tempered(logits, params, row, offsets, vocab, logits_stride):
-    temperature = tl.load(params + row * 5).to(tl.float32)
+def _tempered(logits, draw_params, row, offsets, vocab, logits_stride):
+    temperature = tl.load(draw_params + row * 5).to(tl.float32)
     x = tl.load(logits + row * logits_stride + offsets, mask=offsets < vocab, other=float("-inf"))
     return x / temperature
 
 
 @triton.jit
-def _kept(logits, params, block_max, row, offsets, vocab, logits_stride, blocks,
+def _kept(logits, draw_params, block_max, row, offsets, vocab, logits_stride, blocks,
           BLOCKS_P2: tl.constexpr):
     """exp(x - row max) of the entries at `offsets`, 0 where min-p (or the padding) drops them."""
     index = tl.arange(0, BLOCKS_P2)
     row_max = tl.max(tl.load(block_max + row * blocks + index, mask=index < blocks, other=float("-inf")), axis=0)
-    weight = tl.exp(_tempered(logits, params, row, offsets, vocab, logits_stride) - row_max)
-    min_p = tl.load(params + row * 5 + 3).to(tl.float32)
+    weight = tl.exp(_tempered(logits, draw_params, row, offsets, vocab, logits_stride) - row_max)
+    min_p = tl.load(draw_params + row * 5 + 3).to(tl.float32)
     return tl.where((weight >= min_p) & (offsets < vocab), weight, 0.0)
 
 
 @triton.jit
-def _block_max_kernel(logits, params, block_max, vocab, logits_stride, blocks, BLOCK: tl.constexpr,
+def _block_max_kernel(logits, draw_params, block_max, vocab, logits_stride, blocks, BLOCK: tl.constexpr,
                       USE_PDL: tl.constexpr):
     wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     offsets = block * BLOCK + tl.arange(0, BLOCK)
     tl.store(block_max + row * blocks + block,
-             tl.max(_tempered(logits, params, row, offsets, vocab, logits_stride), axis=0))
+             tl.max(_tempered(logits, draw_params, row, offsets, vocab, logits_stride), axis=0))
 
 
 @triton.jit
-def _block_mass_kernel(logits, params, block_max, block_mass, vocab, logits_stride, blocks, BLOCK: tl.constexpr,
-                       BLOCKS_P2: tl.constexpr, USE_PDL: tl.constexpr):
+def _block_mass_kernel(logits, draw_params, block_max, block_mass, vocab, logits_stride, blocks,
+                       BLOCK: tl.constexpr, BLOCKS_P2: tl.constexpr, USE_PDL: tl.constexpr):
     wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     offsets = block * BLOCK + tl.arange(0, BLOCK)
-    weight = _kept(logits, params, block_max, row, offsets, vocab, logits_stride, blocks, BLOCKS_P2)
+    weight = _kept(logits, draw_params, block_max, row, offsets, vocab, logits_stride, blocks, BLOCKS_P2)
     tl.store(block_mass + row * blocks + block, tl.sum(weight.to(tl.float64), axis=0))
 
 
 @triton.jit
-def _pick_kernel(logits, params, block_max, block_mass, out, vocab, logits_stride, blocks, BLOCK: tl.constexpr,
-                 BLOCKS_P2: tl.constexpr, USE_PDL: tl.constexpr):
+def _pick_kernel(logits, draw_params, block_max, block_mass, out, vocab, logits_stride, blocks,
+                 BLOCK: tl.constexpr, BLOCKS_P2: tl.constexpr, USE_PDL: tl.constexpr):
     wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     index = tl.arange(0, BLOCKS_P2)
     mass = tl.load(block_mass + row * blocks + index, mask=index < blocks, other=0.0)
     cdf = tl.cumsum(mass, axis=0)
-    target = tl.load(params + row * 5 + 4) * tl.max(cdf, axis=0)
+    target = tl.load(draw_params + row * 5 + 4) * tl.max(cdf, axis=0)
     # The first block whose CDF exceeds the target (searchsorted, right), never past the last block with mass.
     block = tl.sum(((cdf <= target) & (index < blocks)).to(tl.int32), axis=0)
     block = tl.minimum(block, tl.max(tl.where(mass > 0, index, 0), axis=0))
     before = tl.sum(tl.where(index == block, cdf - mass, 0.0), axis=0)
     entry = tl.arange(0, BLOCK)
-    weight = _kept(logits, params, block_max, row, block * BLOCK + entry, vocab, logits_stride, blocks, BLOCKS_P2)
+    weight = _kept(logits, draw_params, block_max, row, block * BLOCK + entry, vocab, logits_stride, blocks,
+                   BLOCKS_P2)
     entry_cdf = tl.cumsum(weight.to(tl.float64), axis=0) + before
     chosen = tl.sum((entry_cdf <= target).to(tl.int32), axis=0)
     chosen = tl.minimum(chosen, tl.max(tl.where(weight > 0, entry, 0), axis=0))
     tl.store(out + row, (block * BLOCK + chosen).to(tl.int64))
 
 
-def draw_unsorted(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-    """fp32 logits [rows, V], float64 params [rows, 5] -> token ids [rows] int64; see `ops.sampling`."""
+def draw_unsorted(logits: torch.Tensor, draw_params: torch.Tensor) -> torch.Tensor:
+    """fp32 logits [rows, V], float64 draw_params [rows, 5] -> token ids [rows] int64; see `ops.sampling`."""
     rows, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    params = params.to(torch.float64).contiguous()
+    draw_params = draw_params.to(torch.float64).contiguous()
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
@@ -95,10 +97,10 @@ def draw_unsorted(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     block_mass = torch.empty(rows, blocks, dtype=torch.float64, device=logits.device)
     common = dict(BLOCK=CDF_BLOCK, **pdl.launch(logits.device))
     shape = (vocab, logits.stride(0), blocks)
-    _block_max_kernel[(rows, blocks)](logits, params, block_max, *shape, num_warps=4, **common)
+    _block_max_kernel[(rows, blocks)](logits, draw_params, block_max, *shape, num_warps=4, **common)
     blocks_p2 = triton.next_power_of_2(blocks)
-    _block_mass_kernel[(rows, blocks)](logits, params, block_max, block_mass, *shape, BLOCKS_P2=blocks_p2,
+    _block_mass_kernel[(rows, blocks)](logits, draw_params, block_max, block_mass, *shape, BLOCKS_P2=blocks_p2,
                                        num_warps=4, **common)
-    _pick_kernel[(rows,)](logits, params, block_max, block_mass, out, *shape, BLOCKS_P2=blocks_p2, num_warps=8,
-                          **common)
+    _pick_kernel[(rows,)](logits, draw_params, block_max, block_mass, out, *shape, BLOCKS_P2=blocks_p2,
+                          num_warps=8, **common)
     return out
