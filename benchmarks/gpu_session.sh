@@ -6,7 +6,7 @@
 # Logs and JSON go to $OUT (default ./gpu-out); the per-file logs end up in one $OUT/logs.tgz, as the device tool
 # brings back at most 8 files. Usage, from the repository root on the GPU machine:
 #   bash benchmarks/gpu_session.sh [tests|kernels|engines|bench|all|ling|agreement|profile|tune|serving|serving-ling|tp|
-#                                   structured|spec|pdl|dp|prefill-alloc|new-kernels]
+#                                   structured|spec|pdl|dp|prefill-alloc|new-kernels|conv]
 # (all = tests + bench; tests = kernels + engines: the two groups of test files, see below; ling = 16 Ling-2.6-flash
 # layers with dummy weights and the shared-expert overlap; agreement = Ling decode agreement per lightning
 # implementation; profile = the b1, b64, prefill and b1-under-a-JSON-grammar step profiles of the 40-layer
@@ -27,7 +27,9 @@
 # collector's (the JSON has the allocator's retry counters, the clocks and the collections of each call);
 # new-kernels = the kernels written without a GPU (the sampler's unsorted draw, the router's 3xTF32 prefill GEMMs,
 # the conv's larger prefill token blocks): their test files on the GPU, their micro-benchmarks against the paths
-# they replace, and the 40-layer ZAYA1 offline benchmark at b1, b64 and prefill)
+# they replace, and the 40-layer ZAYA1 offline benchmark at b1, b64 and prefill; conv = a change to the CCA conv
+# kernel: its two GPU test files side by side, its micro-benchmark (prefill token blocks 32, 64 and 128), then the
+# 40-layer ZAYA1 offline benchmark against HF transformers and the floor)
 set -u
 OUT=${OUT:-gpu-out}
 what=${1:-all}
@@ -184,6 +186,17 @@ if [[ $what == new-kernels ]]; then
   timeout 400 python benchmarks/offline_throughput.py --layers 40 --load-format dummy --skip-hf \
     --scenarios b1 b64 prefill --out "$OUT/offline_new_kernels.json" > "$OUT/logs/offline_new.log" 2>&1
   grep -A 4 "^scenario" "$OUT/logs/offline_new.log"
+fi
+
+if [[ $what == conv ]]; then
+  run_files 2 tests/ops/test_conv_kernel.py tests/gpu/test_zaya_kernels_gpu.py
+  grep -H -E ' (passed|failed|error)' "$OUT"/logs/test_conv_kernel.log "$OUT"/logs/test_zaya_kernels_gpu.log
+  timeout 200 python benchmarks/op_microbench.py --ops conv --out "$OUT/op_microbench_conv.json" \
+    > "$OUT/logs/op_microbench_conv.log" 2>&1
+  grep -E "prefill" "$OUT/logs/op_microbench_conv.log"
+  timeout 400 python benchmarks/offline_throughput.py --layers 40 --scenarios b1 b64 prefill \
+    --out "$OUT/offline_40l.json" > "$OUT/logs/offline.log" 2>&1
+  grep -A 4 "^scenario" "$OUT/logs/offline.log"
 fi
 
 if [[ $what == dp ]]; then
