@@ -12,6 +12,11 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# The suite runs in two pytest-xdist workers (pyproject's addopts) on CI's two cores: one intra-op thread each, so
+# the workers do not oversubscribe the cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 from tests.helpers import add_tokenizer  # noqa: E402
 from tests.models.zaya_fixtures import random_hf_zaya, save_hf, tiny_config  # noqa: E402
 
