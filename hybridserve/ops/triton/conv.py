@@ -85,12 +85,10 @@ def _stage2_dot(g, local, start2, slot2, init2, mine2, proj_ptr, proj_s0, w0_ptr
             x = _raw(proj_ptr, proj_s0, conv_ptr, cs0, cs1, cs2, start2, (local - m - n)[:, None], slot2, init2,
                      mine2, ch2, ok2, P)
             u += w0[None, :] * x
-        # Loaded [out, in], the input channel (K1 apart in memory) along the threads: loaded [in, out], neighbouring
-        # threads were D * K1 apart, one sector each, and these loads were the heads form's whole cost at prefill.
-        d_out, d_in = d[:, None], d[None, :]
-        w1 = tl.load(w1_ptr + ((g * D + d_out) * D + d_in) * K1 + (K1 - 1 - m), mask=(d_out < D) & (d_in < D),
+        d_in, d_out = d[:, None], d[None, :]
+        w1 = tl.load(w1_ptr + ((g * D + d_out) * D + d_in) * K1 + (K1 - 1 - m), mask=(d_in < D) & (d_out < D),
                      other=0.0).to(tl.float32)
-        acc += tl.dot(u, tl.trans(w1), input_precision=PRECISION)
+        acc += tl.dot(u, w1, input_precision=PRECISION)
     return acc
 
 
