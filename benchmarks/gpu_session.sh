@@ -38,11 +38,12 @@ export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 
 # Every pytest call here clears pyproject's addopts (`-o addopts=`): they ask for pytest-xdist workers, which the
 # device image lacks, and each file runs in a process of its own here anyway.
+export PYTEST="python -m pytest -o addopts= -p no:cacheprovider"  # run_files' inner shells read it too
 run_files() {  # run_files PARALLEL FILE...: each file in its own pytest process, its log in $OUT/logs
   local parallel=$1
   shift
   printf '%s\n' "$@" | xargs -P "$parallel" -I{} bash -c \
-    'n=$(basename {} .py); timeout 450 python -m pytest -o addopts= -s -p no:cacheprovider {} > "$0/logs/$n.log" 2>&1;
+    'n=$(basename {} .py); timeout 450 $PYTEST -s {} > "$0/logs/$n.log" 2>&1;
      echo "rc=$?" >> "$0/logs/$n.log"' "$OUT"
 }
 
@@ -116,7 +117,7 @@ if [[ $what == serving || $what == serving-ling ]]; then
 fi
 
 if [[ $what == tp ]]; then
-  timeout 300 python -m pytest -o addopts= -s -p no:cacheprovider tests/gpu/test_tp_gpu.py > "$OUT/logs/test_tp_gpu.log" 2>&1
+  timeout 300 $PYTEST -s tests/gpu/test_tp_gpu.py > "$OUT/logs/test_tp_gpu.log" 2>&1
   grep -E "largest|passed|failed|skipped" "$OUT/logs/test_tp_gpu.log"
   timeout 400 python benchmarks/offline_throughput.py --layers 40 --tp 2 --skip-hf --load-format dummy \
     --scenarios b1 b64 prefill --out "$OUT/offline_zaya40_tp2.json" > "$OUT/logs/offline_tp2.log" 2>&1
@@ -128,7 +129,7 @@ if [[ $what == tp ]]; then
 fi
 
 if [[ $what == structured ]]; then  # needs xgrammar: pip install --no-deps .whl-agent/*.whl first
-  timeout 300 python -m pytest -o addopts= -s -p no:cacheprovider tests/gpu/test_structured_gpu.py \
+  timeout 300 $PYTEST -s tests/gpu/test_structured_gpu.py \
     > "$OUT/logs/test_structured_gpu.log" 2>&1
   grep -E "largest logprob| (passed|failed|skipped|error)" "$OUT/logs/test_structured_gpu.log" | tail -n 3
   timeout 400 python benchmarks/offline_throughput.py --layers 40 --load-format dummy --scenarios b1 b64 \
@@ -137,7 +138,7 @@ if [[ $what == structured ]]; then  # needs xgrammar: pip install --no-deps .whl
 fi
 
 if [[ $what == spec ]]; then
-  timeout 300 python -m pytest -o addopts= -s -p no:cacheprovider tests/gpu/test_speculative_gpu.py \
+  timeout 300 $PYTEST -s tests/gpu/test_speculative_gpu.py \
     > "$OUT/logs/test_speculative_gpu.log" 2>&1
   grep -E "largest|replays|passed|failed|skipped" "$OUT/logs/test_speculative_gpu.log"
   timeout 400 python benchmarks/offline_throughput.py --layers 40 --load-format dummy --skip-hf --temperature 0 \
@@ -152,7 +153,7 @@ fi
 
 if [[ $what == pdl ]]; then
   timeout 120 python benchmarks/pdl_chain.py --out "$OUT/pdl_chain.json" 2>&1 | tail -n 3
-  timeout 300 python -m pytest -o addopts= -s -p no:cacheprovider tests/gpu/test_pdl_gpu.py > "$OUT/logs/test_pdl_gpu.log" 2>&1
+  timeout 300 $PYTEST -s tests/gpu/test_pdl_gpu.py > "$OUT/logs/test_pdl_gpu.log" 2>&1
   grep -E "largest|passed|failed|skipped" "$OUT/logs/test_pdl_gpu.log"
   for flag in 0 1; do
     HYBRIDSERVE_PDL=$flag timeout 300 python benchmarks/offline_throughput.py --layers 40 --load-format dummy \
@@ -179,7 +180,7 @@ if [[ $what == new-kernels ]]; then
   for f in tests/ops/test_sampling_kernel.py tests/ops/test_zaya_router_kernel.py tests/ops/test_conv_kernel.py \
            tests/gpu/test_zaya_kernels_gpu.py; do
     n=$(basename $f .py)
-    timeout 300 python -m pytest -o addopts= -p no:cacheprovider $f > "$OUT/logs/$n.log" 2>&1
+    timeout 300 $PYTEST $f > "$OUT/logs/$n.log" 2>&1
     echo "$n: $(grep -E ' (passed|failed|error)' "$OUT/logs/$n.log" | tail -n 1)"
   done
   timeout 200 python benchmarks/op_microbench.py --ops zaya_router conv --out "$OUT/op_microbench_new.json" \
