@@ -6,7 +6,7 @@
 # Logs and JSON go to $OUT (default ./gpu-out); the per-file logs end up in one $OUT/logs.tgz, as the device tool
 # brings back at most 8 files. Usage, from the repository root on the GPU machine:
 #   bash benchmarks/gpu_session.sh [tests|kernels|engines|bench|all|ling|agreement|profile|tune|serving|serving-ling|tp|
-#                                   structured|spec|pdl|dp|prefill-alloc|new-kernels|conv]
+#                                   structured|spec|pdl|dp|prefill-alloc|new-kernels|conv|epilogues]
 # (all = tests + bench; tests = kernels + engines: the two groups of test files, see below; ling = 16 Ling-2.6-flash
 # layers with dummy weights and the shared-expert overlap; agreement = Ling decode agreement per lightning
 # implementation; profile = the b1, b64, prefill and b1-under-a-JSON-grammar step profiles of the 40-layer
@@ -29,7 +29,9 @@
 # the conv's larger prefill token blocks): their test files on the GPU, their micro-benchmarks against the paths
 # they replace, and the 40-layer ZAYA1 offline benchmark at b1, b64 and prefill; conv = a change to the CCA conv
 # kernel: its two GPU test files side by side, its micro-benchmark (prefill token blocks 32, 64 and 128), then the
-# 40-layer ZAYA1 offline benchmark against HF transformers and the floor)
+# 40-layer ZAYA1 offline benchmark against HF transformers and the floor; epilogues = a change to kernel epilogues
+# (the residual norm in the GEMVs, the attention split merge): their kernel and GPU test files, the b1 step profile
+# and the 40-layer ZAYA1 offline benchmark without HF)
 set -u
 OUT=${OUT:-gpu-out}
 what=${1:-all}
@@ -200,6 +202,20 @@ if [[ $what == conv ]]; then
   timeout 400 python benchmarks/offline_throughput.py --layers 40 --scenarios b1 b64 prefill \
     --out "$OUT/offline_40l.json" > "$OUT/logs/offline.log" 2>&1
   grep -A 4 "^scenario" "$OUT/logs/offline.log"
+fi
+
+if [[ $what == epilogues ]]; then  # a change to kernel epilogues: their test files, the b1 profile, 40 layers
+  run_files 4 tests/ops/test_decode_gemv_kernel.py tests/ops/test_attention_kernel.py tests/ops/test_norm_kernel.py \
+    tests/gpu/test_decode_gemv_gpu.py tests/gpu/test_attention_gpu.py tests/gpu/test_zaya_kernels_gpu.py &
+  run_files 2 tests/gpu/test_zaya_gpu.py tests/gpu/test_cuda_graphs_gpu.py tests/gpu/test_host_sync_gpu.py &
+  wait
+  grep -H -E ' (passed|failed|error)|^rc=' "$OUT"/logs/test_*.log
+  timeout 120 python benchmarks/profile_step.py --layers 40 --scenario b1 --out "$OUT/profile_b1.json" \
+    > "$OUT/logs/profile_b1.log" 2>&1
+  grep -E "median_late|profiled:" "$OUT/logs/profile_b1.log"
+  timeout 300 python benchmarks/offline_throughput.py --layers 40 --load-format dummy --skip-hf --repeats 5 \
+    --scenarios b1 b64 prefill --out "$OUT/offline_epilogues.json" > "$OUT/logs/offline_epilogues.log" 2>&1
+  grep -A 4 "^scenario" "$OUT/logs/offline_epilogues.log"
 fi
 
 if [[ $what == dp ]]; then

@@ -18,7 +18,8 @@ from hybridserve.layers.weights import (
     shard_slice,
     tp_shard_loader,
 )
-from hybridserve.ops.linear import linear
+from hybridserve.ops.linear import linear, linear_residual_norm
+from hybridserve.ops.norm import ResidualNorm
 
 
 class ReplicatedLinear(nn.Module):
@@ -94,9 +95,16 @@ class RowParallelLinear(nn.Module):
         self.weight = new_parameter(out_features, local, loader=tp_shard_loader(1))
         self.bias = new_parameter(out_features) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: ResidualNorm | None = None):
+        """The (reduced) output, or with `norm` (the residual norm that consumes it) `norm`'s (x, h, h32): run in
+        the projection's own kernel when nothing comes between them (one rank, no bias)."""
+        if norm is not None and not self.reduce_results:
+            raise ValueError("a residual norm needs the reduced output (reduce_results=True)")
+        if norm is not None and tp_size() == 1 and self.bias is None:
+            return linear_residual_norm(x, self.weight, None, norm)
         out = linear(x, self.weight)
         if self.reduce_results:
             out = all_reduce(out)
         # The bias is replicated, so it is added once, after the sum.
-        return out if self.bias is None else out + self.bias
+        out = out if self.bias is None else out + self.bias
+        return out if norm is None else norm(out)

@@ -12,9 +12,10 @@ from collections.abc import Hashable
 import torch
 from torch import nn
 
-from hybridserve.core.parallel import divide, tp_rank, tp_size
+from hybridserve.core.parallel import all_reduce, divide, tp_rank, tp_size
 from hybridserve.layers.weights import check_shape, new_parameter, shard_slice
-from hybridserve.ops.moe import fused_experts
+from hybridserve.ops.moe import fused_experts, fused_experts_residual_norm
+from hybridserve.ops.norm import ResidualNorm
 
 
 def _gate_up_shard(full: torch.Tensor) -> torch.Tensor:
@@ -62,3 +63,11 @@ class StackedExperts(nn.Module):
         """The weighted sum over each token's chosen experts (a partial sum under tensor parallelism); with
         `reduce=False`, rows [T, P, H] that sum to it (`ops.moe.fused_experts`)."""
         return fused_experts(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, reduce)
+
+    def forward_residual_norm(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                              norm: ResidualNorm):
+        """`norm` (the residual norm consuming the output) on the weighted sum, reduced over ranks first: -> its
+        (x, h, h32). On one rank the decode kernels run the norm in their own launch."""
+        if tp_size() == 1:
+            return fused_experts_residual_norm(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, norm)
+        return norm(all_reduce(self(x, topk_ids, topk_weights)))

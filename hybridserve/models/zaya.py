@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Hashable
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -16,7 +17,7 @@ from torch import nn
 from hybridserve.cache.kv_pool import KVCacheSpec
 from hybridserve.cache.state_pool import StateField, StateSpec
 from hybridserve.core.batch import ForwardBatch
-from hybridserve.core.parallel import all_reduce, divide, tp_rank, tp_size
+from hybridserve.core.parallel import divide, tp_rank, tp_size
 from hybridserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from hybridserve.layers.linear import (
     MergedColumnParallelLinear,
@@ -31,7 +32,7 @@ from hybridserve.models.zaya_config import ZayaConfig
 from hybridserve.ops import backends
 from hybridserve.ops.attention import paged_attention
 from hybridserve.ops.conv import cca_conv
-from hybridserve.ops.norm import residual_rms_norm
+from hybridserve.ops.norm import ResidualNorm, residual_rms_norm
 from hybridserve.ops.zaya_qk import qk_norm_rope_cache
 from hybridserve.ops.zaya_router import Routing, eda_route
 
@@ -127,19 +128,21 @@ class CCAAttention(nn.Module):
         self.state: dict[str, torch.Tensor] = {}
         self.page_state: dict[str, torch.Tensor] = {}
 
-    def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, norm: ResidualNorm):
+        """-> `norm`'s (x, h, h32) of the attention output (the residual update: o_proj's kernel may run it)."""
         q, k, v = self.qkv_proj(h, batch, self.state, self.page_state)
         # A sliding layer's KV lives in the window group (its own pages and table), when the caches have one.
         kv_batch = batch if self.sliding_window is None else batch.window_view()
         q = qk_norm_rope_cache(q, k, v, self.qk_norm.temp, self.rotary.inv_freq, kv_batch.positions,
                                kv_batch.slot_mapping, self.kv["k"], self.kv["v"], h.dtype)
         out = paged_attention(q, self.kv["k"], self.kv["v"], kv_batch, self.scale, self.sliding_window)
-        return self.o_proj(out.flatten(1))
+        return self.o_proj(out.flatten(1), norm)
 
 
 class ResidualScaling(nn.Module):
     """x_new = (u + b_h) * s_h + (x + b_r) * s_r, all in fp32 (the residual stream stays fp32), fused with the
-    RMSNorm that follows it."""
+    RMSNorm that follows it; handed to the layer computing the update u as an `ops.norm.ResidualNorm`, so that a
+    decode kernel can run it in the update's own launch."""
 
     def __init__(self, hidden_size: int):
         super().__init__()
@@ -148,14 +151,10 @@ class ResidualScaling(nn.Module):
         self.residual_scale = new_parameter(hidden_size)
         self.residual_bias = new_parameter(hidden_size)
 
-    def forward(self, update: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
-                skip: tuple[torch.Tensor, torch.Tensor] | None = None, fp32_copy: bool = False):
-        """-> (x_new fp32, norm(x_new), its fp32 copy if asked). `skip` = (weight [T, 1], input [T, H]): MOD's
-        scaled-identity term, added to the (already reduced) update."""
-        skip_weight, skip_input = skip if skip is not None else (None, None)
-        return residual_rms_norm(update, norm.weight, norm.eps, residual, self.hidden_states_bias,
-                                 self.hidden_states_scale, self.residual_bias, self.residual_scale, skip_weight,
-                                 skip_input, fp32_copy)
+    def of(self, residual: torch.Tensor, norm: RMSNorm, fp32_copy: bool = False) -> ResidualNorm:
+        """The update of `residual` followed by `norm` (and an fp32 copy of its output if asked)."""
+        return ResidualNorm(norm.weight, norm.eps, residual, self.hidden_states_bias, self.hidden_states_scale,
+                            self.residual_bias, self.residual_scale, fp32_copy=fp32_copy)
 
 
 class RouterMLP(nn.Module):
@@ -200,15 +199,17 @@ class ZayaMoE(nn.Module):
         self.gate = EDARouter(config, use_eda=layer_idx != 0)
         self.experts = StackedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
 
-    def forward(self, x: torch.Tensor, x32: torch.Tensor, carry: torch.Tensor | None):
-        """-> (routed output reduced over ranks, the MOD skip weight or None, the router carry).
+    def forward(self, x: torch.Tensor, x32: torch.Tensor, carry: torch.Tensor | None, norm: ResidualNorm):
+        """-> (`norm`'s x and h of the routed output reduced over ranks, the router carry).
 
         Skip tokens run expert 0 with weight 0: exactly zero, so the (partial) sum needs no premask. The
-        scaled-identity term (skip weight * x) is replicated on every rank: the caller adds it once, after the
-        reduce (fused into the residual update)."""
+        scaled-identity term (skip weight * x) is replicated on every rank: it joins `norm` as its skip term, added
+        once, after the reduce."""
         route = self.gate(x32, carry)
-        routed = all_reduce(self.experts(x, route.expert_ids, route.expert_weights))
-        return routed, route.skip_weight if self.scaled_identity else None, route.carry
+        if self.scaled_identity:
+            norm = replace(norm, skip_weight=route.skip_weight, skip_input=x)
+        x_new, h, _ = self.experts.forward_residual_norm(x, route.expert_ids, route.expert_weights, norm)
+        return x_new, h, route.carry
 
 
 class ZayaDecoderLayer(nn.Module):
@@ -225,12 +226,9 @@ class ZayaDecoderLayer(nn.Module):
                 next_norm: RMSNorm):
         """x: the fp32 residual; h: input_layernorm(x), computed by the step before. Returns the new residual, its
         `next_norm` (the next layer's input norm, or the final norm) and the router carry."""
-        x, h2, h2_32 = self.post_attention_residual_scale(self.self_attn(h, batch), x, self.post_attention_layernorm,
-                                                          fp32_copy=True)
-        update, skip_weight, carry = self.mlp(h2, h2_32, carry)
-        skip = (skip_weight, h2) if skip_weight is not None else None
-        x, h, _ = self.post_mlp_residual_scale(update, x, next_norm, skip)
-        return x, h, carry
+        x, h2, h2_32 = self.self_attn(h, batch, self.post_attention_residual_scale.of(
+            x, self.post_attention_layernorm, fp32_copy=True))
+        return self.mlp(h2, h2_32, carry, self.post_mlp_residual_scale.of(x, next_norm))
 
 
 class ZayaModel(nn.Module):

@@ -3,7 +3,8 @@
 On CUDA, decode-sized inputs (at most `ops.triton.linear.FASTER_UP_TO_TOKENS` rows) of 16-bit weights up to
 `FASTER_UP_TO_WEIGHT_BYTES` run the GEMV kernel, where it beats cuBLAS;
 everything else, and the reference the kernel is tested against, is torch's F.linear (cuBLAS on CUDA). fp32 weights
-(ZAYA1's router) always take F.linear.
+(ZAYA1's router) always take F.linear. `linear_residual_norm` hands the GEMV kernel the residual norm that follows
+the projection, so that it runs in the same launch.
 """
 from __future__ import annotations
 
@@ -11,14 +12,31 @@ import torch
 import torch.nn.functional as F
 
 from hybridserve.ops import backends
+from hybridserve.ops.norm import ResidualNorm
+
+
+def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the GEMV kernel runs this product (decode-sized x, a 16-bit weight it streams faster than cuBLAS)."""
+    if weight.dtype not in (torch.float16, torch.bfloat16) or not backends.use_triton("linear", x.device):
+        return False
+    from hybridserve.ops.triton import linear as kernel
+    return x.numel() <= kernel.FASTER_UP_TO_TOKENS * x.shape[-1] and x.dtype == weight.dtype \
+        and x.stride(-1) == 1 and weight.is_contiguous() \
+        and weight.numel() * weight.element_size() <= kernel.FASTER_UP_TO_WEIGHT_BYTES
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N]."""
-    if weight.dtype in (torch.float16, torch.bfloat16) and backends.use_triton("linear", x.device):
+    if _takes_gemv(x, weight):
         from hybridserve.ops.triton import linear as kernel
-        if x.numel() <= kernel.FASTER_UP_TO_TOKENS * x.shape[-1] and x.dtype == weight.dtype \
-                and x.stride(-1) == 1 and weight.is_contiguous() \
-                and weight.numel() * weight.element_size() <= kernel.FASTER_UP_TO_WEIGHT_BYTES:
-            return kernel.linear(x, weight, bias)
+        return kernel.linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def linear_residual_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: ResidualNorm):
+    """`norm`(linear(x, weight, bias)) for x [T, K]: in the GEMV kernel's launch where that kernel runs.
+    -> `norm`'s (x, h, h32)."""
+    if _takes_gemv(x, weight) and x.dim() == 2:
+        from hybridserve.ops.triton import linear as kernel
+        return kernel.linear(x, weight, bias, norm=norm)
+    return norm(linear(x, weight, bias))

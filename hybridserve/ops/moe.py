@@ -4,7 +4,15 @@ from __future__ import annotations
 import torch
 
 from hybridserve.ops import backends
+from hybridserve.ops.norm import ResidualNorm
 from hybridserve.ops.reference import moe as reference
+
+
+def _takes_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor) -> bool:
+    """Whether the decode (GEMV) form of the Triton kernels runs these pairs (on CUDA, at most MAX_PAIRS)."""
+    from hybridserve.ops.triton import moe_gemv
+    return topk_ids.numel() <= moe_gemv.MAX_PAIRS and x.stride(1) == 1 and w13.is_contiguous() \
+        and w2.is_contiguous()
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
@@ -18,11 +26,19 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     On CUDA up to `ops.triton.moe_gemv.MAX_PAIRS` (token, choice) pairs (decode) take the GEMV form, more the
     grouped-GEMM form (`ops.triton.moe`); the switch depends on host-known sizes only."""
     if backends.use_triton("moe", x.device):
-        from hybridserve.ops.triton import moe_gemv
-        if topk_ids.numel() <= moe_gemv.MAX_PAIRS and x.stride(1) == 1 and w13.is_contiguous() \
-                and w2.is_contiguous():
+        if _takes_gemv(x, w13, w2, topk_ids):
+            from hybridserve.ops.triton import moe_gemv
             return moe_gemv.fused_experts(x, w13, w2, topk_ids, topk_weights, reduce=reduce)
         from hybridserve.ops.triton import moe as kernel
         return kernel.fused_experts(x, w13, w2, topk_ids, topk_weights, reduce=reduce)
     out = reference.fused_experts(x, w13, w2, topk_ids, topk_weights)
     return out if reduce else out[:, None]
+
+
+def fused_experts_residual_norm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                                topk_weights: torch.Tensor, norm: ResidualNorm):
+    """`norm`(fused_experts(...)): in the GEMV form's down launch where that form runs. -> `norm`'s (x, h, h32)."""
+    if backends.use_triton("moe", x.device) and _takes_gemv(x, w13, w2, topk_ids):
+        from hybridserve.ops.triton import moe_gemv
+        return moe_gemv.fused_experts(x, w13, w2, topk_ids, topk_weights, norm=norm)
+    return norm(fused_experts(x, w13, w2, topk_ids, topk_weights))

@@ -9,6 +9,8 @@ term added to the routed update); a plain pre-norm residual add is the form with
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from hybridserve.ops import backends
@@ -30,3 +32,32 @@ def residual_rms_norm(update: torch.Tensor, norm_weight: torch.Tensor, eps: floa
         from hybridserve.ops.triton import norm as kernel
         return kernel.residual_rms_norm(*args)
     return reference.residual_rms_norm(*args)
+
+
+@dataclass(frozen=True)
+class ResidualNorm:
+    """A `residual_rms_norm` waiting for its update, handed to the projection that computes the update: a decode
+    GEMV kernel applies it in its epilogue (its last program, once the whole row is written), saving the norm's own
+    launch (`ops.linear.linear_residual_norm`, `ops.moe.fused_experts_residual_norm`); any other path calls it on
+    the finished update. Either way the result is the same bits (the same kernel code on the same stored update)."""
+
+    norm_weight: torch.Tensor
+    eps: float
+    residual: torch.Tensor | None = None
+    update_bias: torch.Tensor | None = None
+    update_scale: torch.Tensor | None = None
+    residual_bias: torch.Tensor | None = None
+    residual_scale: torch.Tensor | None = None
+    skip_weight: torch.Tensor | None = None
+    skip_input: torch.Tensor | None = None
+    fp32_copy: bool = False
+
+    def __post_init__(self):
+        if (self.skip_weight is None) != (self.skip_input is None):
+            raise ValueError("skip_weight and skip_input come together")
+
+    def __call__(self, update: torch.Tensor):
+        """-> (x fp32, h, h as fp32 or None), as `residual_rms_norm`."""
+        return residual_rms_norm(update, self.norm_weight, self.eps, self.residual, self.update_bias,
+                                 self.update_scale, self.residual_bias, self.residual_scale, self.skip_weight,
+                                 self.skip_input, self.fp32_copy)

@@ -34,10 +34,11 @@ def _rank_main(rank: int, size: int, address: str, directory: str, premask_every
 
     zaya.EDARouter.forward = counting
     if premask_every_rank:  # the skip term added to each rank's partial sum before the reduce
-        def forward(self, x, x32, carry):
+        def forward(self, x, x32, carry, norm):
             route = self.gate(x32, carry)
             partial = self.experts(x, route.expert_ids, route.expert_weights) + route.skip_weight * x
-            return all_reduce(partial), None, route.carry
+            x_new, h, _ = norm(all_reduce(partial))
+            return x_new, h, route.carry
 
         zaya.ZayaMoE.forward = forward
     runner = ModelRunner(EngineConfig(model=directory, device="cpu", dtype="float32", page_size=PAGE,

@@ -39,16 +39,18 @@ def _llm(directory, **options) -> LLM:
 
 def _linear_output_rms(llm: LLM) -> dict[str, float]:
     """The RMS of every projection's output over one prompt (ZAYA1's router down-projection, which runs inside the
-    router op, through the router's carry: down_proj(x) plus the previous router's carry times its scale)."""
+    router op, through the router's carry: down_proj(x) plus the previous router's carry times its scale; a
+    projection handed its residual norm returns the norm's outputs, so its own output is recomputed)."""
     found = {}
 
-    def record(name: str, out) -> None:
+    def record(name: str, module, args, out) -> None:
         out = out.carry if isinstance(out, Routing) else out
+        out = torch.nn.functional.linear(args[0], module.weight) if isinstance(out, tuple) else out
         found.setdefault(name, out.float().pow(2).mean().sqrt().item())
 
     for name, module in llm.engine.runner.model.named_modules():
         if type(module).__name__.endswith("Linear") or isinstance(module, EDARouter):
-            module.register_forward_hook(lambda mod, args, out, name=name: record(name, out))
+            module.register_forward_hook(lambda mod, args, out, name=name: record(name, mod, args, out))
     llm.generate(PROMPT, SamplingParams(max_tokens=1))
     return found
 

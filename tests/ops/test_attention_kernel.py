@@ -132,6 +132,19 @@ def test_padding_rows_without_keys_give_zeros() -> None:
         torch.testing.assert_close(out[:1], reference_output(case)[:1], atol=2e-5, rtol=2e-5)
 
 
+def test_split_merge_in_the_last_program_leaves_counters_at_zero() -> None:
+    """The split programs' pairs are merged by the last of each group to arrive: a second call (a CUDA-graph
+    replay) merges again, to the same bits, and every counter is back at zero after each call."""
+    from hybridserve.ops.triton.counters import arrival_counters
+
+    case = make_case([(90, 1), (5, 1), (200, 1)], 4, (8, 2), 32, 32, torch.float32, seed=15)
+    first = kernel.paged_attention(case.q, case.k, case.v, case.batch, 32 ** -0.5, num_splits=6)
+    assert not arrival_counters("attention_splits", kernel.COUNTERS, case.q.device).any()
+    assert torch.equal(first, kernel.paged_attention(case.q, case.k, case.v, case.batch, 32 ** -0.5, num_splits=6))
+    assert not arrival_counters("attention_splits", kernel.COUNTERS, case.q.device).any()
+    torch.testing.assert_close(first, reference_output(case), atol=2e-5, rtol=2e-5)
+
+
 def test_split_heuristic_follows_the_host_lengths() -> None:
     def splits(batch_size: int, kv_len: int, query_len: int = 1) -> int:
         batch = dataclasses.replace(make_case([(0, 1)], 4, (2, 1), 16, 16, torch.float32).batch,

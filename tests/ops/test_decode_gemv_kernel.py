@@ -9,6 +9,9 @@ reference on the same inputs they differ by the fp32 sum order (~1e-7 relative) 
   output: fp32 1e-5; fp16 4e-3 (SwiGLU activations, weighted rows and their sum each rounded to fp16).
 Shapes are small with explicit tiles (the interpreter runs every program in Python) chosen to hit every edge:
 ragged last column block and K chunk, pipelined and single-chunk K loops, masked token lanes, T = 1 to the bound.
+
+The residual-norm epilogue (`ops.norm.ResidualNorm` run by the last program of a launch or row) must give what the
+standalone norm kernel gives on the stored update, bit for bit: the same code on the same bits.
 """
 from __future__ import annotations
 
@@ -17,12 +20,15 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from tests.ops.conftest import DEVICE, KERNEL_DTYPES
+from tests.ops.conftest import DEVICE, KERNEL_DTYPES, ON_GPU
 from hybridserve.ops import backends
 from hybridserve.ops import linear as linear_op
 from hybridserve.ops import moe as moe_op
+from hybridserve.ops.norm import ResidualNorm
 from hybridserve.ops.reference import moe as reference
 from hybridserve.ops.triton import linear as linear_kernel
+from hybridserve.ops.triton import norm as norm_kernel
+from hybridserve.ops.triton.counters import arrival_counters
 from hybridserve.ops.triton import moe as grouped
 from hybridserve.ops.triton import moe_gemv
 from hybridserve.ops.triton.gemv import Tiles, tiles
@@ -225,6 +231,91 @@ def test_experts_reject_bad_input() -> None:
                                config=(Tiles(1, 1, 16, 1), Tiles(1, 8, 8, 1)))
     assert moe_gemv.fused_experts(torch.zeros(0, 16, device=DEVICE), w13, w2, one[:0], one[:0].float(),
                                   reduce=False).shape == (0, 1, 16)
+
+
+# ----------------------------------------------------------------------------------------------------- norm epilogue
+
+
+def _residual_norm(tokens: int, width: int, dtype: torch.dtype, seed: int, skip: bool,
+                   fp32_copy: bool) -> ResidualNorm:
+    """ZAYA1's residual update + norm (biases and scales; with `skip`, MOD's skip term, zero for every other
+    token) over `tokens` rows of `width`."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def vector() -> torch.Tensor:
+        return (1 + 0.1 * torch.randn(width, generator=gen)).to(DEVICE, dtype)
+
+    skip_weight = torch.rand(tokens, 1, generator=gen) * (torch.arange(tokens)[:, None] % 2 == 0)
+    return ResidualNorm(vector(), 1e-6, (10 * torch.randn(tokens, width, generator=gen)).to(DEVICE),
+                        vector() - 1, vector(), vector() - 1, vector(),
+                        skip_weight.to(DEVICE) if skip else None,
+                        torch.randn(tokens, width, generator=gen).to(DEVICE, dtype) if skip else None, fp32_copy)
+
+
+def _standalone(norm: ResidualNorm, update: torch.Tensor):
+    return norm_kernel.residual_rms_norm(update, norm.norm_weight, norm.eps, norm.residual, norm.update_bias,
+                                         norm.update_scale, norm.residual_bias, norm.residual_scale, norm.skip_weight,
+                                         norm.skip_input, norm.fp32_copy)
+
+
+def _assert_same(got: tuple, want: tuple) -> None:
+    assert len(got) == len(want) == 3
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None) and (g is None or (g.dtype == w.dtype and torch.equal(g, w)))
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("tokens, width, k, config", [
+    (1, 40, 24, Tiles(1, 8, 16, 2)),  # five column programs, a ragged last one and a ragged norm row
+    (3, 32, 64, Tiles(4, 4, 32, 2)),  # eight programs, three rows for the last one
+    (4, 48, 16, None),  # the default tiles
+])
+def test_linear_norm_epilogue_equals_the_norm_kernel(tokens, width, k, config, dtype) -> None:
+    x = _randn(tokens, k, seed=20, dtype=dtype)
+    w = _randn(width, k, seed=21, dtype=dtype, scale=k ** -0.5)
+    for copy in (True, False):
+        norm = _residual_norm(tokens, width, dtype, seed=22, skip=copy, fp32_copy=copy)
+        want = _standalone(norm, linear_kernel.linear(x, w, None, config))
+        for _ in range(2):  # the counter is back at zero: a second call runs its epilogue too
+            _assert_same(linear_kernel.linear(x, w, None, config, norm=norm), want)
+            assert not arrival_counters("linear_norm", 1, DEVICE).any()
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("table, weights", [
+    ([[2]], [[0.7]]),  # one token, top-1
+    ([[0], [3], [1]], [[0.0], [0.4], [0.9]]),  # ZAYA1 with a MOD skip token (expert 0 at weight 0): a zero update
+    ([[1, 3], [0, 2]], [[0.3, 0.6], [0.5, 0.2]]),  # top-2, each row's two choices summed before its norm
+])
+def test_experts_norm_epilogue_equals_the_norm_kernel(table, weights, dtype) -> None:
+    """Each row normalised by the last of its down programs (per-row counters), the skip term included."""
+    ids = _ids(table)
+    w13, w2 = _experts(4, 40, 24, dtype, seed=23)
+    x = _randn(ids.shape[0], 40, seed=24, dtype=dtype)
+    weight = torch.tensor(weights, device=DEVICE)
+    config = (Tiles(1, 16, 16, 2), Tiles(1, 16, 16, 2))  # three down programs a row, the last one ragged
+    norm = _residual_norm(ids.shape[0], 40, dtype, seed=25, skip=True, fp32_copy=False)
+    want = _standalone(norm, moe_gemv.fused_experts(x, w13, w2, ids, weight, config=config))
+    for _ in range(2):
+        _assert_same(moe_gemv.fused_experts(x, w13, w2, ids, weight, config=config, norm=norm), want)
+        assert not arrival_counters("moe_down_norm", moe_gemv.MAX_PAIRS, DEVICE).any()
+    with pytest.raises(ValueError, match="reduced rows"):
+        moe_gemv.fused_experts(x, w13, w2, ids, weight, reduce=False, norm=norm)
+
+
+def test_entry_points_with_a_norm_equal_the_norm_after() -> None:
+    """ops.linear.linear_residual_norm and ops.moe.fused_experts_residual_norm give what their op then the norm
+    give, bit for bit (on the GPU the fused launch; on the CPU the torch ops)."""
+    dtype = torch.float16 if ON_GPU else torch.float32
+    x = _randn(2, 32, seed=26, dtype=dtype)
+    w = _randn(48, 32, seed=27, dtype=dtype, scale=32 ** -0.5)
+    norm = _residual_norm(2, 48, dtype, seed=28, skip=True, fp32_copy=True)
+    _assert_same(linear_op.linear_residual_norm(x, w, None, norm), norm(linear_op.linear(x, w)))
+    w13, w2 = _experts(4, 32, 16, dtype, seed=29)
+    ids, weights = _ids([[1], [0]]), torch.tensor([[0.8], [0.0]], device=DEVICE)
+    norm = _residual_norm(2, 32, dtype, seed=30, skip=True, fp32_copy=False)
+    _assert_same(moe_op.fused_experts_residual_norm(x, w13, w2, ids, weights, norm),
+                 norm(moe_op.fused_experts(x, w13, w2, ids, weights)))
 
 
 # ----------------------------------------------------------------------------------------------------- entry points

@@ -7,8 +7,11 @@ positions kv_len - query_len .. kv_len - 1 and see keys causally (and, with a wi
 program reads only the keys its queries can see: pages entirely before the window are never touched (their page
 table entries may be the dummy page). Decode rows are 1-token rows with BLOCK_Q = 1; when there are too few
 programs to fill the GPU, the key range is cut into splits (flash-decoding) whose partial (output, log-sum-exp)
-pairs a second kernel merges. Splits that get no keys contribute nothing, so a split count fixed for the longest
-context (CUDA graphs) stays correct for short ones.
+pairs are merged in the same launch: each split program stores its pair, then bumps the arrival counter of its
+(query block, row, KV head) (acq_rel); the last to arrive reads the pairs of the splits that got keys back
+through L2, merges them and resets the counter to zero for the next call (ops/triton/counters.py). Splits that
+get no keys contribute nothing, so a split count fixed for the longest context (CUDA graphs) stays correct for
+short ones.
 
 Head dims need not be powers of two: the key dim is loaded as a power-of-two main part plus a padded tail (MLA:
 576 = 512 + 64), and when V is the first channels of the K row (MLA's latent cache: v_cache is a strided view of
@@ -25,19 +28,20 @@ import triton.language as tl
 
 from hybridserve.core.batch import ForwardBatch
 from hybridserve.ops.triton import pdl
+from hybridserve.ops.triton.counters import arrival_counters
 from hybridserve.ops.triton.pdl import wait_for_previous
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
 MIN_KEYS_PER_SPLIT = 128  # below this a split's loads no longer hide the extra partial write and merge
-MERGE_BLOCK_DV = 64
+COUNTERS = 1 << 14  # arrival counters per device: (query block, row, KV head) groups of one split launch
 
 
 # Integers that change from step to step are not specialised on (Triton would compile a variant per class: 1,
 # divisible by 16, other), so the variants compiled at start-up are all there are.
 @triton.jit(do_not_specialize=["stride_pt", "num_splits"])
 def _attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
     query_start_loc_ptr, kv_lens_ptr, page_table_ptr,
     stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_ot, stride_oh, stride_pt,
     scale_log2, window, num_splits, num_q_heads,
@@ -120,34 +124,41 @@ def _attention_kernel(
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
     o_mask = m_valid[:, None] & (dv[None, :] < DV)
+    out = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :]
     if SPLIT:
-        part = (q_rows * num_q_heads + head) * num_splits + split
-        tl.store(part_o_ptr + part[:, None] * DV + dv[None, :], o, mask=o_mask)
-        tl.store(part_lse_ptr + part, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=m_valid)
+        part = (q_rows * num_q_heads + head) * num_splits
+        tl.store(part_o_ptr + (part + split)[:, None] * DV + dv[None, :], o, mask=o_mask)
+        tl.store(part_lse_ptr + part + split, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=m_valid)
+        tl.debug_barrier()  # every thread's stores precede the release below
+        group = (q_block * tl.num_programs(1) + row) * (tl.num_programs(2) // num_splits) + kv_head
+        if tl.atomic_add(counter_ptr + group, 1, sem="acq_rel") == num_splits - 1:
+            used = tl.cdiv(tl.maximum(hi - lo, 0), tl.maximum(per_split, 1))  # splits with keys; the rest add 0
+            o = _merge(part_o_ptr, part_lse_ptr, part, used, o_mask, m_valid, dv, DV)
+            tl.store(out, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+            tl.store(counter_ptr + group, 0)
     else:
-        out = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :]
         tl.store(out, o.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, num_q_heads, num_splits,
-                         DV: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_DV: tl.constexpr, USE_PDL: tl.constexpr):
-    wait_for_previous(USE_PDL)
-    token = tl.program_id(0)
-    head = tl.program_id(1)
-    s = tl.arange(0, SPLITS_PAD)
-    s_valid = s < num_splits
-    part = (token.to(tl.int64) * num_q_heads + head) * num_splits + s
-    lse = tl.load(part_lse_ptr + part, mask=s_valid, other=float("-inf"))
-    top = tl.max(lse, 0)
-    weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # empty splits weigh 0, the top one 1
-    dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
-    o = tl.load(part_o_ptr + part[:, None] * DV + dv[None, :], mask=s_valid[:, None] & (dv[None, :] < DV),
-                other=0.0)
+@triton.jit
+def _merge(part_o_ptr, part_lse_ptr, part, used, o_mask, m_valid, dv, DV: tl.constexpr):
+    """The output of the M rows whose split pairs start at `part`: their first `used` splits' outputs weighted by
+    2^lse, rescaled to the running maximum as it grows (read through L2: other programs wrote them)."""
+    top = tl.full(part.shape, float("-inf"), tl.float32)
+    total = tl.zeros(part.shape, tl.float32)
+    merged = tl.zeros(o_mask.shape, tl.float32)
+    for split in range(used):
+        lse = tl.load(part_lse_ptr + part + split, mask=m_valid, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(part_o_ptr + (part + split)[:, None] * DV + dv[None, :], mask=o_mask, other=0.0,
+                    cache_modifier=".cg")
+        new_top = tl.maximum(top, lse)
+        safe = tl.where(new_top == float("-inf"), 0.0, new_top)  # no keys so far: weights stay zero
+        old, weight = tl.exp2(top - safe), tl.exp2(lse - safe)
+        merged = merged * old[:, None] + o * weight[:, None]
+        total = total * old + weight
+        top = new_top
     # A row without keys (kv_len 0: CUDA-graph padding) has only empty splits and gets zeros, as unsplit.
-    merged = tl.sum(o * weight[:, None], 0) / tl.maximum(tl.sum(weight, 0), 1.0)
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + dv, merged.to(out_ptr.dtype.element_ty),
-             mask=dv < DV)
+    return merged / tl.maximum(total, 1.0)[:, None]
 
 
 @dataclass(frozen=True)
@@ -224,14 +235,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     v_in_k = (v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride()
               and v_dim == d_main)
     out = q.new_empty(num_tokens, num_q_heads, v_dim)
+    grid = (triton.cdiv(batch.max_query_len, config.block_q), batch.num_seqs, num_kv_heads * splits)
     if splits > 1:
         part_o = torch.empty(num_tokens, num_q_heads, splits, v_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(num_tokens, num_q_heads, splits, dtype=torch.float32, device=q.device)
+        if grid[0] * grid[1] * num_kv_heads > COUNTERS:
+            raise ValueError(f"{grid[0] * grid[1] * num_kv_heads} split groups exceed the {COUNTERS} arrival "
+                             "counters: use fewer splits")
+        counters = arrival_counters("attention_splits", COUNTERS, q.device)
     else:
-        part_o = part_lse = out  # unused
-    grid = (triton.cdiv(batch.max_query_len, config.block_q), batch.num_seqs, num_kv_heads * splits)
+        part_o = part_lse = counters = out  # unused
     _attention_kernel[grid](
-        q, k_cache, v_cache, out, part_o, part_lse,
+        q, k_cache, v_cache, out, part_o, part_lse, counters,
         batch.query_start_loc, batch.kv_lens, batch.page_table,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), batch.page_table.stride(0),
@@ -243,9 +258,4 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch(q.device),
     )
-    if splits > 1:
-        merge_grid = (num_tokens, num_q_heads, triton.cdiv(v_dim, MERGE_BLOCK_DV))
-        _merge_splits_kernel[merge_grid](part_o, part_lse, out, out.stride(0), out.stride(1), num_q_heads, splits,
-                                         DV=v_dim, SPLITS_PAD=_pow2(MAX_SPLITS), BLOCK_DV=MERGE_BLOCK_DV,
-                                         **pdl.launch(q.device))
     return out

@@ -6,6 +6,11 @@ rows (`gemv.tiles`: about `gemv.PROGRAMS` programs), so each weight byte is read
 in flight together (`gemv.dot_rows`). fp32 accumulation; bias added in fp32; the result rounded once to x's dtype.
 No split-K: the shapes served (ZAYA1 and Ling-2.6 projections, 1536 to 16384 columns) give enough programs by
 columns alone, and a sum never leaves its program (deterministic, no second launch).
+
+With a `ResidualNorm` (ZAYA1's o_proj: its residual update and the post-attention norm) the launch also runs the
+norm: each program bumps the launch's arrival counter after storing its columns (acq_rel), and the last to
+arrive normalises every token's row, read back through L2, then puts the counter back to zero
+(ops/triton/counters.py). A decode step saves the norm's own launch, 40 a step for ZAYA1.
 """
 from __future__ import annotations
 
@@ -13,8 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridserve.ops.norm import ResidualNorm
 from hybridserve.ops.triton import pdl
+from hybridserve.ops.triton.counters import arrival_counters
 from hybridserve.ops.triton.gemv import Tiles, dot_rows, tiles
+from hybridserve.ops.triton.norm import epilogue_args, residual_norm_row
 from hybridserve.ops.triton.pdl import wait_for_previous
 
 MAX_TOKENS = 16  # the most tokens the kernel takes (its register tiles)
@@ -26,9 +34,14 @@ FASTER_UP_TO_WEIGHT_BYTES = 64 << 20
 
 
 @triton.jit(do_not_specialize=["num_tokens"])  # one variant per token bucket (BT), not per token count
-def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, n, stride_x, stride_o, K: tl.constexpr,
-                   BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr):
+def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, n, stride_x, stride_o, counter_ptr,
+                   r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0, nw_ptr, x_out_ptr, h_ptr,
+                   h32_ptr, width, eps, K: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   STAGES: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
+                   HAS_RESIDUAL: tl.constexpr, HAS_UB: tl.constexpr, HAS_US: tl.constexpr, HAS_RB: tl.constexpr,
+                   HAS_RS: tl.constexpr, HAS_SKIP: tl.constexpr, FP32_COPY: tl.constexpr, USE_PDL: tl.constexpr):
+    """out = x @ w^T (+ b) for this program's BN columns of every token; with NORM, then the residual norm of every
+    row by the last program (module docstring; its arguments are `norm.residual_norm_row`'s)."""
     wait_for_previous(USE_PDL)
     tokens = tl.arange(0, BT)
     token_ok = tokens < num_tokens
@@ -39,12 +52,21 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, n, stride_x, stride
         acc += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + tokens[:, None] * stride_o + rows[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=token_ok[:, None] & row_ok[None, :])
+    if NORM:
+        tl.debug_barrier()  # every thread's stores precede the release below
+        if tl.atomic_add(counter_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+            for token in range(num_tokens):
+                residual_norm_row(token, out_ptr, stride_o, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr,
+                                  sx_ptr, sx_s0, nw_ptr, x_out_ptr, h_ptr, h32_ptr, width, eps, BLOCK, HAS_RESIDUAL,
+                                  HAS_UB, HAS_US, HAS_RB, HAS_RS, HAS_SKIP, FP32_COPY, ".cg")
+            tl.store(counter_ptr, 0)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           config: Tiles | None = None) -> torch.Tensor:
+           config: Tiles | None = None, norm: ResidualNorm | None = None):
     """x [..., K] (at most MAX_TOKENS rows; unit last stride) @ weight [N, K]^T (+ bias [N]) -> [..., N] in x's
-    dtype. `config` overrides `gemv.tiles`' choice (tests, tuning)."""
+    dtype; with `norm`, x [T, K] and `norm` applied to the [T, N] result in the same launch: -> its (x, h, h32).
+    `config` overrides `gemv.tiles`' choice (tests, tuning)."""
     n, k = weight.shape
     if x.shape[-1] != k or weight.stride(1) != 1 or weight.stride(0) != k:
         raise ValueError(f"linear: x {tuple(x.shape)} and a contiguous weight [N, {x.shape[-1]}] needed; got "
@@ -59,13 +81,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"linear: the GEMV kernel takes at most {MAX_TOKENS} tokens; got {tokens}")
     if flat.stride(1) != 1:
         raise ValueError(f"linear: x needs a unit last stride; got strides {x.stride()}")
+    if norm is not None and (x.dim() != 2 or norm.norm_weight.shape != (n,)):
+        raise ValueError(f"linear: a norm epilogue needs x [T, K] and a norm over the {n} outputs")
     out = torch.empty(tokens, n, device=x.device, dtype=x.dtype)
+    epilogue, flags, normed = epilogue_args(norm, tokens, n, out)
     if tokens:
         t = config or tiles(tokens, n, k)
         if t.BT < tokens:
             raise ValueError(f"linear: tiles {t} take fewer than {tokens} tokens")
+        counter = arrival_counters("linear_norm", 1, x.device) if norm is not None else out
         _linear_kernel[(triton.cdiv(n, t.BN),)](
-            flat, weight, bias if bias is not None else weight, out, tokens, n, flat.stride(0), out.stride(0), K=k,
-            BT=t.BT, BN=t.BN, BK=t.BK, STAGES=t.STAGES, HAS_BIAS=bias is not None, num_warps=t.num_warps,
-            **pdl.launch(x.device))
-    return out.view(*x.shape[:-1], n)
+            flat, weight, bias if bias is not None else weight, out, tokens, n, flat.stride(0), out.stride(0),
+            counter, *epilogue, K=k, BT=t.BT, BN=t.BN, BK=t.BK, STAGES=t.STAGES, HAS_BIAS=bias is not None,
+            NORM=norm is not None, **flags, num_warps=t.num_warps, **pdl.launch(x.device))
+    return out.view(*x.shape[:-1], n) if norm is None else normed

@@ -16,8 +16,12 @@ weight block at about the same time, the second from L2. Tiles depend on the wei
 for one pair; more pairs only add programs), so a pair's row is the same bits whatever else is in the batch: a
 decode step padded to its CUDA-graph size computes what the eager step does. A pair with weight 0 (ZAYA1's MOD
 skip) or an expert id outside [0, E) reads no weights: its row is an exact zero. Grids come from T, K and the weight
-shapes only: CUDA-graph
-capturable, no host sync, deterministic.
+shapes only: CUDA-graph capturable, no host sync, deterministic.
+
+With a `ResidualNorm` (ZAYA1: the post-MoE residual update and the next layer's input norm) the down launch also
+runs the norm, row by row: a program bumps its row's arrival counter after storing its columns (acq_rel), and the
+last of the row's programs normalises it, read back through L2, and puts the counter back to zero
+(ops/triton/counters.py): the norm's own launch saved.
 """
 from __future__ import annotations
 
@@ -25,9 +29,12 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridserve.ops.norm import ResidualNorm
 from hybridserve.ops.triton import pdl
+from hybridserve.ops.triton.counters import arrival_counters
 from hybridserve.ops.triton.gemv import Tiles, dot_rows, tiles
 from hybridserve.ops.triton.moe import expert_shapes
+from hybridserve.ops.triton.norm import epilogue_args, residual_norm_row
 from hybridserve.ops.triton.pdl import wait_for_previous
 
 # The most (token, choice) pairs ops.moe gives this form; beyond, the grouped-GEMM form (`ops.triton.moe`), whose
@@ -67,11 +74,15 @@ def _gemv_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, weights_ptr, act_ptr, stride_x
 
 
 @triton.jit
-def _gemv_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, CHOICES: tl.constexpr,
-                      EXPERTS: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      STAGES: tl.constexpr, USE_PDL: tl.constexpr):
+def _gemv_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, counter_ptr, r_ptr, r_s0, ub_ptr,
+                      us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0, nw_ptr, x_out_ptr, h_ptr, h32_ptr, width, eps,
+                      CHOICES: tl.constexpr, EXPERTS: tl.constexpr, I: tl.constexpr, BN: tl.constexpr,
+                      BK: tl.constexpr, STAGES: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
+                      HAS_RESIDUAL: tl.constexpr, HAS_UB: tl.constexpr, HAS_US: tl.constexpr, HAS_RB: tl.constexpr,
+                      HAS_RS: tl.constexpr, HAS_SKIP: tl.constexpr, FP32_COPY: tl.constexpr, USE_PDL: tl.constexpr):
     """out[row, cols] = the sum over the row's CHOICES pairs, in order, of (act[pair] @ w2[e]^T * weight) rounded
-    to out's dtype, summed in fp32 and rounded once (one pair: its weighted row)."""
+    to out's dtype, summed in fp32 and rounded once (one pair: its weighted row); with NORM, then the row's residual
+    norm by its last program (module docstring; the arguments are `norm.residual_norm_row`'s)."""
     wait_for_previous(USE_PDL)
     row = tl.program_id(0)
     col = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -86,6 +97,13 @@ def _gemv_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, CH
                             col, col_ok, I, 1, BN, BK, STAGES)
             total += tl.reshape(dots * weight, (BN,)).to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row.to(tl.int64) * hidden + col, total.to(out_ptr.dtype.element_ty), mask=col_ok)
+    if NORM:
+        tl.debug_barrier()  # every thread's stores precede the release below
+        if tl.atomic_add(counter_ptr + row, 1, sem="acq_rel") == tl.num_programs(1) - 1:
+            residual_norm_row(row, out_ptr, hidden, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr,
+                              sx_s0, nw_ptr, x_out_ptr, h_ptr, h32_ptr, width, eps, BLOCK, HAS_RESIDUAL, HAS_UB,
+                              HAS_US, HAS_RB, HAS_RS, HAS_SKIP, FP32_COPY, ".cg")
+            tl.store(counter_ptr + row, 0)
 
 
 def gate_up_tiles(inter: int, hidden: int) -> Tiles:
@@ -99,16 +117,21 @@ def down_tiles(hidden: int, inter: int) -> Tiles:
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                   topk_weights: torch.Tensor, reduce: bool = True,
-                  config: tuple[Tiles, Tiles] | None = None) -> torch.Tensor:
+                  config: tuple[Tiles, Tiles] | None = None, norm: ResidualNorm | None = None):
     """x [T, H]; w13 [E, 2I, H] (gate rows first); w2 [E, H, I]; topk_ids/weights [T, K] -> [T, H] in x's dtype,
-    or with `reduce=False` the K weighted rows [T, K, H] (see `ops.moe.fused_experts`). Any T*K works (ops.moe
-    takes this form up to MAX_PAIRS). `config`: (gate/up, down) tiles instead of `gate_up_tiles` / `down_tiles`
-    (tests, tuning)."""
+    or with `reduce=False` the K weighted rows [T, K, H] (see `ops.moe.fused_experts`); with `norm` (reduced
+    only), `norm` applied to the [T, H] result in the down launch: -> its (x, h, h32). Any T*K works (ops.moe
+    takes this form up to MAX_PAIRS; the norm epilogue up to MAX_PAIRS tokens). `config`: (gate/up, down) tiles
+    instead of `gate_up_tiles` / `down_tiles` (tests, tuning)."""
     tokens, hidden, experts, inter, top_k = expert_shapes(x, w13, w2, topk_ids, topk_weights)
     if x.stride(1) != 1 or not (w13.is_contiguous() and w2.is_contiguous()):
         raise ValueError("the GEMV experts need contiguous weights and x rows of unit column stride")
+    if norm is not None and (not reduce or tokens > MAX_PAIRS or norm.norm_weight.shape != (hidden,)):
+        raise ValueError(f"the experts' norm epilogue needs reduced rows, at most {MAX_PAIRS} tokens and a norm "
+                         f"over the {hidden} outputs")
     pairs = tokens * top_k
     out = torch.empty(tokens if reduce else pairs, hidden, dtype=x.dtype, device=x.device)
+    epilogue, flags, normed = epilogue_args(norm, tokens, hidden, out)
     if pairs:
         up_tiles, down = config or (gate_up_tiles(inter, hidden), down_tiles(hidden, inter))
         if up_tiles.BN < 2 or up_tiles.BT != 1 or down.BT != 1:
@@ -120,7 +143,11 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
             x, w13, ids, weights, act, x.stride(0), inter, TOP_K=top_k, EXPERTS=experts, H=hidden, BN=up_tiles.BN,
             BK=up_tiles.BK, STAGES=up_tiles.STAGES, num_warps=up_tiles.num_warps,
             **pdl.launch(x.device))
+        counter = arrival_counters("moe_down_norm", MAX_PAIRS, x.device) if norm is not None else out
         _gemv_down_kernel[(out.shape[0], triton.cdiv(hidden, down.BN))](
-            act, w2, ids, weights, out, hidden, CHOICES=top_k if reduce else 1, EXPERTS=experts, I=inter,
-            BN=down.BN, BK=down.BK, STAGES=down.STAGES, num_warps=down.num_warps, **pdl.launch(x.device))
+            act, w2, ids, weights, out, hidden, counter, *epilogue, CHOICES=top_k if reduce else 1,
+            EXPERTS=experts, I=inter, BN=down.BN, BK=down.BK, STAGES=down.STAGES, NORM=norm is not None, **flags,
+            num_warps=down.num_warps, **pdl.launch(x.device))
+    if norm is not None:
+        return normed
     return out if reduce else out.view(tokens, top_k, hidden)

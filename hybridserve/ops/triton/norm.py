@@ -2,6 +2,10 @@
 
 The reference's rounding is kept: the normalised row is rounded to the weight's dtype once, then multiplied by
 the weight in that dtype (computed in fp32, rounded again), exactly as `weight * normalized.to(dtype)` does.
+
+The row itself is `residual_norm_row`, which the decode GEMV kernels also run as an epilogue (`ops.norm.
+ResidualNorm`): `epilogue_args` packs a ResidualNorm's tensors into that function's arguments, after the update's
+pointer and row stride, which the calling kernel supplies.
 """
 from __future__ import annotations
 
@@ -9,21 +13,22 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridserve.ops.norm import ResidualNorm
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.pdl import wait_for_previous
 
 
 @triton.jit
-def _residual_rms_norm_kernel(u_ptr, u_s0, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0, w_ptr,
-                              x_out_ptr, h_ptr, h32_ptr, width, eps,
-                              BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_UB: tl.constexpr,
-                              HAS_US: tl.constexpr, HAS_RB: tl.constexpr, HAS_RS: tl.constexpr,
-                              HAS_SKIP: tl.constexpr, FP32_COPY: tl.constexpr, USE_PDL: tl.constexpr):
-    wait_for_previous(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
+def residual_norm_row(row, u_ptr, u_s0, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0, w_ptr,
+                      x_out_ptr, h_ptr, h32_ptr, width, eps, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                      HAS_UB: tl.constexpr, HAS_US: tl.constexpr, HAS_RB: tl.constexpr, HAS_RS: tl.constexpr,
+                      HAS_SKIP: tl.constexpr, FP32_COPY: tl.constexpr, U_CACHE: tl.constexpr):
+    """Row `row`: x = the updated residual (fp32), h = norm(x) in the weight's dtype (and its fp32 copy).
+    U_CACHE: the update's load cache modifier (".cg" where other programs of the same kernel wrote it)."""
+    row = tl.cast(row, tl.int64)  # a Python int in the interpreter's loops
     col = tl.arange(0, BLOCK)
     ok = col < width
-    u = tl.load(u_ptr + row * u_s0 + col, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * u_s0 + col, mask=ok, other=0.0, cache_modifier=U_CACHE).to(tl.float32)
     if HAS_SKIP:
         weight = tl.load(sw_ptr + row).to(tl.float32)
         u += weight * tl.load(sx_ptr + row * sx_s0 + col, mask=ok, other=0.0).to(tl.float32)
@@ -49,32 +54,60 @@ def _residual_rms_norm_kernel(u_ptr, u_s0, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, 
         tl.store(h32_ptr + row * width + col, h.to(tl.float32), mask=ok)
 
 
+@triton.jit
+def _residual_rms_norm_kernel(u_ptr, u_s0, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0, w_ptr,
+                              x_out_ptr, h_ptr, h32_ptr, width, eps,
+                              BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_UB: tl.constexpr,
+                              HAS_US: tl.constexpr, HAS_RB: tl.constexpr, HAS_RS: tl.constexpr,
+                              HAS_SKIP: tl.constexpr, FP32_COPY: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_previous(USE_PDL)
+    residual_norm_row(tl.program_id(0), u_ptr, u_s0, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr,
+                      sx_s0, w_ptr, x_out_ptr, h_ptr, h32_ptr, width, eps, BLOCK, HAS_RESIDUAL, HAS_UB, HAS_US,
+                      HAS_RB, HAS_RS, HAS_SKIP, FP32_COPY, "")
+
+
+def epilogue_args(norm: ResidualNorm | None, rows: int, width: int, like: torch.Tensor):
+    """(the arguments of `residual_norm_row` after u_ptr and u_s0, its constexprs, (x, h, h32) outputs) of `norm`
+    over `rows` rows of `width`; `norm` None: placeholders (`like` for every pointer) and every flag off."""
+    if norm is None:
+        flags = dict(BLOCK=1, HAS_RESIDUAL=False, HAS_UB=False, HAS_US=False, HAS_RB=False, HAS_RS=False,
+                     HAS_SKIP=False, FP32_COPY=False)
+        return (like, 0, *(like,) * 6, 0, *(like,) * 4, 0, 0.0), flags, None
+    residual, skip_input, weight = norm.residual, norm.skip_input, norm.norm_weight
+    for name, t in (("residual", residual), ("skip_input", skip_input)):
+        if t is not None and (t.stride(-1) != 1 or t.shape != (rows, width)):
+            raise ValueError(f"{name} must be [{rows}, {width}] with a unit column stride")
+    h = torch.empty(rows, width, device=like.device, dtype=weight.dtype)
+    if norm.fp32_copy and weight.dtype != torch.float32:  # the fp32 residual and the fp32 copy: one allocation
+        x, h32 = torch.empty(2, rows, width, device=like.device, dtype=torch.float32)
+    else:
+        x = torch.empty(rows, width, device=like.device, dtype=torch.float32)
+        h32 = h if norm.fp32_copy else None
+    vectors = (norm.update_bias, norm.update_scale, norm.residual_bias, norm.residual_scale, norm.skip_weight)
+    args = (residual if residual is not None else like, residual.stride(0) if residual is not None else 0,
+            *(t if t is not None else like for t in vectors), skip_input if skip_input is not None else like,
+            skip_input.stride(0) if skip_input is not None else 0, weight, x, h, h32 if h32 is not None else h,
+            width, norm.eps)
+    flags = dict(BLOCK=triton.next_power_of_2(width), HAS_RESIDUAL=residual is not None,
+                 HAS_UB=norm.update_bias is not None, HAS_US=norm.update_scale is not None,
+                 HAS_RB=norm.residual_bias is not None, HAS_RS=norm.residual_scale is not None,
+                 HAS_SKIP=norm.skip_weight is not None, FP32_COPY=h32 is not None and h32 is not h)
+    return args, flags, (x, h, h32)
+
+
 def residual_rms_norm(update: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                       residual: torch.Tensor | None = None, update_bias: torch.Tensor | None = None,
                       update_scale: torch.Tensor | None = None, residual_bias: torch.Tensor | None = None,
                       residual_scale: torch.Tensor | None = None, skip_weight: torch.Tensor | None = None,
                       skip_input: torch.Tensor | None = None, fp32_copy: bool = False):
     rows, width = update.shape
-    for name, t in (("update", update), ("residual", residual), ("skip_input", skip_input)):
-        if t is not None and t.stride(-1) != 1:
-            raise ValueError(f"{name} needs a unit column stride")
-    h = torch.empty(rows, width, device=update.device, dtype=norm_weight.dtype)
-    if fp32_copy and norm_weight.dtype != torch.float32:  # the fp32 residual and the fp32 copy: one allocation
-        x, h32 = torch.empty(2, rows, width, device=update.device, dtype=torch.float32)
-    else:
-        x = torch.empty(rows, width, device=update.device, dtype=torch.float32)
-        h32 = h if fp32_copy else None
+    if update.stride(-1) != 1:
+        raise ValueError("update needs a unit column stride")
+    norm = ResidualNorm(norm_weight, eps, residual, update_bias, update_scale, residual_bias, residual_scale,
+                        skip_weight, skip_input, fp32_copy)
+    args, flags, outputs = epilogue_args(norm, rows, width, update)
     if rows:
-        block = triton.next_power_of_2(width)
-        dummy = update
-        _residual_rms_norm_kernel[(rows,)](
-            update, update.stride(0), residual if residual is not None else dummy,
-            residual.stride(0) if residual is not None else 0,
-            *(t if t is not None else dummy for t in (update_bias, update_scale, residual_bias, residual_scale,
-                                                       skip_weight, skip_input)),
-            skip_input.stride(0) if skip_input is not None else 0, norm_weight, x, h, h32 if h32 is not None else h,
-            width, eps, BLOCK=block, HAS_RESIDUAL=residual is not None, HAS_UB=update_bias is not None,
-            HAS_US=update_scale is not None, HAS_RB=residual_bias is not None, HAS_RS=residual_scale is not None,
-            HAS_SKIP=skip_weight is not None, FP32_COPY=h32 is not None and h32 is not h,
-            num_warps=min(16, max(1, block // 256)), **pdl.launch(x.device))
-    return x, h, h32
+        _residual_rms_norm_kernel[(rows,)](update, update.stride(0), *args, **flags,
+                                           num_warps=min(16, max(1, flags["BLOCK"] // 256)),
+                                           **pdl.launch(update.device))
+    return outputs
