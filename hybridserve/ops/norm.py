@@ -39,7 +39,8 @@ class ResidualNorm:
     """A `residual_rms_norm` waiting for its update, handed to the projection that computes the update: a decode
     GEMV kernel applies it in its epilogue (its last program, once the whole row is written), saving the norm's own
     launch (`ops.linear.linear_residual_norm`, `ops.moe.fused_experts_residual_norm`); any other path calls it on
-    the finished update. Either way the result is the same bits (the same kernel code on the same stored update)."""
+    the finished update. Either way the result is the same (the same kernel code on the same stored update: the
+    same bits in 16-bit dtypes; fp32, whose update nothing rounds, may differ by where the compiler places FMAs)."""
 
     norm_weight: torch.Tensor
     eps: float

@@ -11,7 +11,9 @@ Shapes are small with explicit tiles (the interpreter runs every program in Pyth
 ragged last column block and K chunk, pipelined and single-chunk K loops, masked token lanes, T = 1 to the bound.
 
 The residual-norm epilogue (`ops.norm.ResidualNorm` run by the last program of a launch or row) must give what the
-standalone norm kernel gives on the stored update, bit for bit: the same code on the same bits.
+standalone norm kernel gives on the stored update: bit for bit in 16-bit dtypes (the same code on the same rounded
+bits); in fp32, where nothing rounds the update, the two compiled kernels may contract other products into FMAs
+(measured on the H200: ulp-level differences), so 1e-6 relative there.
 """
 from __future__ import annotations
 
@@ -258,10 +260,14 @@ def _standalone(norm: ResidualNorm, update: torch.Tensor):
                                          norm.skip_input, norm.fp32_copy)
 
 
-def _assert_same(got: tuple, want: tuple) -> None:
+def _assert_same(got: tuple, want: tuple, exact: bool) -> None:
     assert len(got) == len(want) == 3
     for g, w in zip(got, want):
-        assert (g is None) == (w is None) and (g is None or (g.dtype == w.dtype and torch.equal(g, w)))
+        assert (g is None) == (w is None)
+        if g is not None and exact:
+            assert g.dtype == w.dtype and torch.equal(g, w)
+        elif g is not None:
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6 * w.abs().max().item())
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
@@ -277,7 +283,7 @@ def test_linear_norm_epilogue_equals_the_norm_kernel(tokens, width, k, config, d
         norm = _residual_norm(tokens, width, dtype, seed=22, skip=copy, fp32_copy=copy)
         want = _standalone(norm, linear_kernel.linear(x, w, None, config))
         for _ in range(2):  # the counter is back at zero: a second call runs its epilogue too
-            _assert_same(linear_kernel.linear(x, w, None, config, norm=norm), want)
+            _assert_same(linear_kernel.linear(x, w, None, config, norm=norm), want, dtype != torch.float32)
             assert not arrival_counters("linear_norm", 1, DEVICE).any()
 
 
@@ -297,7 +303,8 @@ def test_experts_norm_epilogue_equals_the_norm_kernel(table, weights, dtype) -> 
     norm = _residual_norm(ids.shape[0], 40, dtype, seed=25, skip=True, fp32_copy=False)
     want = _standalone(norm, moe_gemv.fused_experts(x, w13, w2, ids, weight, config=config))
     for _ in range(2):
-        _assert_same(moe_gemv.fused_experts(x, w13, w2, ids, weight, config=config, norm=norm), want)
+        _assert_same(moe_gemv.fused_experts(x, w13, w2, ids, weight, config=config, norm=norm), want,
+                     dtype != torch.float32)
         assert not arrival_counters("moe_down_norm", moe_gemv.MAX_PAIRS, DEVICE).any()
     with pytest.raises(ValueError, match="reduced rows"):
         moe_gemv.fused_experts(x, w13, w2, ids, weight, reduce=False, norm=norm)
@@ -305,17 +312,17 @@ def test_experts_norm_epilogue_equals_the_norm_kernel(table, weights, dtype) -> 
 
 def test_entry_points_with_a_norm_equal_the_norm_after() -> None:
     """ops.linear.linear_residual_norm and ops.moe.fused_experts_residual_norm give what their op then the norm
-    give, bit for bit (on the GPU the fused launch; on the CPU the torch ops)."""
+    give (on the GPU the fused launch, bit for bit in fp16; on the CPU the torch ops, fp32, exactly)."""
     dtype = torch.float16 if ON_GPU else torch.float32
     x = _randn(2, 32, seed=26, dtype=dtype)
     w = _randn(48, 32, seed=27, dtype=dtype, scale=32 ** -0.5)
     norm = _residual_norm(2, 48, dtype, seed=28, skip=True, fp32_copy=True)
-    _assert_same(linear_op.linear_residual_norm(x, w, None, norm), norm(linear_op.linear(x, w)))
+    _assert_same(linear_op.linear_residual_norm(x, w, None, norm), norm(linear_op.linear(x, w)), True)
     w13, w2 = _experts(4, 32, 16, dtype, seed=29)
     ids, weights = _ids([[1], [0]]), torch.tensor([[0.8], [0.0]], device=DEVICE)
     norm = _residual_norm(2, 32, dtype, seed=30, skip=True, fp32_copy=False)
     _assert_same(moe_op.fused_experts_residual_norm(x, w13, w2, ids, weights, norm),
-                 norm(moe_op.fused_experts(x, w13, w2, ids, weights)))
+                 norm(moe_op.fused_experts(x, w13, w2, ids, weights)), True)
 
 
 # ----------------------------------------------------------------------------------------------------- entry points
