@@ -11,11 +11,6 @@ fp32), so results differ from an fp32 reference only by the order of the sum, an
 A loop of several chunks pipelines their loads (cp.async, `PIPELINE_STAGES` deep); one chunk (K small against the
 tile) has every load in flight at once. Every choice is a pure function of host-known sizes: the same tiles at
 every CUDA-graph replay, one compiled variant per token-count bucket.
-
-Under programmatic dependent launch (ops/triton/pdl.py) the kernel's wait for the one before it happens in
-`dot_rows`: with one chunk, after the weight loads are issued (no kernel writes a weight), so a decode GEMV
-streams its weights while the previous kernel still runs, and only x waits (at one token every dense projection
-of ZAYA1 is one chunk); with several, before the loop.
 """
 from __future__ import annotations
 
@@ -23,8 +18,6 @@ from dataclasses import dataclass
 
 import triton
 import triton.language as tl
-
-from hybridserve.ops.triton.pdl import wait_for_previous
 
 PROGRAMS = 256  # programs per launch to aim for: about two per SM of an H200
 TILE_ELEMENTS = 8192  # a program's [tokens, columns, K chunk] fp32 product tile: 64 registers a thread at 4 warps
@@ -72,27 +65,16 @@ def tiles(tokens: int, rows: int, depth: int, min_rows: int = 1) -> Tiles:
 
 @triton.jit
 def dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, stride_w, rows, row_ok, K: tl.constexpr, BT: tl.constexpr,
-             BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr):
+             BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
     """[BT, BN] fp32: sum over k < K of x[tokens, k] * w[rows, k] (rows `stride_x` / `stride_w` apart, unit K
-    stride; masked tokens and rows give 0), products in fp32 accumulated per K lane and summed once at the end.
-    USE_PDL: the calling kernel's `wait_for_previous` runs here (module docstring): it reads nothing the previous
-    kernel wrote before this call."""
+    stride; masked tokens and rows give 0), products in fp32 accumulated per K lane and summed once at the end."""
+    acc = tl.zeros((BT, BN, BK), dtype=tl.float32)
     x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_x
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
-    if BK >= K:  # one chunk: the weights in flight before the wait
-        k = tl.arange(0, BK)
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        k = k0 + tl.arange(0, BK)
         k_ok = k < K
-        w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        wait_for_previous(USE_PDL)
         x = tl.load(x_rows + k[None, :], mask=token_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc = x[:, None, :] * w.to(tl.float32)[None, :, :]
-    else:
-        wait_for_previous(USE_PDL)
-        acc = tl.zeros((BT, BN, BK), dtype=tl.float32)
-        for k0 in tl.range(0, K, BK, num_stages=STAGES):
-            k = k0 + tl.arange(0, BK)
-            k_ok = k < K
-            x = tl.load(x_rows + k[None, :], mask=token_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            acc += x[:, None, :] * w[None, :, :]
+        w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += x[:, None, :] * w[None, :, :]
     return tl.sum(acc, axis=2)

@@ -23,6 +23,7 @@ from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.counters import arrival_counters
 from hybridserve.ops.triton.gemv import Tiles, dot_rows, tiles
 from hybridserve.ops.triton.norm import epilogue_args, residual_norm_row
+from hybridserve.ops.triton.pdl import wait_for_previous
 
 MAX_TOKENS = 16  # the most tokens the kernel takes (its register tiles)
 # Where ops.linear runs it rather than cuBLAS's tensor-core GEMM (the reference, F.linear), placed from
@@ -41,11 +42,12 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, n, stride_x, stride
                    HAS_RS: tl.constexpr, HAS_SKIP: tl.constexpr, FP32_COPY: tl.constexpr, USE_PDL: tl.constexpr):
     """out = x @ w^T (+ b) for this program's BN columns of every token; with NORM, then the residual norm of every
     row by the last program (module docstring; its arguments are `norm.residual_norm_row`'s)."""
+    wait_for_previous(USE_PDL)
     tokens = tl.arange(0, BT)
     token_ok = tokens < num_tokens
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     row_ok = rows < n
-    acc = dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, K, rows, row_ok, K, BT, BN, BK, STAGES, USE_PDL)
+    acc = dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, K, rows, row_ok, K, BT, BN, BK, STAGES)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + tokens[:, None] * stride_o + rows[None, :], acc.to(out_ptr.dtype.element_ty),

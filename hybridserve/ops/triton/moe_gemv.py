@@ -66,7 +66,7 @@ def _gemv_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, weights_ptr, act_ptr, stride_x
         one = tl.arange(0, 1)
         dots = dot_rows(x_ptr + (pair // TOP_K).to(tl.int64) * stride_x, 0, one, one == 0,
                         w13_ptr + expert * 2 * inter * H, H, col + (lane % 2) * inter, col < inter, H, 1, BN, BK,
-                        STAGES, False)  # waited above: the ids come from the kernel before
+                        STAGES)
         gate, up = tl.split(tl.reshape(dots, (BN // 2, 2)))
         out = (gate / (1.0 + tl.exp(-gate)) * up).to(act_ptr.dtype.element_ty)  # the grouped form's SiLU(gate)*up
         half = tl.program_id(1) * (BN // 2) + tl.arange(0, BN // 2)
@@ -83,9 +83,7 @@ def _gemv_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, co
     """out[row, cols] = the sum over the row's CHOICES pairs, in order, of (act[pair] @ w2[e]^T * weight) rounded
     to out's dtype, summed in fp32 and rounded once (one pair: its weighted row); with NORM, then the row's residual
     norm by its last program (module docstring; the arguments are `norm.residual_norm_row`'s)."""
-    # No wait up front: the ids and weights come from the router, the kernel before gate/up, which had finished
-    # (and flushed) before gate/up's programs passed their wait and let this kernel launch; act, written by
-    # gate/up, is read after the wait in dot_rows (a program whose pairs are all dead reads nothing of it).
+    wait_for_previous(USE_PDL)
     row = tl.program_id(0)
     col = tl.program_id(1) * BN + tl.arange(0, BN)
     col_ok = col < hidden
@@ -96,7 +94,7 @@ def _gemv_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, co
         expert, weight, live = _pair(ids_ptr, weights_ptr, pair, EXPERTS)
         if live:
             dots = dot_rows(act_ptr + pair.to(tl.int64) * I, 0, one, one == 0, w2_ptr + expert * hidden * I, I,
-                            col, col_ok, I, 1, BN, BK, STAGES, USE_PDL)
+                            col, col_ok, I, 1, BN, BK, STAGES)
             total += tl.reshape(dots * weight, (BN,)).to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row.to(tl.int64) * hidden + col, total.to(out_ptr.dtype.element_ty), mask=col_ok)
     if NORM:

@@ -61,48 +61,28 @@ def _gelu(x):
 
 
 @triton.jit
-def _x_chunk(x_ptr, vec_ptr, rows, row_ok, k, k_ok, K: tl.constexpr, X_VEC: tl.constexpr, X_GELU: tl.constexpr,
-             CACHE: tl.constexpr):
-    """(x' of `rows` at K lanes k, x^2 there): x' is x (times vec[k], with X_VEC) (GELU'd, with X_GELU)."""
-    x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
-                cache_modifier=CACHE)
-    squares = x * x
-    if X_VEC:
-        x *= tl.load(vec_ptr + k, mask=k_ok, other=0.0)[None, :]
-    if X_GELU:
-        x = _gelu(x)  # GELU(0) = 0: masked lanes stay out of the sum
-    return x, squares
-
-
-@triton.jit
 def _rows_times_cols(x_ptr, w_ptr, vec_ptr, rows, row_ok, cols, col_ok, K: tl.constexpr, BT: tl.constexpr,
                      BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, X_VEC: tl.constexpr,
-                     X_GELU: tl.constexpr, CACHE: tl.constexpr, USE_PDL: tl.constexpr):
+                     X_GELU: tl.constexpr, CACHE: tl.constexpr):
     """([BT, BN] fp32: sum over k of x'[rows, k] * w[cols, k] (both row-major with K columns), [BT]: sum over k of
-    x[rows, k]^2), x' as `_x_chunk`. Products are accumulated per K lane, summed once at the end (no shuffles
-    inside the loop); STAGES > 1 pipelines the chunks' loads (cp.async), so that more than one chunk is in flight.
-    The squares cost nothing where unused (dead code). USE_PDL: the kernel's wait for the previous one runs here,
-    after the weight loads when K is one chunk (no kernel writes weights: they stream while the previous kernel
-    runs, as in ops.triton.gemv), else before the loop."""
-    if BK >= K:
-        k = tl.arange(0, BK)
+    x[rows, k]^2), where x' is x (times vec[k], with X_VEC) (GELU'd, with X_GELU). Products are accumulated per K
+    lane, summed once at the end (no shuffles inside the loop); STAGES > 1 pipelines the chunks' loads (cp.async),
+    so that more than one chunk is in flight. The squares cost nothing where unused (dead code)."""
+    acc = tl.zeros((BT, BN, BK), dtype=tl.float32)
+    squares = tl.zeros((BT, BK), dtype=tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        k = k0 + tl.arange(0, BK)
         k_ok = k < K
+        x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
+                    cache_modifier=CACHE)
+        squares += x * x
+        if X_VEC:
+            x *= tl.load(vec_ptr + k, mask=k_ok, other=0.0)[None, :]
+        if X_GELU:
+            x = _gelu(x)  # GELU(0) = 0: masked lanes stay out of the sum
         w = tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        wait_for_previous(USE_PDL)
-        x, lanes = _x_chunk(x_ptr, vec_ptr, rows, row_ok, k, k_ok, K, X_VEC, X_GELU, CACHE)
-        acc = x[:, None, :] * w[None, :, :]
-    else:
-        wait_for_previous(USE_PDL)
-        acc = tl.zeros((BT, BN, BK), dtype=tl.float32)
-        lanes = tl.zeros((BT, BK), dtype=tl.float32)
-        for k0 in tl.range(0, K, BK, num_stages=STAGES):
-            k = k0 + tl.arange(0, BK)
-            k_ok = k < K
-            x, squares = _x_chunk(x_ptr, vec_ptr, rows, row_ok, k, k_ok, K, X_VEC, X_GELU, CACHE)
-            lanes += squares
-            w = tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += x[:, None, :] * w[None, :, :]
-    return tl.sum(acc, axis=2), tl.sum(lanes, axis=1)
+        acc += x[:, None, :] * w[None, :, :]
+    return tl.sum(acc, axis=2), tl.sum(squares, axis=1)
 
 
 @triton.jit
@@ -114,7 +94,7 @@ def _select(u_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_p
     c = tl.arange(0, BC)
     c_valid = c < CLASSES
     logits, _ = _rows_times_cols(u_ptr, wo_ptr, u_ptr, rows, row_ok, c, c_valid, K, BT, BC, BK, 1, False, U_GELU,
-                                 CACHE, False)
+                                 CACHE)
     c_ok = c_valid[None, :]
     logits = tl.where(c_ok, logits, float("-inf"))
     e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
@@ -139,12 +119,13 @@ def _dense_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr
     """out[rows, cols] = act(x'[rows] @ w[cols]^T + b[cols]) (+ carry[rows, cols] * scale[cols], with CARRY) for
     this program's BT tokens and BN columns; x' = norm_weight * x * rstd(x) with NORM, act = GELU with GELU.
     With SELECT, the token block's last program to finish then selects its classes from the whole out rows."""
+    wait_for_previous(USE_PDL)
     rows = tl.program_id(1) * BT + tl.arange(0, BT)
     row_ok = rows < num_tokens
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
     col_ok = cols < N
     acc, squares = _rows_times_cols(x_ptr, w_ptr, norm_ptr, rows, row_ok, cols, col_ok, K, BT, BN, BK, STAGES, NORM,
-                                    False, "", USE_PDL)
+                                    False, "")
     if NORM:  # rstd after the product: (x * w_norm) @ W^T * rstd = (w_norm * x * rstd) @ W^T
         acc *= tl.rsqrt(squares / K + eps)[:, None]
     acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0)[None, :]
