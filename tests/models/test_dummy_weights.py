@@ -45,7 +45,7 @@ def _linear_output_rms(llm: LLM) -> dict[str, float]:
 
     def record(name: str, module, args, out) -> None:
         out = out.carry if isinstance(out, Routing) else out
-        out = torch.nn.functional.linear(args[0], module.weight) if isinstance(out, tuple) else out
+        out = torch.nn.functional.linear(args[0], module.weight, module.bias) if isinstance(out, tuple) else out
         found.setdefault(name, out.float().pow(2).mean().sqrt().item())
 
     for name, module in llm.engine.runner.model.named_modules():

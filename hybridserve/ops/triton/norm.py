@@ -68,31 +68,44 @@ def _residual_rms_norm_kernel(u_ptr, u_s0, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, 
 
 def epilogue_args(norm: ResidualNorm | None, rows: int, width: int, like: torch.Tensor):
     """(the arguments of `residual_norm_row` after u_ptr and u_s0, its constexprs, (x, h, h32) outputs) of `norm`
-    over `rows` rows of `width`; `norm` None: placeholders (`like` for every pointer) and every flag off."""
+    over `rows` rows of `width`; `norm` None: placeholders (`like` for every pointer), every flag off, no outputs."""
     if norm is None:
-        flags = dict(BLOCK=1, HAS_RESIDUAL=False, HAS_UB=False, HAS_US=False, HAS_RB=False, HAS_RS=False,
-                     HAS_SKIP=False, FP32_COPY=False)
-        return (like, 0, *(like,) * 6, 0, *(like,) * 4, 0, 0.0), flags, None
-    residual, skip_input, weight = norm.residual, norm.skip_input, norm.norm_weight
-    for name, t in (("residual", residual), ("skip_input", skip_input)):
+        absent = ResidualNorm(like, 0.0)  # every optional tensor absent: each flag off, `like` in each pointer
+        return _pack(absent, 1, (like, like, None), like), _flags(absent, 1, False), None
+    for name, t in (("residual", norm.residual), ("skip_input", norm.skip_input)):
         if t is not None and (t.stride(-1) != 1 or t.shape != (rows, width)):
             raise ValueError(f"{name} must be [{rows}, {width}] with a unit column stride")
-    h = torch.empty(rows, width, device=like.device, dtype=weight.dtype)
-    if norm.fp32_copy and weight.dtype != torch.float32:  # the fp32 residual and the fp32 copy: one allocation
+    h = torch.empty(rows, width, device=like.device, dtype=norm.norm_weight.dtype)
+    if norm.fp32_copy and norm.norm_weight.dtype != torch.float32:  # the fp32 residual and its copy: one allocation
         x, h32 = torch.empty(2, rows, width, device=like.device, dtype=torch.float32)
     else:
         x = torch.empty(rows, width, device=like.device, dtype=torch.float32)
         h32 = h if norm.fp32_copy else None
-    vectors = (norm.update_bias, norm.update_scale, norm.residual_bias, norm.residual_scale, norm.skip_weight)
-    args = (residual if residual is not None else like, residual.stride(0) if residual is not None else 0,
-            *(t if t is not None else like for t in vectors), skip_input if skip_input is not None else like,
-            skip_input.stride(0) if skip_input is not None else 0, weight, x, h, h32 if h32 is not None else h,
-            width, norm.eps)
-    flags = dict(BLOCK=triton.next_power_of_2(width), HAS_RESIDUAL=residual is not None,
-                 HAS_UB=norm.update_bias is not None, HAS_US=norm.update_scale is not None,
-                 HAS_RB=norm.residual_bias is not None, HAS_RS=norm.residual_scale is not None,
-                 HAS_SKIP=norm.skip_weight is not None, FP32_COPY=h32 is not None and h32 is not h)
-    return args, flags, (x, h, h32)
+    outputs = (x, h, h32)
+    return _pack(norm, width, outputs, like), _flags(norm, width, h32 is not None and h32 is not h), outputs
+
+
+def _pack(norm: ResidualNorm, width: int, outputs: tuple, like: torch.Tensor) -> tuple:
+    """`residual_norm_row`'s runtime arguments after u_ptr and u_s0 (`like` for an absent tensor)."""
+    def pointer(t: torch.Tensor | None) -> torch.Tensor:
+        return like if t is None else t
+
+    def row_stride(t: torch.Tensor | None) -> int:
+        return 0 if t is None else t.stride(0)
+
+    x, h, h32 = outputs
+    h32 = h if h32 is None else h32  # FP32_COPY off: never written
+    return (pointer(norm.residual), row_stride(norm.residual), pointer(norm.update_bias), pointer(norm.update_scale),
+            pointer(norm.residual_bias), pointer(norm.residual_scale), pointer(norm.skip_weight),
+            pointer(norm.skip_input), row_stride(norm.skip_input), norm.norm_weight, x, h, h32, width, norm.eps)
+
+
+def _flags(norm: ResidualNorm, width: int, fp32_copy: bool) -> dict:
+    """`residual_norm_row`'s constexprs (FP32_COPY: a separate fp32 copy to store)."""
+    return dict(BLOCK=triton.next_power_of_2(width), HAS_RESIDUAL=norm.residual is not None,
+                HAS_UB=norm.update_bias is not None, HAS_US=norm.update_scale is not None,
+                HAS_RB=norm.residual_bias is not None, HAS_RS=norm.residual_scale is not None,
+                HAS_SKIP=norm.skip_weight is not None, FP32_COPY=fp32_copy)
 
 
 def residual_rms_norm(update: torch.Tensor, norm_weight: torch.Tensor, eps: float,
