@@ -6,7 +6,7 @@
 # Logs and JSON go to $OUT (default ./gpu-out); the per-file logs end up in one $OUT/logs.tgz, as the device tool
 # brings back at most 8 files. Usage, from the repository root on the GPU machine:
 #   bash benchmarks/gpu_session.sh [tests|kernels|engines|bench|all|ling|agreement|profile|tune|serving|serving-ling|tp|
-#                                   structured|spec|pdl|dp|prefill-alloc|new-kernels|conv|epilogues]
+#                                   structured|spec|pdl|dp|prefill-alloc|new-kernels|conv|epilogues|prefill-graphs]
 # (all = tests + bench; tests = kernels + engines: the two groups of test files, see below; ling = 16 Ling-2.6-flash
 # layers with dummy weights and the shared-expert overlap; agreement = Ling decode agreement per lightning
 # implementation; profile = the b1, b64, prefill and b1-under-a-JSON-grammar step profiles of the 40-layer
@@ -31,7 +31,8 @@
 # kernel: its two GPU test files side by side, its micro-benchmark (prefill token blocks 32, 64 and 128), then the
 # 40-layer ZAYA1 offline benchmark against HF transformers and the floor; epilogues = a change to kernel epilogues
 # (the residual norm in the GEMVs, the attention split merge): their kernel and GPU test files, the b1 step profile
-# and the 40-layer ZAYA1 offline benchmark without HF)
+# and the 40-layer ZAYA1 offline benchmark without HF; prefill-graphs = the one-row prefill graphs' test files beside
+# the decode graphs' and the host-sync test, the b1 profile (its first token), the 40-layer offline benchmark)
 set -u
 OUT=${OUT:-gpu-out}
 what=${1:-all}
@@ -216,6 +217,22 @@ if [[ $what == epilogues ]]; then  # a change to kernel epilogues: their test fi
   timeout 300 python benchmarks/offline_throughput.py --layers 40 --load-format dummy --skip-hf --repeats 5 \
     --scenarios b1 b64 prefill --out "$OUT/offline_epilogues.json" > "$OUT/logs/offline_epilogues.log" 2>&1
   grep -A 4 "^scenario" "$OUT/logs/offline_epilogues.log"
+fi
+
+if [[ $what == prefill-graphs ]]; then  # one-row prefill graphs: their tests, the b1 profile, 40 layers
+  run_files 2 tests/gpu/test_prefill_graphs_gpu.py tests/gpu/test_cuda_graphs_gpu.py tests/ops/test_prefill_graph_batch.py \
+    tests/gpu/test_host_sync_gpu.py
+  grep -H -E ' (passed|failed|error)|^rc=|largest|graph pool' "$OUT"/logs/test_*.log
+  timeout 150 python benchmarks/profile_step.py --layers 40 --scenario b1 --out "$OUT/profile_b1.json" \
+    > "$OUT/logs/profile_b1.log" 2>&1
+  grep -E "median_late|profiled:|first token|graph_pool" -A 4 "$OUT/logs/profile_b1.log" | grep -v "^ *\[\|^--"
+  timeout 300 python benchmarks/offline_throughput.py --layers 40 --load-format dummy --skip-hf --repeats 5 \
+    --scenarios b1 b64 prefill --out "$OUT/offline_prefill_graphs.json" > "$OUT/logs/offline_prefill_graphs.log" 2>&1
+  grep -A 4 "^scenario" "$OUT/logs/offline_prefill_graphs.log"
+  timeout 150 python benchmarks/offline_throughput.py --layers 40 --load-format dummy --skip-hf --repeats 5 \
+    --scenarios b1 --prefill-graph-max-tokens 0 --out "$OUT/offline_no_prefill_graphs.json" \
+    > "$OUT/logs/offline_no_prefill_graphs.log" 2>&1
+  echo "without prefill graphs:" && grep -A 2 "^scenario" "$OUT/logs/offline_no_prefill_graphs.log"
 fi
 
 if [[ $what == dp ]]; then

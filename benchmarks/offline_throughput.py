@@ -157,6 +157,7 @@ def run_ours(model_dir: str, workloads: dict, args, speculative: dict | None = N
     run): drafts replayed from them, keyed by prompt, and every one accepted."""
     llm = LLM(model_dir, use_tqdm=False, dtype=args.dtype, device=args.device, load_format=args.load_format,
               max_running_requests=args.max_running_requests, enforce_eager=args.enforce_eager, seed=args.seed,
+              prefill_graph_max_tokens=args.prefill_graph_max_tokens,
               tensor_parallel_size=args.tp, speculative_config=speculative,
               enable_prefix_caching=False)  # the repeats and the warm-up reuse the prompts: no cached prefill
     kind = "" if speculative is None else " speculative" + (" forced" if forced else "")
@@ -377,6 +378,8 @@ def main() -> None:
     parser.add_argument("--hf-batch", type=int, default=64, help="largest static batch for HF generate")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true", help="our engine without CUDA graphs")
+    parser.add_argument("--prefill-graph-max-tokens", type=int, default=2048,
+                        help="one-row prefill steps of up to this many tokens replay CUDA graphs (0: eager)")
     parser.add_argument("--tp", type=int, default=1,
                         help="our engine's tensor-parallel size (the floor is then that of --tp GPUs)")
     parser.add_argument("--json-grammar", action="store_true",
@@ -415,7 +418,9 @@ def main() -> None:
         workloads = {name: workload(SCENARIOS[name], args.seed) for name in args.scenarios}
         result = {"model": args.model or f"random {args.model_type} ({args.width} widths)",
                   "layers": config["num_hidden_layers"], "device": args.device, "load_format": args.load_format,
-                  "cuda_graphs": not args.enforce_eager, "tensor_parallel_size": args.tp,
+                  "cuda_graphs": not args.enforce_eager,
+                  "prefill_graph_max_tokens": 0 if args.enforce_eager else args.prefill_graph_max_tokens,
+                  "tensor_parallel_size": args.tp,
                   "scenarios": {name: {"requests": len(p), "input_tokens": sum(map(len, p)),
                                        "output_tokens": sum(o), "unit": _unit(name)}
                                 for name, (p, o) in workloads.items()}}

@@ -128,6 +128,15 @@ def _first_token(engine, prompt: list[int], temperature: float, grammar) -> Call
     return run_once
 
 
+def _graph_pool(llm: LLM) -> dict[str, float]:
+    """MiB the decode and prefill graphs' captures added to their shared pool, and what the memory plan reserved."""
+    runner = llm.engine.runner
+    return {name: round(value / 2**20, 1) for name, value in (
+        ("decode", runner.graphs.memory_bytes if runner.graphs is not None else 0),
+        ("prefill", runner.prefill_graphs.memory_bytes if runner.prefill_graphs is not None else 0),
+        ("reserved", runner.graph_reserve))}
+
+
 def _table(trace, key: str, limit: int) -> list[tuple[str, int, float]]:
     rows = sorted(trace.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:limit]
     return [(e.key[:100], e.count, getattr(e, key) / 1e3) for e in rows]
@@ -160,7 +169,7 @@ def main() -> None:
         seconds = _timed_steps(llm, prompts, outputs, args.temperature, grammar)
         late = sorted(seconds if args.scenario == "prefill" else seconds[-(min(outputs) - 2):])
         summary = {"steps": len(seconds), "total_s": sum(seconds), "median_late_step_ms": 1e3 * late[len(late) // 2],
-                   "first_steps_ms": [round(1e3 * s, 2) for s in seconds[:8]]}
+                   "first_steps_ms": [round(1e3 * s, 2) for s in seconds[:8]], "graph_pool_mib": _graph_pool(llm)}
         print(json.dumps(summary, indent=1))
 
         # Profile a few decode steps in the middle of a run (prefill: the first steps).

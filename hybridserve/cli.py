@@ -64,7 +64,7 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
                         help="state bytes : KV bytes when the cache budget is split (unless --max-state-slots)")
     parser.add_argument("--max-state-slots", type=int, default=None, help="pin the number of state slots")
     parser.add_argument("--enforce-eager", action="store_true",
-                        help="run every step op by op: no CUDA graphs for decode")
+                        help="run every step op by op: no CUDA graphs (decode or prefill)")
     parser.add_argument("--disable-overlap-schedule", action="store_true",
                         help="schedule each step only after the previous one is processed (by default the host "
                              "schedules step N+1 and processes step N while the device runs N+1; outputs are the "
@@ -74,6 +74,10 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
                              "--max-running-requests, whichever is smaller); larger decode steps run eagerly. With "
                              "speculative decoding the verify graphs hold as many tokens: up to max(1, this // "
                              "(K + 1)) requests of 1 + K tokens (K: --speculative-num-draft-tokens)")
+    parser.add_argument("--prefill-graph-max-tokens", type=int, default=2048,
+                        help="prefill steps of one request (a lone prompt or chunk) of up to this many tokens replay "
+                             "CUDA graphs captured for 16, 32, 64, ... tokens, on models that support it (ZAYA1); "
+                             "0: none (such steps run eagerly, bound by the host's kernel launches)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed for requests that bring none (and for --load-format dummy weights)")
     parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
@@ -142,7 +146,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 gpu_memory_utilization=args.gpu_memory_utilization, state_to_kv_ratio=args.state_to_kv_ratio,
                 max_state_slots=args.max_state_slots, seed=args.seed,
                 kernel_backend=args.kernel_backend, skip_warmup=args.skip_warmup, enforce_eager=args.enforce_eager,
-                cuda_graph_max_bs=args.cuda_graph_max_bs, load_format=args.load_format,
+                cuda_graph_max_bs=args.cuda_graph_max_bs,
+                prefill_graph_max_tokens=args.prefill_graph_max_tokens, load_format=args.load_format,
                 disable_overlap_schedule=args.disable_overlap_schedule, tensor_parallel_size=args.tp,
                 nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr,
                 speculative_config=_speculative_config(args))

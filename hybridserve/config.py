@@ -98,10 +98,13 @@ class EngineConfig:
     # None: off. The planner reserves k intermediate states per running request.
     speculative_config: SpeculativeConfig | dict | None = None
     kernel_backend: str = "auto"  # auto (Triton kernels on CUDA) | triton | torch (the pure-torch references)
-    enforce_eager: bool = False  # run decode op by op: no CUDA graphs
+    enforce_eager: bool = False  # run every step op by op: no CUDA graphs
     # Decode rows the largest graph replays (default min(256, running cap)); with speculative decoding the verify
     # graphs hold as many tokens, i.e. up to max(1, cuda_graph_max_bs // (k + 1)) requests of 1 + k tokens.
     cuda_graph_max_bs: int | None = None
+    # Prefill steps of one row (a lone request's prompt or chunk) of up to this many tokens replay CUDA graphs
+    # captured per power of two from 16 (models whose prefill reads no other host value: ZAYA1); 0: none.
+    prefill_graph_max_tokens: int = 2048
     tensor_parallel_size: int = 1  # ranks (processes, one GPU each on CUDA) that shard every layer
     nnodes: int = 1  # machines the tensor-parallel ranks span (tensor_parallel_size / nnodes ranks on each)
     node_rank: int = 0  # this machine's index; node 0 runs the engine (and the server), the others only ranks
@@ -149,6 +152,8 @@ class EngineConfig:
             fail("dist_init_addr", "is needed (host:port of node 0) when the ranks span several nodes")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             fail("cuda_graph_max_bs", "must be >= 1")
+        if self.prefill_graph_max_tokens < 0:
+            fail("prefill_graph_max_tokens", "must be >= 0 (0: no prefill graphs)")
         if self.kernel_backend not in ("auto", "triton", "torch"):
             fail("kernel_backend", "must be auto, triton or torch")
         if self.load_format not in LOAD_FORMATS:

@@ -302,13 +302,27 @@ def kv_row(page_ids: list[int], pos: int, page_size: int) -> int:
     return page_ids[pos // page_size] * page_size + pos % page_size
 
 
+def token_history(chunks: list[ScheduledChunk], length: int, device: torch.device) -> TokenHistory:
+    """The TokenHistory of rows shaped like `chunks` (only their token counts matter)."""
+    total_rows, token_index, history_index, final_index = _token_history_rows(chunks, length)
+    return TokenHistory(length, total_rows, *(torch.tensor(index, device=device)
+                                              for index in (token_index, history_index, final_index)))
+
+
 def decode_token_history(rows: int, length: int, device: torch.device, row_tokens: int = 1) -> TokenHistory:
     """The TokenHistory of `rows` rows of `row_tokens` tokens each (it depends on nothing else: CUDA-graph decode
     and verify batches)."""
-    total_rows, token_index, history_index, final_index = _token_history_rows(
-        [ScheduledChunk([0] * row_tokens, 0, [], 0, False)] * rows, length)
-    return TokenHistory(length, total_rows, *(torch.tensor(index, device=device)
-                                              for index in (token_index, history_index, final_index)))
+    return token_history([ScheduledChunk([0] * row_tokens, 0, [], 0, False)] * rows, length, device)
+
+
+def page_ends(chunk: ScheduledChunk, start: int, page_size: int) -> tuple[list[int], list[int]]:
+    """(packed token index, page) of every page the chunk fills up, its first token packed at `start`."""
+    tokens, pages = [], []
+    for pos in range(chunk.prefix_len, chunk.prefix_len + len(chunk.token_ids)):
+        if (pos + 1) % page_size == 0:
+            tokens.append(start + pos - chunk.prefix_len)
+            pages.append(chunk.page_ids[pos // page_size])
+    return tokens, pages
 
 
 def verify_token_slots(chunks: list[ScheduledChunk]) -> list[int]:
@@ -379,9 +393,9 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_size: int, device: to
             slot_mapping.append(kv_row(chunk.page_ids, pos, page_size))
             if window:
                 window_slots.append(kv_row(chunk.window_page_ids, pos, page_size))
-            if (pos + 1) % page_size == 0:
-                page_end_tokens.append(start + pos - chunk.prefix_len)
-                page_end_pages.append(chunk.page_ids[pos // page_size])
+        ends, pages = page_ends(chunk, start, page_size)
+        page_end_tokens += ends
+        page_end_pages += pages
         logits_indices.extend(start + i for i in chunk.logits_offsets)
     pack = HostPack()
     pack.add("input_ids", input_ids)

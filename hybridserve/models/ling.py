@@ -283,6 +283,8 @@ class LingForCausalLM(nn.Module):
     # A lightning state is H*d*d fp32 per layer (MiBs per request), so prefix caching checkpoints it sparsely:
     # the scheduler ends chunks at checkpoint positions and copies the working slot there (no per-page footers).
     state_checkpoints = "sparse"
+    # Its MLA prefill walks the rows on the host (per-row prefix and query lengths), so prefill runs eagerly.
+    prefill_graphs = False
 
     @property
     def history_len(self) -> int:

@@ -297,6 +297,9 @@ class ZayaForCausalLM(nn.Module):
     # The CCA state is a few rows per layer, so every KV page carries a copy of the state after its last token
     # (a footer, written during the forward): prefix-cache hits are usable at any page boundary.
     state_checkpoints = "per_page"
+    # Its prefill kernels read only the batch's device tensors and host bounds (token count, rows, max_model_len
+    # keys), so a one-row prefill step can replay a CUDA graph per token bucket (runtime/prefill_graphs.py).
+    prefill_graphs = True
 
     @property
     def history_len(self) -> int:

@@ -25,6 +25,7 @@ from hybridserve.loader import read_config
 from hybridserve.ops.backends import all_triton, select_kernels
 from hybridserve.runtime.cuda_graphs import DecodeGraphs, capture_sizes
 from hybridserve.runtime.model_loader import build_model, resolve_dtype
+from hybridserve.runtime.prefill_graphs import PrefillGraphs, prefill_sizes
 from hybridserve.runtime.tensor_parallel import ControlChannel
 from hybridserve.runtime.warmup import DUMMY_PAGE, DUMMY_SLOT, warmup_batches
 from hybridserve.spec.mtp import MtpDrafter
@@ -127,6 +128,7 @@ class ModelRunner:
         self.tables: PageTables | None = None
         self.graphs: DecodeGraphs | None = None
         self.verify_graphs: DecodeGraphs | None = None  # speculative decoding: rows of 1 + k tokens
+        self.prefill_graphs: PrefillGraphs | None = None  # one-row prefill steps
         self._awaiting_mask: StepHandle | None = None  # the launched step whose draws wait for grammar masks
         self._no_draws = torch.zeros(0, dtype=torch.long, device=self.device)
         self._drawn_tokens: torch.Tensor | None = None  # the last launched step's draws, in plan order
@@ -145,6 +147,16 @@ class ModelRunner:
     def draft_lookahead(self) -> int:
         """Positions after a drawing row whose KV the draft layer writes in the same step (its chain)."""
         return self.drafter.k - 1 if self.drafter is not None else 0
+
+    def prefill_graph_sizes(self) -> list[int]:
+        """Token sizes of the one-row prefill graphs (empty: none): on a model whose prefill can replay them, up to
+        --prefill-graph-max-tokens and at most a step's tokens; not with a draft layer, which drafts from the eager
+        step's hidden states."""
+        config = self.config
+        if not self.use_graphs or not self.model.prefill_graphs or self.drafter is not None:
+            return []
+        return prefill_sizes(min(config.prefill_graph_max_tokens, config.max_num_batched_tokens,
+                                 config.chunked_prefill_size or config.max_num_batched_tokens))
 
     def graph_rows(self) -> int:
         """Rows of the largest decode graph: --cuda-graph-max-bs, else 256 or the running cap, whichever is less."""
@@ -177,6 +189,10 @@ class ModelRunner:
             return
         rows, k = min(self.graph_rows(), max_rows), self.config.num_speculative_tokens
         pool = torch.cuda.graph_pool_handle()
+        sizes = self.prefill_graph_sizes()
+        if sizes:  # first: the largest prefill graph usually outgrows the largest decode graph
+            self.prefill_graphs = PrefillGraphs(self.model, self.tables, self.config.page_size, max_model_len,
+                                                sizes, self.device, capture=True, pool=pool)
         if k:
             self.verify_graphs = DecodeGraphs(self.model, self.tables, self.config.page_size, max_model_len,
                                               capture_sizes(max(1, rows // (k + 1))), self.device, capture=True,
@@ -253,9 +269,15 @@ class ModelRunner:
                 graph_peak = max(graph_peak, self._profile_activations(
                     [ScheduledChunk([0] * (k + 1), 0, [], 1, True, list(range(k + 1)), draft_slots=[1] * k)
                      for _ in range(verify)], verify * (k + 1)))
+            sizes = self.prefill_graph_sizes()
+            if sizes:  # one row of the largest size and its padding row (a graph's splits: within the headroom)
+                graph_peak = max(graph_peak, self._profile_activations(
+                    [ScheduledChunk([0] * (sizes[-1] - 1), 0, [], 1, False, [sizes[-1] - 2]),
+                     ScheduledChunk([0], 0, [], 1, False)], 1))
             self.graph_reserve = _GRAPH_POOL_HEADROOM + graph_peak
-            logger.info("memory plan: %.0f MiB reserved for the CUDA graphs' pool (the forward of %d decode rows%s)",
-                        self.graph_reserve / 2**20, rows, f" or of {rows // (k + 1)} verify rows" if k else "")
+            logger.info("memory plan: %.0f MiB reserved for the CUDA graphs' pool (the forward of %d decode rows%s%s)",
+                        self.graph_reserve / 2**20, rows, f" or of {rows // (k + 1)} verify rows" if k else "",
+                        f" or of a {sizes[-1]}-token prefill row" if sizes else "")
             peak += self.graph_reserve
         # The sampler's penalty counts (fp32 count + bool flag per vocabulary entry and penalty row), allocated
         # when a request first uses a penalty.
@@ -309,8 +331,10 @@ class ModelRunner:
         self.tables.truncate(plan.table_truncations)
         chunks = plan.chunks
         graphs = self._graphs_for(chunks)
+        prefill = self.prefill_graphs if graphs is None and self.prefill_graphs is not None and \
+            self.prefill_graphs.fits(chunks) else None
         previous = self._drawn_tokens
-        if graphs is not None:
+        if graphs is not None or prefill is not None:
             self.tables.upload_updates(chunks)
         else:
             batch = build_forward_batch(chunks, self.config.page_size, self.device, self.model.history_len,
@@ -330,6 +354,9 @@ class ModelRunner:
             wanted = [i * n + j for i, c in enumerate(chunks) for j in c.logits_offsets]
             if len(wanted) != logits.shape[0]:
                 logits = logits[upload(wanted, self.device, torch.long)]
+            self._copy_slots(plan.snapshots, self.state_pool)
+        elif prefill is not None:
+            logits = prefill.run(chunks[0], previous)  # the wanted row's, if any
             self._copy_slots(plan.snapshots, self.state_pool)
         else:
             hidden = self.model(batch)

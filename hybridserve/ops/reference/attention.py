@@ -37,6 +37,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     group = q.shape[1] // num_kv_heads
     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
     for seq, (start, length) in enumerate(zip(batch.query_starts, batch.query_lens)):
+        if not length:  # an empty row (a prefill graph's padding row when the real row fills the size)
+            continue
         prefix, kv_len = batch.prefix_lens[seq], batch.prefix_lens[seq] + length
         first = max(0, prefix - sliding_window + 1) if sliding_window else 0  # pages before it may be released
         slots = batch.kv_slots(seq, kv_len)[first:]

@@ -1,0 +1,66 @@
+"""One-row prefill steps replayed from CUDA graphs against eager prefill on the H200: same tokens, same logprobs,
+the graphs really replayed (padded and exact sizes, fresh rows, chunked continuations, prefix-cache hits), and the
+graph pool within what the memory plan reserved for it.
+
+An fp32 checkpoint (ZAYA1-8B widths, two layers), so that padding a row to its graph size and planning the
+attention's key splits for max_model_len move the logits only by fp32 rounding: greedy tokens must match exactly
+and logprobs within 2e-5, as for the decode graphs (tests/gpu/test_cuda_graphs_gpu.py).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridserve import LLM, SamplingParams
+from tests.gpu.models import largest_logprob_difference, write_two_layer_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_graph_prefill_matches_eager(tmp_path: Path) -> None:
+    write_two_layer_model("zaya", tmp_path)
+    options = dict(dtype="float32", device="cuda", max_num_batched_tokens=4096, chunked_prefill_size=1024,
+                   max_running_requests=8, max_model_len=8192, gpu_memory_utilization=0.25, use_tqdm=False)
+    gen = torch.Generator().manual_seed(1)
+    # Lengths below, at and between sizes; 3000 runs as chunks of 1024, 1024 (exact sizes) and 952 (padded).
+    prompts = [{"prompt_token_ids": torch.randint(3, 1000, (n,), generator=gen).tolist()}
+               for n in (5, 16, 40, 130, 512, 700, 1024, 3000)]
+    params = [SamplingParams(temperature=0, max_tokens=6, logprobs=1, ignore_eos=True) for _ in prompts]
+    params[3] = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=6, logprobs=1, ignore_eos=True)
+
+    def one_at_a_time(llm: LLM) -> list:  # every prefill step has one row; twice: the second round hits the cache
+        return [llm.generate([p], s)[0] for _ in range(2) for p, s in zip(prompts, params)]
+
+    eager = LLM(str(tmp_path), enforce_eager=True, disable_overlap_schedule=True, **options)
+    assert eager.engine.runner.prefill_graphs is None and eager.engine.runner.graphs is None
+    expected = one_at_a_time(eager)
+    del eager
+    torch.cuda.empty_cache()
+
+    llm = LLM(str(tmp_path), **options)
+    runner = llm.engine.runner
+    graphs = runner.prefill_graphs
+    assert graphs is not None and graphs.sizes == [16, 32, 64, 128, 256, 512, 1024]
+    replays = []
+    for size, graph in graphs._graphs.items():
+        graph.replay = (lambda replay, size: lambda: (replays.append(size), replay())[1])(graph.replay, size)
+    got = one_at_a_time(llm)
+    assert {16, 64, 256, 512, 1024} <= set(replays)
+    assert replays.count(1024) >= 3  # the 1024-token prompt and the 3000-token prompt's chunks
+    assert [r.outputs[0].token_ids for r in got] == [r.outputs[0].token_ids for r in expected]
+    worst = largest_logprob_difference(expected, got)
+    print(f"\nlargest logprob difference prefill graphs vs eager {worst:.2e}; {len(replays)} replays over sizes "
+          f"{sorted(set(replays))}")
+    assert worst <= 2e-5
+    pool = graphs.memory_bytes + runner.graphs.memory_bytes
+    print(f"graph pool: prefill {graphs.memory_bytes / 2**20:.0f} MiB + decode "
+          f"{runner.graphs.memory_bytes / 2**20:.0f} MiB, reserved {runner.graph_reserve / 2**20:.0f} MiB")
+    assert 0 < pool <= runner.graph_reserve
+
+    # A batch of prompts (several rows a step) and prompt logprobs run eagerly, beside the graphs.
+    before = len(replays)
+    scored = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    llm.generate([prompts[2]], scored)
+    assert len(replays) == before
