@@ -164,9 +164,11 @@ class PrefillGraphs:
         page = self.page_size
         start = time.perf_counter()
         for size in self.sizes:  # eager once: compiles any kernel variant the capture would otherwise meet first
-            self._fill(_dummy_row(size, page, self.tables.dummy_row), size)
+            self._fill(_dummy_row(size, page, self.tables.dummy_row, self.tables.window is not None), size)
             self._forward(size)
-        torch.cuda.synchronize(self.device)
+            # The fill after next reuses this fill's host twin: its queued copy must have run by then (engine
+            # steps are collected before that; these forwards are not).
+            torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(self.device)
         for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its blocks
@@ -219,7 +221,9 @@ class PrefillGraphs:
         return self._logits[size][:wanted]
 
 
-def _dummy_row(size: int, page_size: int, table_row: int) -> ScheduledChunk:
-    """A row of `size` tokens on the dummy page, slot and table row (what the capture runs)."""
-    return ScheduledChunk([0] * size, 0, [DUMMY_PAGE] * -(-size // page_size), DUMMY_SLOT, False, [size - 1],
-                          table_row=table_row)
+def _dummy_row(size: int, page_size: int, table_row: int, window: bool) -> ScheduledChunk:
+    """A row of `size` tokens on the dummy page (in both KV groups with `window`), slot and table row (what the
+    capture runs)."""
+    pages = [DUMMY_PAGE] * -(-size // page_size)
+    return ScheduledChunk([0] * size, 0, pages, DUMMY_SLOT, False, [size - 1], table_row=table_row,
+                          window_page_ids=list(pages) if window else None)

@@ -54,3 +54,19 @@ def test_graph_decode_matches_eager(model: str, tmp_path: Path) -> None:
     print(f"\n{model}: graph pool {graphs.memory_bytes / 2**20:.0f} MiB, reserved {reserve / 2**20:.0f} MiB, "
           f"{len(replays)} replays over sizes {sorted(set(replays))}")
     assert 0 < graphs.memory_bytes <= reserve
+
+
+def test_graph_pool_within_its_reserve_at_256_rows(tmp_path: Path) -> None:
+    """All 35 decode sizes up to 256 rows and the prefill graphs in one pool stay within what the memory plan
+    reserved for it (each size's own fp32 logits over the 262k vocabulary, kept alive, once held 4.2 GiB)."""
+    write_two_layer_model("zaya", tmp_path, bf16=True)
+    llm = LLM(str(tmp_path), dtype="bfloat16", device="cuda", max_running_requests=256, max_model_len=4096,
+              gpu_memory_utilization=0.3, use_tqdm=False)
+    runner = llm.engine.runner
+    assert len(runner.graphs.sizes) == 35 and runner.prefill_graphs is not None
+    pool = runner.graphs.memory_bytes + runner.prefill_graphs.memory_bytes
+    print(f"\ngraph pool {pool / 2**20:.0f} MiB (decode {runner.graphs.memory_bytes / 2**20:.0f}, prefill "
+          f"{runner.prefill_graphs.memory_bytes / 2**20:.0f}), reserved {runner.graph_reserve / 2**20:.0f} MiB")
+    assert 0 < pool <= runner.graph_reserve
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 40, SamplingParams(temperature=0, max_tokens=4))
+    assert len({tuple(r.outputs[0].token_ids) for r in out}) == 1  # 40 equal rows (a padded size) agree
