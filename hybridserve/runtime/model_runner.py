@@ -25,7 +25,7 @@ from hybridserve.loader import read_config
 from hybridserve.ops.backends import all_triton, select_kernels
 from hybridserve.runtime.cuda_graphs import DecodeGraphs, capture_sizes
 from hybridserve.runtime.model_loader import build_model, resolve_dtype
-from hybridserve.runtime.prefill_graphs import PrefillGraphs, prefill_sizes
+from hybridserve.runtime.prefill_graphs import PrefillGraphs, bounded_shape, prefill_sizes
 from hybridserve.runtime.tensor_parallel import ControlChannel
 from hybridserve.runtime.warmup import DUMMY_PAGE, DUMMY_SLOT, warmup_batches
 from hybridserve.spec.mtp import MtpDrafter
@@ -270,14 +270,20 @@ class ModelRunner:
                     [ScheduledChunk([0] * (k + 1), 0, [], 1, True, list(range(k + 1)), draft_slots=[1] * k)
                      for _ in range(verify)], verify * (k + 1)))
             sizes = self.prefill_graph_sizes()
-            if sizes:  # one row of the largest size and its padding row (a graph's splits: within the headroom)
-                graph_peak = max(graph_peak, self._profile_activations(
-                    [ScheduledChunk([0] * (sizes[-1] - 1), 0, [], 1, False, [sizes[-1] - 2]),
-                     ScheduledChunk([0], 0, [], 1, False)], 1))
+            if sizes:
+                # The largest prefill graph's forward: its row and padding row, with the graph's host bounds (the
+                # attention's key splits for the longest context). Added to the decode peak, not maxed with it:
+                # the decode graphs, captured after, reuse the prefill graphs' blocks only in part (two layers of
+                # ZAYA1-8B widths on the H200: prefill graphs 176 MiB, then decode graphs 32 MiB more).
+                size = sizes[-1]
+                prefill_rows = [ScheduledChunk([0] * (size - 1), 0, [], 1, False, [size - 2]),
+                                ScheduledChunk([0], 0, [], 1, False)]
+                keys = max(size, self.model_config.max_position_embeddings)
+                graph_peak += self._profile_activations(prefill_rows, 1, bounded_shape(size, keys))
             self.graph_reserve = _GRAPH_POOL_HEADROOM + graph_peak
             logger.info("memory plan: %.0f MiB reserved for the CUDA graphs' pool (the forward of %d decode rows%s%s)",
                         self.graph_reserve / 2**20, rows, f" or of {rows // (k + 1)} verify rows" if k else "",
-                        f" or of a {sizes[-1]}-token prefill row" if sizes else "")
+                        f", plus a {sizes[-1]}-token prefill row's" if sizes else "")
             peak += self.graph_reserve
         # The sampler's penalty counts (fp32 count + bool flag per vocabulary entry and penalty row), allocated
         # when a request first uses a penalty.
@@ -289,9 +295,9 @@ class ModelRunner:
         return int(min(total * self.config.gpu_memory_utilization - held, free - _NON_TORCH_HEADROOM) - peak)
 
     @torch.inference_mode()
-    def _profile_activations(self, chunks: list[ScheduledChunk], logits_rows: int) -> int:
+    def _profile_activations(self, chunks: list[ScheduledChunk], logits_rows: int, shape: dict | None = None) -> int:
         """Peak extra memory of one forward over `chunks` (given pages here, on temporary caches) plus the logits
-        of `logits_rows` rows."""
+        of `logits_rows` rows; `shape`: host shape fields to run with instead of the chunks' own (a graph's)."""
         size = self.config.page_size
         pages = 1
         for chunk in chunks:
@@ -306,6 +312,8 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         batch = build_forward_batch(self._with_window_pages(chunks), size, self.device, self.model.history_len)
+        if shape is not None:
+            batch = dataclasses.replace(batch, **shape)
         hidden = self.model(batch)
         self.model.compute_logits(hidden[:logits_rows])
         torch.cuda.synchronize(self.device)

@@ -57,6 +57,13 @@ def prefill_sizes(max_tokens: int) -> list[int]:
     return sorted(sizes)
 
 
+def bounded_shape(size: int, max_kv_len: int) -> dict:
+    """The host shape fields of a graph batch of `size` tokens: 2 rows of up to `size` query tokens (the row and
+    its padding row) and `max_kv_len` keys (the attention plans its key splits for that many)."""
+    return dict(query_lens=[size, 0], query_starts=[0, size], prefix_lens=[max_kv_len - size, 0],
+                max_query_len=size, max_kv_len=max_kv_len)
+
+
 def _segments(tokens: int, window: bool) -> list[tuple[str, torch.dtype, int]]:
     """(field, dtype, elements) of the static input buffer, per-token fields sized for `tokens`."""
     fields = [(name, torch.long, tokens) for name in ("input_ids", "positions", "slot_mapping")]
@@ -127,9 +134,8 @@ class PrefillGraphs:
         """The batch's host-side shape fields: bounds that depend on the size alone (captured graphs, kernels), or
         the step's own (torch references)."""
         if self.placeholders:
-            return dict(query_lens=[size, 0], query_starts=[0, size], prefix_lens=[self.max_model_len - size, 0],
-                        max_query_len=size, max_kv_len=self.max_model_len, token_history=None,
-                        page_end_tokens=self._no_tokens, page_end_pages=self._no_tokens)
+            return bounded_shape(size, self.max_model_len) | dict(
+                token_history=None, page_end_tokens=self._no_tokens, page_end_pages=self._no_tokens)
         chunk = self._chunk
         n, prefix = len(chunk.token_ids), chunk.prefix_len
         pad = ScheduledChunk([0] * (size - n), 0, [], DUMMY_SLOT, False)
