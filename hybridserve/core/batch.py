@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from itertools import accumulate
+from itertools import accumulate, chain
 
 import torch
 
@@ -313,6 +313,19 @@ def kv_row(page_ids: list[int], pos: int, page_size: int) -> int:
     return page_ids[pos // page_size] * page_size + pos % page_size
 
 
+def kv_rows(page_ids: list[int], start: int, end: int, page_size: int) -> list[int]:
+    """The KV cache rows of positions [start, end), a range per page (a prefill chunk's thousands of positions
+    took milliseconds of host time one by one)."""
+    rows = []
+    while start < end:
+        page = start // page_size
+        stop = min(end, (page + 1) * page_size)
+        offset = (page_ids[page] - page) * page_size
+        rows.extend(range(offset + start, offset + stop))
+        start = stop
+    return rows
+
+
 def token_history(chunks: list[ScheduledChunk], length: int, device: torch.device) -> TokenHistory:
     """The TokenHistory of rows shaped like `chunks` (only their token counts matter)."""
     total_rows, token_index, history_index, final_index = _token_history_rows(chunks, length)
@@ -328,12 +341,9 @@ def decode_token_history(rows: int, length: int, device: torch.device, row_token
 
 def page_ends(chunk: ScheduledChunk, start: int, page_size: int) -> tuple[list[int], list[int]]:
     """(packed token index, page) of every page the chunk fills up, its first token packed at `start`."""
-    tokens, pages = [], []
-    for pos in range(chunk.prefix_len, chunk.prefix_len + len(chunk.token_ids)):
-        if (pos + 1) % page_size == 0:
-            tokens.append(start + pos - chunk.prefix_len)
-            pages.append(chunk.page_ids[pos // page_size])
-    return tokens, pages
+    prefix = chunk.prefix_len
+    ends = range((prefix // page_size + 1) * page_size - 1, prefix + len(chunk.token_ids), page_size)
+    return [start + pos - prefix for pos in ends], [chunk.page_ids[pos // page_size] for pos in ends]
 
 
 def verify_token_slots(chunks: list[ScheduledChunk]) -> list[int]:
@@ -387,7 +397,7 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_size: int, device: to
     query_starts = [0, *accumulate(query_lens)][:-1]
     width = max(len(c.page_ids) for c in chunks)
     input_ids, positions, slot_mapping, logits_indices, page_end_tokens, page_end_pages = [], [], [], [], [], []
-    seq_ids = [row for row, n in enumerate(query_lens) for _ in range(n)]
+    seq_ids = list(chain.from_iterable([row] * n for row, n in enumerate(query_lens)))
     kv_lens = [c.prefix_len + len(c.token_ids) for c in chunks]
     window = chunks[0].window_page_ids is not None
     window_slots = []
@@ -399,11 +409,10 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_size: int, device: to
         if window and (chunk.window_page_ids is None or len(chunk.window_page_ids) != len(chunk.page_ids)):
             raise ValueError("every chunk needs one window page entry per page when the caches have a window group")
         input_ids.extend(chunk.token_ids)
-        for pos in range(chunk.prefix_len, end):
-            positions.append(pos)
-            slot_mapping.append(kv_row(chunk.page_ids, pos, page_size))
-            if window:
-                window_slots.append(kv_row(chunk.window_page_ids, pos, page_size))
+        positions.extend(range(chunk.prefix_len, end))
+        slot_mapping += kv_rows(chunk.page_ids, chunk.prefix_len, end, page_size)
+        if window:
+            window_slots += kv_rows(chunk.window_page_ids, chunk.prefix_len, end, page_size)
         ends, pages = page_ends(chunk, start, page_size)
         page_end_tokens += ends
         page_end_pages += pages

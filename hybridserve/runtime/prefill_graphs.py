@@ -31,7 +31,7 @@ from hybridserve.core.batch import (
     PageTables,
     ScheduledChunk,
     future_inputs,
-    kv_row,
+    kv_rows,
     page_ends,
     resolve_future_inputs,
     token_history,
@@ -198,12 +198,12 @@ class PrefillGraphs:
         positions = range(prefix, prefix + n)
         dummy_kv = [DUMMY_PAGE * page] * pad  # the dummy page's first KV row
         fields = {"input_ids": chunk.token_ids + [0] * pad, "positions": [*positions, *range(pad)],
-                  "slot_mapping": [kv_row(chunk.page_ids, p, page) for p in positions] + dummy_kv,
+                  "slot_mapping": kv_rows(chunk.page_ids, prefix, prefix + n, page) + dummy_kv,
                   "kv_lens": [prefix + n, pad], "table_rows": [chunk.table_row, self.tables.dummy_row],
                   "logits_index": chunk.logits_offsets[:1] or [0], "query_start_loc": [0, n, size],
                   "seq_ids": [0] * n + [1] * pad, "has_initial_state": [chunk.has_initial_state, False]}
         if "window_slot_mapping" in host:
-            fields["window_slot_mapping"] = [kv_row(chunk.window_page_ids, p, page) for p in positions] + dummy_kv
+            fields["window_slot_mapping"] = kv_rows(chunk.window_page_ids, prefix, prefix + n, page) + dummy_kv
         for name, values in fields.items():
             host[name][:len(values)] = torch.tensor(values, dtype=host[name].dtype)
         self._chunk = chunk

@@ -7,6 +7,7 @@ import triton.language as tl
 
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.pdl import wait_for_previous
+from hybridserve.ops.triton.sizes import cdiv, next_power_of_2
 
 _BLOCK = 1024
 
@@ -30,8 +31,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     rows, width = x.shape[0], x.shape[1] // 2
     out = torch.empty(rows, width, device=x.device, dtype=x.dtype)
     if rows:
-        block = min(_BLOCK, triton.next_power_of_2(width))
-        _silu_and_mul_kernel[(rows, triton.cdiv(width, block))](x, out, width, x.stride(0), out.stride(0),
+        block = min(_BLOCK, next_power_of_2(width))
+        _silu_and_mul_kernel[(rows, cdiv(width, block))](x, out, width, x.stride(0), out.stride(0),
                                                               BLOCK=block, num_warps=max(1, min(4, block // 256)),
                                                               **pdl.launch(x.device))
     return out

@@ -30,6 +30,7 @@ from hybridserve.core.batch import ForwardBatch
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.counters import arrival_counters
 from hybridserve.ops.triton.pdl import wait_for_previous
+from hybridserve.ops.triton.sizes import cdiv
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -235,7 +236,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     v_in_k = (v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride()
               and v_dim == d_main)
     out = q.new_empty(num_tokens, num_q_heads, v_dim)
-    grid = (triton.cdiv(batch.max_query_len, config.block_q), batch.num_seqs, num_kv_heads * splits)
+    grid = (cdiv(batch.max_query_len, config.block_q), batch.num_seqs, num_kv_heads * splits)
     if splits > 1:
         part_o = torch.empty(num_tokens, num_q_heads, splits, v_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(num_tokens, num_q_heads, splits, dtype=torch.float32, device=q.device)

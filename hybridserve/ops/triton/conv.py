@@ -41,6 +41,7 @@ from hybridserve.core.batch import ForwardBatch
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.counters import arrival_counters
 from hybridserve.ops.triton.pdl import wait_for_previous
+from hybridserve.ops.triton.sizes import cdiv, next_power_of_2
 
 # Launch constants of the columns form, sized for an H200 (132 SMs); benchmarks/ops/conv.py times both forms.
 # Steps of at most this many tokens run the columns form (H200, 40-layer graphs: 1.8x at 1 token, 1.3x at 8,
@@ -325,7 +326,7 @@ def _arrival_counters(device: torch.device) -> torch.Tensor:
 
 def _block_tokens(num_tokens: int, history: int) -> int:
     """Tokens a heads-form program looks at: 16 (the smallest tl.dot) for decode-sized steps, 32 for prefill."""
-    return max(16 if num_tokens <= 512 else 32, triton.next_power_of_2(history + 1))
+    return max(16 if num_tokens <= 512 else 32, next_power_of_2(history + 1))
 
 
 def column_tiles(tokens: int, channels: int, d: int, k1: int, overlap: int) -> tuple[int, int, int]:
@@ -333,11 +334,11 @@ def column_tiles(tokens: int, channels: int, d: int, k1: int, overlap: int) -> t
     columns, tiles as square as powers of two allow (a program reads its columns' weight rows once for all of its
     tokens), columns within one head, a token block longer than the overlap, and a chunk of the flat D * K1 weight
     row that keeps the product tile near TILE_ELEMENTS. Bucketed by the next power of two of the token count."""
-    span = triton.next_power_of_2(tokens)
+    span = next_power_of_2(tokens)
     area = max(1, span * channels // PROGRAMS)
-    bt = max(min(span, 1 << ((area.bit_length() - 1) // 2)), triton.next_power_of_2(overlap + 1))
-    bo = min(triton.next_power_of_2(d), max(MIN_COLUMNS, triton.next_power_of_2(-(-area // bt))))
-    return bt, bo, min(max(8, TILE_ELEMENTS // (bt * bo)), triton.next_power_of_2(d * k1))
+    bt = max(min(span, 1 << ((area.bit_length() - 1) // 2)), next_power_of_2(overlap + 1))
+    bo = min(next_power_of_2(d), max(MIN_COLUMNS, next_power_of_2(-(-area // bt))))
+    return bt, bo, min(max(8, TILE_ELEMENTS // (bt * bo)), next_power_of_2(d * k1))
 
 
 def cca_conv(proj: torch.Tensor, weight0: torch.Tensor, bias0: torch.Tensor, weight1: torch.Tensor,
@@ -370,7 +371,7 @@ def cca_conv(proj: torch.Tensor, weight0: torch.Tensor, bias0: torch.Tensor, wei
     if tokens == 0:
         return qk[:, :q_heads], qk[:, q_heads:], value
     columns = tokens <= COLUMNS_MAX_TOKENS if form is None else form == "columns"
-    block_d = max(16, triton.next_power_of_2(d))
+    block_d = max(16, next_power_of_2(d))
     # A row of one token has no later token reading its carried window, so token blocks need not overlap.
     overlap = max(history - 1, 0) if batch.max_query_len > 1 else 0
     if columns:
@@ -378,20 +379,20 @@ def cca_conv(proj: torch.Tensor, weight0: torch.Tensor, bias0: torch.Tensor, wei
         launch = dict(COLUMNS=True, BLOCK_O=block_o, BLOCK_K=block_k,
                       STAGES=PIPELINE_STAGES if block_k < d * k1 else 1, PRECISION="ieee", num_warps=COLUMN_WARPS)
     else:
-        block_t = max(block_tokens, triton.next_power_of_2(history + 1)) if block_tokens else _block_tokens(
+        block_t = max(block_tokens, next_power_of_2(history + 1)) if block_tokens else _block_tokens(
             tokens, history)
         block_o = block_d
         launch = dict(COLUMNS=False, BLOCK_O=block_o, BLOCK_K=1, STAGES=1,
                       PRECISION="ieee" if proj.dtype == torch.float32 else "tf32",
                       num_warps=8 if block_d >= 128 else 4)
-    token_blocks = triton.cdiv(tokens, block_t - overlap)
+    token_blocks = cdiv(tokens, block_t - overlap)
     heads = q_heads + k_heads
     if columns and token_blocks * heads > COUNTERS:
         raise ValueError(f"{token_blocks} token blocks x {heads} heads exceed the {COUNTERS} arrival counters")
     has_footer = conv_footer is not None
     cfoot = conv_footer if has_footer else conv_state
     lfoot = lag_footer if has_footer else lag_state
-    grid = (token_blocks, heads * triton.cdiv(d, block_o) + triton.cdiv(lag_width, block_d))
+    grid = (token_blocks, heads * cdiv(d, block_o) + cdiv(lag_width, block_d))
     _cca_conv_kernel[grid](
         proj, proj.stride(0), weight0, bias0, weight1, bias1, lag_bias if lag_bias is not None else bias0,
         qk, value, conv_state, *conv_state.stride(), lag_state, lag_state.stride(0), cfoot, *cfoot.stride(),
@@ -400,7 +401,7 @@ def cca_conv(proj: torch.Tensor, weight0: torch.Tensor, bias0: torch.Tensor, wei
         batch.verify.token_slots if batch.verify is not None else batch.positions, tokens, kv_head_offset,
         _arrival_counters(proj.device) if columns else qk,
         HQ=q_heads, HK=k_heads, D=d, VH=lag_width, K0=k0, K1=k1, P=history, OVERLAP=overlap, BLOCK_T=block_t,
-        BLOCK_D=block_d, BLOCK_P=triton.next_power_of_2(max(history, 1)), HAS_LAG_BIAS=lag_bias is not None,
+        BLOCK_D=block_d, BLOCK_P=next_power_of_2(max(history, 1)), HAS_LAG_BIAS=lag_bias is not None,
         HAS_FOOTER=has_footer, HAS_VERIFY=batch.verify is not None, **launch,
         **pdl.launch(proj.device))
     return qk[:, :q_heads], qk[:, q_heads:], value

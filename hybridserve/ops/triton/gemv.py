@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
+from hybridserve.ops.triton.sizes import cdiv, next_power_of_2
+
 PROGRAMS = 256  # programs per launch to aim for: about two per SM of an H200
 TILE_ELEMENTS = 8192  # a program's [tokens, columns, K chunk] fp32 product tile: 64 registers a thread at 4 warps
 PIPELINE_STAGES = 4  # K chunks in flight per program when its loop has several
@@ -54,12 +56,12 @@ def tiles(tokens: int, rows: int, depth: int, min_rows: int = 1) -> Tiles:
     TILE_ELEMENTS. Tokens count by the next power of two (BT), so the warm-up's power-of-two ladder compiles every
     variant a run needs, and a decode batch padded to its CUDA-graph size keeps the tiles, hence the sums, of the
     eager step."""
-    bt = triton.next_power_of_2(max(tokens, 1))
+    bt = next_power_of_2(max(tokens, 1))
     widest = min(MAX_COLUMNS, TILE_ELEMENTS // (bt * MIN_CHUNK))
-    bn = max(min_rows, min(widest, triton.next_power_of_2(triton.cdiv(MIN_PROGRAM_ELEMENTS, depth))))
-    while 2 * bn <= widest and triton.cdiv(rows, 2 * bn) >= PROGRAMS:
+    bn = max(min_rows, min(widest, next_power_of_2(cdiv(MIN_PROGRAM_ELEMENTS, depth))))
+    while 2 * bn <= widest and cdiv(rows, 2 * bn) >= PROGRAMS:
         bn *= 2
-    bk = min(max(MIN_CHUNK, TILE_ELEMENTS // (bt * bn)), triton.next_power_of_2(depth))
+    bk = min(max(MIN_CHUNK, TILE_ELEMENTS // (bt * bn)), next_power_of_2(depth))
     return Tiles(bt, bn, bk, PIPELINE_STAGES if bk < depth else 1)
 
 

@@ -35,6 +35,7 @@ from hybridserve.core.batch import ForwardBatch
 from hybridserve.ops.reference.lightning import QKNormRope
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.pdl import wait_for_previous
+from hybridserve.ops.triton.sizes import cdiv, next_power_of_2
 
 CHUNK = 64
 DOT_PRECISION = "tf32x3"
@@ -197,7 +198,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state_pool: torch.
 
 def _block(n: int) -> int:
     """tl.dot and tl.arange need power-of-two blocks of at least 16."""
-    return max(16, triton.next_power_of_2(n))
+    return max(16, next_power_of_2(n))
 
 
 def lightning_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
@@ -210,7 +211,7 @@ def lightning_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_deca
     dv = v.shape[2]
     out = torch.empty(rows, heads, dv, device=q.device, dtype=torch.float32)
     block_v = min(block_v, _block(dv))
-    grid = (rows, heads, triton.cdiv(dv, block_v))
+    grid = (rows, heads, cdiv(dv, block_v))
     half, has_norm = 0, False
     weights = (log_decay, log_decay)  # unread without norm_rope
     positions, inv_freq = batch.positions, log_decay
@@ -249,7 +250,7 @@ def lightning_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_dec
         # 8 warps for the real widths (d = 128, BLOCK_V = 64); small tiles take 4: on the H200 8 warps over 16-wide
         # dots (d = 16 test shapes) made an illegal memory access, which 4 warps do not.
         num_warps = 8 if _block(dk) >= 64 and block_v >= 64 else 4
-    grid = (batch.num_seqs, heads, triton.cdiv(dv, block_v))
+    grid = (batch.num_seqs, heads, cdiv(dv, block_v))
     _prefill_kernel[grid](q, k, v, out, state_pool, batch.query_start_loc, batch.state_slots,
                           batch.has_initial_state, log_decay.float().contiguous(),
                           q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -275,7 +276,7 @@ def lightning_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_deca
         out = lightning_prefill(q, k, v, log_decay, state_pool, others)
     heads, dk, dv = q.shape[1], q.shape[2], v.shape[2]
     block_v = min(block_v, _block(dv))
-    grid = (len(verify.rows), heads, triton.cdiv(dv, block_v))
+    grid = (len(verify.rows), heads, cdiv(dv, block_v))
     _verify_kernel[grid](q, k, v, out, state_pool, verify.row_index, batch.query_start_loc, batch.state_slots,
                          batch.has_initial_state, verify.token_slots, log_decay.float().contiguous(),
                          q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),

@@ -24,6 +24,7 @@ from hybridserve.ops.triton.counters import arrival_counters
 from hybridserve.ops.triton.gemv import Tiles, dot_rows, tiles
 from hybridserve.ops.triton.norm import epilogue_args, residual_norm_row
 from hybridserve.ops.triton.pdl import wait_for_previous
+from hybridserve.ops.triton.sizes import cdiv
 
 MAX_TOKENS = 16  # the most tokens the kernel takes (its register tiles)
 # Where ops.linear runs it rather than cuBLAS's tensor-core GEMM (the reference, F.linear), placed from
@@ -90,7 +91,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if t.BT < tokens:
             raise ValueError(f"linear: tiles {t} take fewer than {tokens} tokens")
         counter = arrival_counters("linear_norm", 1, x.device) if norm is not None else out
-        _linear_kernel[(triton.cdiv(n, t.BN),)](
+        _linear_kernel[(cdiv(n, t.BN),)](
             flat, weight, bias if bias is not None else weight, out, tokens, n, flat.stride(0), out.stride(0),
             counter, *epilogue, K=k, BT=t.BT, BN=t.BN, BK=t.BK, STAGES=t.STAGES, HAS_BIAS=bias is not None,
             NORM=norm is not None, **flags, num_warps=t.num_warps, **pdl.launch(x.device))

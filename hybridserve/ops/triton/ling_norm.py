@@ -9,6 +9,7 @@ import triton.language as tl
 
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.pdl import wait_for_previous
+from hybridserve.ops.triton.sizes import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -155,7 +156,7 @@ def _rows(x: torch.Tensor, what: str) -> None:
 
 def _tile(width: int) -> tuple[int, int, int]:
     """(rows per program, column block, warps): ~2048-element tiles, so narrow rows share a program."""
-    block_c = triton.next_power_of_2(width)
+    block_c = next_power_of_2(width)
     block_r = max(1, 2048 // block_c)
     return block_r, block_c, max(1, min(8, block_r * block_c // 512))
 
@@ -182,7 +183,7 @@ def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, 
     if fp32_copy:
         out32 = out if out.dtype == torch.float32 else torch.empty(rows, width, device=x.device, dtype=torch.float32)
     block_r, block_c, warps = _tile(width)
-    _add_rms_norm_kernel[(triton.cdiv(rows, block_r),)](
+    _add_rms_norm_kernel[(cdiv(rows, block_r),)](
         x, x if addend is None else addend, x if residual is None else residual, weight.contiguous(), out,
         out if residual_out is None else residual_out, out if out32 is None else out32, rows, width, parts,
         x.stride(0), x.stride(1) if parts > 1 else 0, 0 if addend is None else addend.stride(0),
@@ -215,7 +216,7 @@ def group_rms_norm(x: torch.Tensor, weight: torch.Tensor, num_groups: int, eps: 
     out = torch.empty(x.shape, device=x.device, dtype=dtype)
     rows, group_size = x.shape[0], x.shape[1] // num_groups
     block_r, block_c, warps = _tile(group_size)
-    _group_rms_norm_kernel[(triton.cdiv(rows, block_r), num_groups)](
+    _group_rms_norm_kernel[(cdiv(rows, block_r), num_groups)](
         x, x if gate is None else gate, weight.contiguous(), out, rows, group_size, x.stride(0),
         0 if gate is None else gate.stride(0), out.stride(0), eps, HAS_GATE=gate is not None,
         BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps, **pdl.launch(x.device))
@@ -235,12 +236,12 @@ def qk_norm_rope(qk: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torc
     rows = tokens * 2 * heads
     block_r, _, warps = _tile(head_dim)
     norm = q_weight is not None
-    _qk_norm_rope_kernel[(triton.cdiv(rows, block_r),)](
+    _qk_norm_rope_kernel[(cdiv(rows, block_r),)](
         qk, q_weight.contiguous() if norm else inv_freq, k_weight.contiguous() if norm else inv_freq, positions,
         inv_freq.contiguous(), out, rows, heads, qk.stride(0), qk.stride(1), qk.stride(2), out.stride(0),
         out.stride(1), out.stride(2), eps, HEAD_DIM=head_dim, HALF=half, HAS_NORM=norm, BLOCK_R=block_r,
-        BLOCK_HALF=max(16, triton.next_power_of_2(half)),
-        BLOCK_PASS=max(16, triton.next_power_of_2(head_dim - 2 * half)), num_warps=warps,
+        BLOCK_HALF=max(16, next_power_of_2(half)),
+        BLOCK_PASS=max(16, next_power_of_2(head_dim - 2 * half)), num_warps=warps,
         **pdl.launch(qk.device))
     return out
 
@@ -264,6 +265,6 @@ def mla_latent_rope(kv_a: torch.Tensor, norm_weight: torch.Tensor, q_rope: torch
             kv_a, norm_weight.contiguous(), q_rope, q_out, positions, inv_freq.contiguous(), slot_mapping,
             latent_cache, heads, kv_a.stride(0), q_rope.stride(0), q_rope.stride(1), q_out.stride(0),
             q_out.stride(1), latent_cache.stride(0), eps, RANK=rank, HALF=half, STEP=2 if interleaved else 1,
-            OFFSET=1 if interleaved else half, BLOCK_RANK=triton.next_power_of_2(rank),
-            BLOCK_HALF=max(16, triton.next_power_of_2(half)), BLOCK_H=max(2, triton.next_power_of_2(heads)),
+            OFFSET=1 if interleaved else half, BLOCK_RANK=next_power_of_2(rank),
+            BLOCK_HALF=max(16, next_power_of_2(half)), BLOCK_H=max(2, next_power_of_2(heads)),
             num_warps=4, **pdl.launch(kv_a.device))

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from hybridserve.ops.triton.moe_config import check_config, moe_config
+from hybridserve.ops.triton.sizes import cdiv, next_power_of_2
 
 _MAX_CHUNKS = 128  # alignment programs: each counts and places a contiguous chunk of pairs
 # Up to this many pairs (a decode batch of 16 tokens at top-8) one program counts and places them all: one launch
@@ -282,11 +283,11 @@ def align_pairs(topk_ids: torch.Tensor, experts: int, block_m: int) -> tuple[tor
     ids = topk_ids.reshape(-1)
     num_pairs = ids.numel()
     blocks = max_blocks(num_pairs, experts, block_m)
-    e_p2 = triton.next_power_of_2(experts)
+    e_p2 = next_power_of_2(experts)
     sub = max(1, min(64, 4096 // e_p2))  # pairs per step: a [sub, E] one-hot stays small
     single = num_pairs <= _SINGLE_PROGRAM_PAIRS
-    chunk = sub * triton.cdiv(triton.cdiv(num_pairs, sub), 1 if single else _MAX_CHUNKS)
-    num_chunks = triton.cdiv(num_pairs, chunk)
+    chunk = sub * cdiv(cdiv(num_pairs, sub), 1 if single else _MAX_CHUNKS)
+    num_chunks = cdiv(num_pairs, chunk)
     device = ids.device
     aligned = torch.empty(blocks * (block_m + 1), dtype=torch.int32, device=device)  # one allocation for both
     sorted_pairs, block_expert = aligned[:blocks * block_m], aligned[blocks * block_m:]
@@ -296,7 +297,7 @@ def align_pairs(topk_ids: torch.Tensor, experts: int, block_m: int) -> tuple[tor
         counts = torch.empty(num_chunks, experts, dtype=torch.int32, device=device)
         _count_kernel[(num_chunks,)](ids, ranks, counts, num_pairs, chunk, EXPERTS=experts, E_P2=e_p2, SUB=sub)
     _place_kernel[(num_chunks,)](ids, ranks, counts, sorted_pairs, block_expert, num_pairs, chunk, num_chunks,
-                                 blocks, triton.cdiv(blocks, num_chunks), EXPERTS=experts, E_P2=e_p2, SUB=sub,
+                                 blocks, cdiv(blocks, num_chunks), EXPERTS=experts, E_P2=e_p2, SUB=sub,
                                  CHUNK_TILE=max(1, min(64, 4096 // e_p2)), BLOCK_M=block_m, COUNT=single)
     return sorted_pairs, block_expert
 
@@ -305,8 +306,8 @@ def _reduce_splits(partial: torch.Tensor, out: torch.Tensor, weights: torch.Tens
                    swiglu: bool) -> None:
     """out [num_pairs, width] = the epilogue of the sum over the `split` partial rows of each pair."""
     num_pairs, width = out.shape
-    rows, block = 8, min(512, triton.next_power_of_2(width))  # 4096-element tiles
-    _split_reduce_kernel[(triton.cdiv(num_pairs, rows), triton.cdiv(width, block))](
+    rows, block = 8, min(512, next_power_of_2(width))  # 4096-element tiles
+    _split_reduce_kernel[(cdiv(num_pairs, rows), cdiv(width, block))](
         partial, out, weights, num_pairs, width, out.stride(0), out.stride(1), SPLIT_K=split, ROWS=rows,
         BLOCK=block, SWIGLU=swiglu, num_warps=4)
 
@@ -354,13 +355,13 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     launch = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=config["GROUP_M"],
                   PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                   num_warps=config["num_warps"], num_stages=config["num_stages"])
-    _gate_up_kernel[(blocks * triton.cdiv(inter, block_n // 2) * split_up,)](
+    _gate_up_kernel[(blocks * cdiv(inter, block_n // 2) * split_up,)](
         x, w13, act, partial, sorted_pairs, block_expert, num_pairs, blocks, top_k, inter, hidden,
         x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0), act.stride(1),
         EVEN_K=hidden % block_k == 0, SPLIT_K=split_up, **launch)
     if split_up > 1:
         _reduce_splits(partial, act, weights, split_up, swiglu=True)
-    _down_kernel[(blocks * triton.cdiv(hidden, block_n) * split_down,)](
+    _down_kernel[(blocks * cdiv(hidden, block_n) * split_down,)](
         act, w2, out, partial, weights, sorted_pairs, block_expert, num_pairs, blocks, hidden, inter,
         act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), out.stride(1),
         EVEN_K=inter % block_k == 0, SPLIT_K=split_down, **launch)

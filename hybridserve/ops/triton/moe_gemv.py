@@ -36,6 +36,7 @@ from hybridserve.ops.triton.gemv import Tiles, dot_rows, tiles
 from hybridserve.ops.triton.moe import expert_shapes
 from hybridserve.ops.triton.norm import epilogue_args, residual_norm_row
 from hybridserve.ops.triton.pdl import wait_for_previous
+from hybridserve.ops.triton.sizes import cdiv
 
 # The most (token, choice) pairs ops.moe gives this form; beyond, the grouped-GEMM form (`ops.triton.moe`), whose
 # expert blocks share each weight tile among their rows. benchmarks/ops/moe.py times both forms at decode sizes; on
@@ -139,12 +140,12 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
         ids = topk_ids.reshape(-1).contiguous()
         weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
         act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-        _gemv_gate_up_kernel[(pairs, triton.cdiv(2 * inter, up_tiles.BN))](
+        _gemv_gate_up_kernel[(pairs, cdiv(2 * inter, up_tiles.BN))](
             x, w13, ids, weights, act, x.stride(0), inter, TOP_K=top_k, EXPERTS=experts, H=hidden, BN=up_tiles.BN,
             BK=up_tiles.BK, STAGES=up_tiles.STAGES, num_warps=up_tiles.num_warps,
             **pdl.launch(x.device))
         counter = arrival_counters("moe_down_norm", MAX_PAIRS, x.device) if norm is not None else out
-        _gemv_down_kernel[(out.shape[0], triton.cdiv(hidden, down.BN))](
+        _gemv_down_kernel[(out.shape[0], cdiv(hidden, down.BN))](
             act, w2, ids, weights, out, hidden, counter, *epilogue, CHOICES=top_k if reduce else 1,
             EXPERTS=experts, I=inter, BN=down.BN, BK=down.BK, STAGES=down.STAGES, NORM=norm is not None, **flags,
             num_warps=down.num_warps, **pdl.launch(x.device))

@@ -16,6 +16,7 @@ import triton.language as tl
 from hybridserve.ops.norm import ResidualNorm
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.pdl import wait_for_previous
+from hybridserve.ops.triton.sizes import next_power_of_2
 
 
 @triton.jit
@@ -102,7 +103,7 @@ def _pack(norm: ResidualNorm, width: int, outputs: tuple, like: torch.Tensor) ->
 
 def _flags(norm: ResidualNorm, width: int, fp32_copy: bool) -> dict:
     """`residual_norm_row`'s constexprs (FP32_COPY: a separate fp32 copy to store)."""
-    return dict(BLOCK=triton.next_power_of_2(width), HAS_RESIDUAL=norm.residual is not None,
+    return dict(BLOCK=next_power_of_2(width), HAS_RESIDUAL=norm.residual is not None,
                 HAS_UB=norm.update_bias is not None, HAS_US=norm.update_scale is not None,
                 HAS_RB=norm.residual_bias is not None, HAS_RS=norm.residual_scale is not None,
                 HAS_SKIP=norm.skip_weight is not None, FP32_COPY=fp32_copy)

@@ -12,6 +12,7 @@ import triton.language as tl
 
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.pdl import wait_for_previous
+from hybridserve.ops.triton.sizes import next_power_of_2
 
 
 @triton.jit
@@ -77,6 +78,6 @@ def grouped_topk(logits: torch.Tensor, expert_bias: torch.Tensor | None, n_group
     _grouped_topk_kernel[(tokens,)](
         logits, bias, ids, weights, logits.stride(0), float(routed_scaling_factor),
         HAS_BIAS=expert_bias is not None, N_GROUP=n_group, GROUP_SIZE=group_size, TOPK_GROUP=topk_group,
-        TOP_K=top_k, G_P2=triton.next_power_of_2(n_group), S_P2=triton.next_power_of_2(group_size),
-        K_P2=triton.next_power_of_2(top_k), num_warps=1 if experts <= 512 else 4, **pdl.launch(logits.device))
+        TOP_K=top_k, G_P2=next_power_of_2(n_group), S_P2=next_power_of_2(group_size),
+        K_P2=next_power_of_2(top_k), num_warps=1 if experts <= 512 else 4, **pdl.launch(logits.device))
     return ids, weights

@@ -19,6 +19,7 @@ import triton.language as tl
 from hybridserve.ops.reference.sampling import CDF_BLOCK
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.pdl import wait_for_previous
+from hybridserve.ops.triton.sizes import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -92,13 +93,13 @@ def draw_unsorted(logits: torch.Tensor, draw_params: torch.Tensor) -> torch.Tens
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
-    blocks = triton.cdiv(vocab, CDF_BLOCK)
+    blocks = cdiv(vocab, CDF_BLOCK)
     block_max = torch.empty(rows, blocks, dtype=torch.float32, device=logits.device)
     block_mass = torch.empty(rows, blocks, dtype=torch.float64, device=logits.device)
     common = dict(BLOCK=CDF_BLOCK, **pdl.launch(logits.device))
     shape = (vocab, logits.stride(0), blocks)
     _block_max_kernel[(rows, blocks)](logits, draw_params, block_max, *shape, num_warps=4, **common)
-    blocks_p2 = triton.next_power_of_2(blocks)
+    blocks_p2 = next_power_of_2(blocks)
     _block_mass_kernel[(rows, blocks)](logits, draw_params, block_max, block_mass, *shape, BLOCKS_P2=blocks_p2,
                                        num_warps=4, **common)
     _pick_kernel[(rows,)](logits, draw_params, block_max, block_mass, out, *shape, BLOCKS_P2=blocks_p2,

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.pdl import wait_for_previous
+from hybridserve.ops.triton.sizes import next_power_of_2
 
 
 @triton.jit
@@ -79,6 +80,6 @@ def qk_norm_rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, temp: 
             q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), temp, inv_freq,
             positions, slot_mapping, out, k_cache, k_cache.stride(0), k_cache.stride(1), v_cache, v_cache.stride(0),
             v_cache.stride(1), math.sqrt(d), torch.finfo(torch.float32).eps, HQ=q_heads, HK=k_heads, D=d,
-            HALF=half, BLOCK_D=triton.next_power_of_2(d), BLOCK_HQ=triton.next_power_of_2(q_heads),
-            BLOCK_HK=triton.next_power_of_2(k_heads), num_warps=4, **pdl.launch(q.device))
+            HALF=half, BLOCK_D=next_power_of_2(d), BLOCK_HQ=next_power_of_2(q_heads),
+            BLOCK_HK=next_power_of_2(k_heads), num_warps=4, **pdl.launch(q.device))
     return out

@@ -43,6 +43,7 @@ from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.counters import arrival_counters
 from hybridserve.ops.triton.norm import residual_rms_norm
 from hybridserve.ops.triton.pdl import wait_for_previous
+from hybridserve.ops.triton.sizes import cdiv, next_power_of_2
 
 # The largest decode batch captured in a CUDA graph (and the last tile bucket the launch constants below were sized
 # for); beyond it the prefill form (cuBLAS matmuls) runs. benchmarks/ops/zaya_router.py times both forms on each side.
@@ -189,16 +190,16 @@ def _loop(rows: int, cols: int, k: int) -> dict:
 def _chunk(rows: int, cols: int, k: int) -> int:
     """K chunk of a [rows, cols, chunk] product tile of about TILE_ELEMENTS (at least 8 lanes, one 32-byte sector
     of a row; at most K)."""
-    return min(max(8, TILE_ELEMENTS // (rows * cols)), triton.next_power_of_2(k))
+    return min(max(8, TILE_ELEMENTS // (rows * cols)), next_power_of_2(k))
 
 
 def fused_tiles(tokens: int, n: int) -> tuple[int, int]:
     """(tokens, columns) per program of a fused launch with N output columns: about PROGRAMS programs, as square
     as powers of two allow (a program reads (BT + BN) * K inputs for BT * BN * K products). Bucketed by the next
     power of two of the token count, as the warm-up ladder is."""
-    area = max(1, triton.next_power_of_2(tokens) * n // PROGRAMS)
-    bt = min(triton.next_power_of_2(tokens), 1 << ((area.bit_length() - 1) // 2))
-    return bt, min(triton.next_power_of_2(n), triton.next_power_of_2(-(-area // bt)))
+    area = max(1, next_power_of_2(tokens) * n // PROGRAMS)
+    bt = min(next_power_of_2(tokens), 1 << ((area.bit_length() - 1) // 2))
+    return bt, min(next_power_of_2(n), next_power_of_2(-(-area // bt)))
 
 
 def _outputs(tokens: int, planes: int, width: int, device: torch.device):
@@ -234,8 +235,8 @@ def fused_route(x32, down_weight, down_bias, carry, states_scale, norm_weight, e
     choice, ids, weight, expert_w, skip_w, (z, u1, u2) = _outputs(tokens, 3, width, x32.device)
     if tokens:
         bt, bn = fused_tiles(tokens, width)
-        grid = (triton.cdiv(width, bn), triton.cdiv(tokens, bt))
-        bc = triton.next_power_of_2(classes)
+        grid = (cdiv(width, bn), cdiv(tokens, bt))
+        bc = next_power_of_2(classes)
         dummy = x32
         select = (_arrival_counters(x32.device), out_weight, balancing_biases, choice, weight, ids, expert_w, skip_w)
         common = dict(N=width, CLASSES=classes, BT=bt, BN=bn, BC=bc, BKC=_chunk(bt, bc, width), num_warps=4,
@@ -256,10 +257,10 @@ def fused_route(x32, down_weight, down_bias, carry, states_scale, norm_weight, e
 def gemm_tiles(tokens: int, n: int) -> tuple[int, int]:
     """(BM, BN) of the prefill form's GEMM: the largest tiles that still give about PROGRAMS programs (BM at least
     16, tl.dot's smallest), for the next power of two of the token count, as the warm-up ladder buckets them."""
-    bucket = triton.next_power_of_2(tokens)
-    bn = min(triton.next_power_of_2(n), 128 if bucket >= 4096 else 64)
+    bucket = next_power_of_2(tokens)
+    bn = min(next_power_of_2(n), 128 if bucket >= 4096 else 64)
     bm = 128
-    while bm > 16 and triton.cdiv(bucket, bm) * triton.cdiv(n, bn) < PROGRAMS:
+    while bm > 16 and cdiv(bucket, bm) * cdiv(n, bn) < PROGRAMS:
         bm //= 2
     return bm, bn
 
@@ -268,8 +269,8 @@ def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out: torch.
     tokens, k = x.shape
     n = weight.shape[0]
     bm, bn = gemm_tiles(tokens, n)
-    _gemm_kernel[(triton.cdiv(n, bn), triton.cdiv(tokens, bm))](
-        x, weight, bias, out, tokens, K=k, N=n, BM=bm, BN=bn, BK=min(GEMM_BK, triton.next_power_of_2(k)),
+    _gemm_kernel[(cdiv(n, bn), cdiv(tokens, bm))](
+        x, weight, bias, out, tokens, K=k, N=n, BM=bm, BN=bn, BK=min(GEMM_BK, next_power_of_2(k)),
         STAGES=GEMM_STAGES, GELU=gelu, num_warps=8 if bm * bn >= 128 * 64 else 4)
 
 
@@ -287,8 +288,8 @@ def gemm_route(x32, down_weight, down_bias, carry, states_scale, norm_weight, ep
         new_carry, normed, _ = residual_rms_norm(carry, norm_weight, eps, residual=z, update_scale=states_scale)
     _gemm(normed, fc1_weight, fc1_bias, u1, gelu=True)
     _gemm(u1, fc2_weight, fc2_bias, u2, gelu=True)
-    bc = triton.next_power_of_2(classes)
-    _select_kernel[(triton.cdiv(tokens, SELECT_TOKENS),)](
+    bc = next_power_of_2(classes)
+    _select_kernel[(cdiv(tokens, SELECT_TOKENS),)](
         u2, out_weight, balancing_biases, choice, weight, ids, expert_w, skip_w, tokens, K=width, CLASSES=classes,
         BT=SELECT_TOKENS, BC=bc, BK=_chunk(SELECT_TOKENS, bc, width), num_warps=4)
     return Routing(choice, weight, ids, expert_w, skip_w, new_carry)
