@@ -32,7 +32,8 @@
 # 40-layer ZAYA1 offline benchmark against HF transformers and the floor; epilogues = a change to kernel epilogues
 # (the residual norm in the GEMVs, the attention split merge): their kernel and GPU test files, the b1 step profile
 # and the 40-layer ZAYA1 offline benchmark without HF; prefill-graphs = the one-row prefill graphs' test files beside
-# the decode graphs' and the host-sync test, the b1 profile (its first token), the 40-layer offline benchmark)
+# the decode and verify graphs' and the host-sync test, the b1 profile (its first token, the graph pool), the 40-layer
+# offline benchmark with and without prefill graphs at b1)
 set -u
 OUT=${OUT:-gpu-out}
 what=${1:-all}
@@ -221,7 +222,7 @@ fi
 
 if [[ $what == prefill-graphs ]]; then  # one-row prefill graphs: their tests, the b1 profile, 40 layers
   run_files 2 tests/gpu/test_prefill_graphs_gpu.py tests/gpu/test_cuda_graphs_gpu.py tests/ops/test_prefill_graph_batch.py \
-    tests/gpu/test_host_sync_gpu.py
+    tests/gpu/test_host_sync_gpu.py tests/gpu/test_speculative_gpu.py
   grep -H -E ' (passed|failed|error)|^rc=|largest|graph pool' "$OUT"/logs/test_*.log
   timeout 150 python benchmarks/profile_step.py --layers 40 --scenario b1 --out "$OUT/profile_b1.json" \
     > "$OUT/logs/profile_b1.log" 2>&1
