@@ -1,14 +1,14 @@
-"""Where a short prompt's eager prefill step spends its time: the host queueing the kernels, or the device running
-them. At batch 1 the prefill is the one step that does not replay a CUDA graph, and the offline benchmark's b1
-scenario (512-token prompt, 128 new tokens) pays it once per request.
+"""Where an eager prefill step spends its time: the host queueing the kernels, or the device running them. Steps of
+several rows run eagerly (the offline benchmark's prefill scenario: 16 rows of 512 tokens a step), and so did the
+one-row prefill that the b1 scenario pays once per request, before the prefill graphs (runtime/prefill_graphs.py).
 
-For each prompt length the model's forward and logits run on one fresh row (on the dummy page and slot, as the
-warm-up does), timed three ways: the host's time to queue everything (no sync), the wall time to the finished
-logits, and the device's own time (the work queued behind a long `torch.cuda._sleep`, so the device never waits
-for the host). Triton's launch path (`JITFunction.run`) is timed and counted separately; a cProfile of one run
-names the rest.
+For each prompt length the model's forward and logits run on one fresh row, or `--rows` of them (on the dummy page
+and slot, as the warm-up does), timed three ways: the host's time to queue everything (no sync), the wall time to
+the finished logits, and the device's own time (the work queued behind a long `torch.cuda._sleep`, so the device
+never waits for the host). Triton's launch path (`JITFunction.run`) is timed and counted separately; a cProfile of
+one run names the rest.
 
-    python benchmarks/prefill_host.py --layers 40 --tokens 128 512 2048 [--out prefill_host.json]
+    python benchmarks/prefill_host.py --layers 40 --tokens 128 512 2048 [--rows 16] [--out prefill_host.json]
 """
 from __future__ import annotations
 
@@ -62,21 +62,23 @@ class TritonLaunches:
         self._cls.run = self._original
 
 
-def _prefill(runner, tokens: int) -> None:
+def _prefill(runner, tokens: int, rows: int = 1) -> None:
+    """One eager prefill step of `rows` fresh rows of `tokens` tokens each, all on the dummy page and slot."""
     page = runner.config.page_size
-    chunk = ScheduledChunk([11] * tokens, 0, [DUMMY_PAGE] * -(-tokens // page), DUMMY_SLOT, False, [tokens - 1])
-    batch = build_forward_batch([chunk], page, runner.device, runner.model.history_len)
+    chunks = [ScheduledChunk([11] * tokens, 0, [DUMMY_PAGE] * -(-tokens // page), DUMMY_SLOT, False, [tokens - 1])
+              for _ in range(rows)]
+    batch = build_forward_batch(chunks, page, runner.device, runner.model.history_len)
     hidden = runner.model(batch)
     runner.model.compute_logits(hidden[batch.logits_indices])
 
 
-def measure(runner, tokens: int, repeats: int) -> dict:
+def measure(runner, tokens: int, rows: int, repeats: int) -> dict:
     host, wall, device, launches, launch_s = [], [], [], [], []
     for _ in range(repeats):
         torch.cuda.synchronize()
         start = time.perf_counter()
         with TritonLaunches() as triton_launches:
-            _prefill(runner, tokens)
+            _prefill(runner, tokens, rows)
         host.append(time.perf_counter() - start)
         torch.cuda.synchronize()
         wall.append(time.perf_counter() - start)
@@ -86,13 +88,13 @@ def measure(runner, tokens: int, repeats: int) -> dict:
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda._sleep(SLEEP_CYCLES)
         begin.record()
-        _prefill(runner, tokens)
+        _prefill(runner, tokens, rows)
         end.record()
         torch.cuda.synchronize()
         device.append(begin.elapsed_time(end) / 1e3)
     profiler = cProfile.Profile()
     profiler.enable()
-    _prefill(runner, tokens)
+    _prefill(runner, tokens, rows)
     torch.cuda.synchronize()
     profiler.disable()
     stats = pstats.Stats(profiler)
@@ -100,7 +102,7 @@ def measure(runner, tokens: int, repeats: int) -> dict:
     rows = sorted(stats.stats.items(), key=lambda item: item[1][2], reverse=True)[:25]
     ms = {name: round(1e3 * statistics.median(values), 3) for name, values in
           (("host_queue_ms", host), ("wall_ms", wall), ("device_ms", device), ("triton_launch_ms", launch_s))}
-    return {"tokens": tokens, **ms, "triton_launches": launches[0],
+    return {"tokens": tokens, "rows": rows, **ms, "triton_launches": launches[0],
             "cprofile_own_time_share": [(f"{Path(k[0]).name}:{k[1]}:{k[2]}", v[1], round(v[2] / total, 4))
                                         for k, v in rows]}
 
@@ -109,6 +111,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=40)
     parser.add_argument("--tokens", type=int, nargs="+", default=[128, 512, 2048])
+    parser.add_argument("--rows", type=int, default=1, help="rows of --tokens tokens each in the step (16 rows of "
+                        "512: the offline benchmark's prefill scenario steps)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -122,8 +126,8 @@ def main() -> None:
         results = []
         with torch.inference_mode():
             for tokens in args.tokens:
-                _prefill(runner, tokens)  # any variant not yet compiled
-                entry = measure(runner, tokens, args.repeats)
+                _prefill(runner, tokens, args.rows)  # any variant not yet compiled
+                entry = measure(runner, tokens, args.rows, args.repeats)
                 results.append(entry)
                 print(json.dumps({k: v for k, v in entry.items() if k != "cprofile_own_time_share"}), flush=True)
                 for name, calls, share in entry["cprofile_own_time_share"][:12]:
