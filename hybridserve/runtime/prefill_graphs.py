@@ -100,7 +100,7 @@ class PrefillGraphs:
         if not sizes:
             raise ValueError("prefill graphs need at least one size")
         self.model, self.tables, self.page_size, self.max_model_len = model, tables, page_size, max_model_len
-        self.sizes, self.device, self.captured = sizes, device, capture
+        self.sizes, self.device = sizes, device
         self.placeholders = capture or all_triton() if placeholders is None else placeholders
         self._segments = _segments(sizes[-1], tables.window is not None)
         nbytes = _nbytes(self._segments)
