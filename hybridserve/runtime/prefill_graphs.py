@@ -38,7 +38,7 @@ from hybridserve.core.batch import (
 )
 from hybridserve.core.upload import upload
 from hybridserve.ops.backends import all_triton
-from hybridserve.runtime.warmup import DUMMY_PAGE, DUMMY_SLOT
+from hybridserve.runtime.warmup import DUMMY_PAGE, DUMMY_SLOT, dummy_row
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +170,10 @@ class PrefillGraphs:
         page = self.page_size
         start = time.perf_counter()
         for size in self.sizes:  # eager once: compiles any kernel variant the capture would otherwise meet first
-            self._fill(_dummy_row(size, page, self.tables.dummy_row, self.tables.window is not None), size)
+            row = dummy_row(size, 0, page)
+            row.table_row = self.tables.dummy_row
+            row.window_page_ids = list(row.page_ids) if self.tables.window is not None else None
+            self._fill(row, size)
             self._forward(size)
             # The fill after next reuses this fill's host twin: its queued copy must have run by then (engine
             # steps are collected before that; these forwards are not).
@@ -225,11 +228,3 @@ class PrefillGraphs:
             return self._forward(size)[:wanted]
         self._graphs[size].replay()
         return self._logits[size][:wanted]
-
-
-def _dummy_row(size: int, page_size: int, table_row: int, window: bool) -> ScheduledChunk:
-    """A row of `size` tokens on the dummy page (in both KV groups with `window`), slot and table row (what the
-    capture runs)."""
-    pages = [DUMMY_PAGE] * -(-size // page_size)
-    return ScheduledChunk([0] * size, 0, pages, DUMMY_SLOT, False, [size - 1], table_row=table_row,
-                          window_page_ids=list(pages) if window else None)

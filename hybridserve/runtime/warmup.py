@@ -30,7 +30,7 @@ def _ladder(limit: int) -> list[int]:
     return sorted(sizes)
 
 
-def _row(num_tokens: int, prefix_len: int, page_size: int, drafts: int = 0) -> ScheduledChunk:
+def dummy_row(num_tokens: int, prefix_len: int, page_size: int, drafts: int = 0) -> ScheduledChunk:
     """A row on the dummy page and slot; with `drafts`, a verify row of 1 + drafts tokens (its draft states into
     the dummy slot too)."""
     num_tokens += drafts
@@ -53,15 +53,15 @@ def warmup_batches(max_tokens: int, max_rows: int, max_model_len: int, page_size
     steps: list[list[ScheduledChunk]] = []
     k = draft_tokens
     for tokens in _ladder(max_tokens):
-        steps.append([_row(tokens, 0, page_size)])
+        steps.append([dummy_row(tokens, 0, page_size)])
         if tokens >= 2:
-            steps.append([_row(tokens - 1, 0, page_size), _row(1, 1, page_size)])
+            steps.append([dummy_row(tokens - 1, 0, page_size), dummy_row(1, 1, page_size)])
         if k and tokens >= k + 2:
-            steps.append([_row(tokens - k - 1, 0, page_size), _row(1, 1, page_size, k)])
+            steps.append([dummy_row(tokens - k - 1, 0, page_size), dummy_row(1, 1, page_size, k)])
     for context in sorted({min(page_size, max_model_len) - 1, max_model_len - 1}):
         for rows in _ladder(min(max_rows, max_tokens)):
-            steps.append([_row(1, context, page_size) for _ in range(rows)])
+            steps.append([dummy_row(1, context, page_size) for _ in range(rows)])
         if k and max_tokens >= k + 1:
             for rows in _ladder(min(max_rows, max_tokens // (k + 1))):
-                steps.append([_row(1, max(1, context - k), page_size, k) for _ in range(rows)])
+                steps.append([dummy_row(1, max(1, context - k), page_size, k) for _ in range(rows)])
     return steps
