@@ -6,7 +6,8 @@
 # Logs and JSON go to $OUT (default ./gpu-out); the per-file logs end up in one $OUT/logs.tgz, as the device tool
 # brings back at most 8 files. Usage, from the repository root on the GPU machine:
 #   bash benchmarks/gpu_session.sh [tests|kernels|engines|bench|all|ling|agreement|profile|tune|serving|serving-ling|tp|
-#                                   structured|spec|pdl|dp|prefill-alloc|new-kernels|conv|epilogues|prefill-graphs]
+#                                   structured|spec|pdl|dp|prefill-alloc|new-kernels|conv|epilogues|prefill-graphs|
+#                                   prefill-host]
 # (all = tests + bench; tests = kernels + engines: the two groups of test files, see below; ling = 16 Ling-2.6-flash
 # layers with dummy weights and the shared-expert overlap; agreement = Ling decode agreement per lightning
 # implementation; profile = the b1, b64, prefill and b1-under-a-JSON-grammar step profiles of the 40-layer
@@ -33,7 +34,9 @@
 # (the residual norm in the GEMVs, the attention split merge): their kernel and GPU test files, the b1 step profile
 # and the 40-layer ZAYA1 offline benchmark without HF; prefill-graphs = the one-row prefill graphs' test files beside
 # the decode and verify graphs' and the host-sync test, the b1 profile (its first token, the graph pool), the 40-layer
-# offline benchmark with and without prefill graphs at b1)
+# offline benchmark with and without prefill graphs at b1; prefill-host = whether the prefill scenario's 16-row eager
+# steps are bound by the host or the device: its step profile with the host's share of the whole scenario, one
+# 16-row step timed by prefill_host.py, then the prefill-graphs group's test files)
 set -u
 OUT=${OUT:-gpu-out}
 what=${1:-all}
@@ -234,6 +237,18 @@ if [[ $what == prefill-graphs ]]; then  # one-row prefill graphs: their tests, t
     --scenarios b1 --prefill-graph-max-tokens 0 --out "$OUT/offline_no_prefill_graphs.json" \
     > "$OUT/logs/offline_no_prefill_graphs.log" 2>&1
   echo "without prefill graphs:" && grep -A 2 "^scenario" "$OUT/logs/offline_no_prefill_graphs.log"
+fi
+
+if [[ $what == prefill-host ]]; then  # the prefill scenario: host- or device-bound?
+  timeout 200 python benchmarks/profile_step.py --layers 40 --scenario prefill --out "$OUT/profile_prefill.json" \
+    > "$OUT/logs/profile_prefill.log" 2>&1
+  grep -E "median_late|first_steps|profiled:|host share" "$OUT/logs/profile_prefill.log"
+  timeout 150 python benchmarks/prefill_host.py --layers 40 --tokens 512 --rows 16 --out "$OUT/prefill_host_16rows.json" \
+    > "$OUT/logs/prefill_host.log" 2>&1
+  grep -v "^ " "$OUT/logs/prefill_host.log" | tail -n 12
+  run_files 2 tests/gpu/test_prefill_graphs_gpu.py tests/gpu/test_cuda_graphs_gpu.py tests/ops/test_prefill_graph_batch.py \
+    tests/gpu/test_host_sync_gpu.py tests/gpu/test_speculative_gpu.py
+  grep -H -E ' (passed|failed|error)|^rc=' "$OUT"/logs/test_*.log
 fi
 
 if [[ $what == dp ]]; then
