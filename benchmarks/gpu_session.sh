@@ -7,7 +7,7 @@
 # brings back at most 8 files. Usage, from the repository root on the GPU machine:
 #   bash benchmarks/gpu_session.sh [tests|kernels|engines|bench|all|ling|agreement|profile|tune|serving|serving-ling|tp|
 #                                   structured|spec|pdl|dp|prefill-alloc|new-kernels|conv|epilogues|prefill-graphs|
-#                                   prefill-host]
+#                                   prefill-host|prefill-rows]
 # (all = tests + bench; tests = kernels + engines: the two groups of test files, see below; ling = 16 Ling-2.6-flash
 # layers with dummy weights and the shared-expert overlap; agreement = Ling decode agreement per lightning
 # implementation; profile = the b1, b64, prefill and b1-under-a-JSON-grammar step profiles of the 40-layer
@@ -36,7 +36,9 @@
 # the decode and verify graphs' and the host-sync test, the b1 profile (its first token, the graph pool), the 40-layer
 # offline benchmark with and without prefill graphs at b1; prefill-host = whether the prefill scenario's 16-row eager
 # steps are bound by the host or the device: its step profile with the host's share of the whole scenario, one
-# 16-row step timed by prefill_host.py, then the prefill-graphs group's test files)
+# 16-row step timed by prefill_host.py, then the prefill-graphs group's test files; prefill-rows = prefill graphs of
+# several rows: their two test files, the prefill scenario's profile with its host share, then the 40-layer offline
+# benchmark without HF)
 set -u
 OUT=${OUT:-gpu-out}
 what=${1:-all}
@@ -249,6 +251,17 @@ if [[ $what == prefill-host ]]; then  # the prefill scenario: host- or device-bo
   run_files 2 tests/gpu/test_prefill_graphs_gpu.py tests/gpu/test_cuda_graphs_gpu.py tests/ops/test_prefill_graph_batch.py \
     tests/gpu/test_host_sync_gpu.py tests/gpu/test_speculative_gpu.py
   grep -H -E ' (passed|failed|error)|^rc=' "$OUT"/logs/test_*.log
+fi
+
+if [[ $what == prefill-rows ]]; then  # prefill graphs of several rows
+  run_files 2 tests/gpu/test_prefill_graphs_gpu.py tests/ops/test_prefill_graph_batch.py
+  grep -H -E ' (passed|failed|error)|^rc=|largest|graph pool' "$OUT"/logs/test_*.log
+  timeout 200 python benchmarks/profile_step.py --layers 40 --scenario prefill --out "$OUT/profile_prefill.json" \
+    > "$OUT/logs/profile_prefill.log" 2>&1
+  grep -E "median_late|profiled:|host share|graph_pool" -A 3 "$OUT/logs/profile_prefill.log" | grep -v "^ *\[\|^--"
+  timeout 300 python benchmarks/offline_throughput.py --layers 40 --load-format dummy --skip-hf --repeats 5 \
+    --scenarios b1 b64 prefill --out "$OUT/offline_prefill_rows.json" > "$OUT/logs/offline_prefill_rows.log" 2>&1
+  grep -A 4 "^scenario" "$OUT/logs/offline_prefill_rows.log"
 fi
 
 if [[ $what == dp ]]; then

@@ -378,8 +378,8 @@ def main() -> None:
     parser.add_argument("--hf-batch", type=int, default=64, help="largest static batch for HF generate")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true", help="our engine without CUDA graphs")
-    parser.add_argument("--prefill-graph-max-tokens", type=int, default=2048,
-                        help="one-row prefill steps of up to this many tokens replay CUDA graphs (0: eager)")
+    parser.add_argument("--prefill-graph-max-tokens", type=int, default=8192,
+                        help="prefill and mixed steps of up to this many tokens replay CUDA graphs (0: eager)")
     parser.add_argument("--tp", type=int, default=1,
                         help="our engine's tensor-parallel size (the floor is then that of --tp GPUs)")
     parser.add_argument("--json-grammar", action="store_true",

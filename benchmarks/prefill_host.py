@@ -99,12 +99,12 @@ def measure(runner, tokens: int, rows: int, repeats: int) -> dict:
     profiler.disable()
     stats = pstats.Stats(profiler)
     total = sum(row[2] for row in stats.stats.values())
-    rows = sorted(stats.stats.items(), key=lambda item: item[1][2], reverse=True)[:25]
+    top = sorted(stats.stats.items(), key=lambda item: item[1][2], reverse=True)[:25]
     ms = {name: round(1e3 * statistics.median(values), 3) for name, values in
           (("host_queue_ms", host), ("wall_ms", wall), ("device_ms", device), ("triton_launch_ms", launch_s))}
     return {"tokens": tokens, "rows": rows, **ms, "triton_launches": launches[0],
             "cprofile_own_time_share": [(f"{Path(k[0]).name}:{k[1]}:{k[2]}", v[1], round(v[2] / total, 4))
-                                        for k, v in rows]}
+                                        for k, v in top]}
 
 
 def main() -> None:

@@ -74,10 +74,11 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
                              "--max-running-requests, whichever is smaller); larger decode steps run eagerly. With "
                              "speculative decoding the verify graphs hold as many tokens: up to max(1, this // "
                              "(K + 1)) requests of 1 + K tokens (K: --speculative-num-draft-tokens)")
-    parser.add_argument("--prefill-graph-max-tokens", type=int, default=2048,
-                        help="prefill steps of one request (a lone prompt or chunk) of up to this many tokens replay "
-                             "CUDA graphs captured for 16, 32, 64, ... tokens, on models that support it (ZAYA1); "
-                             "0: none (such steps run eagerly, bound by the host's kernel launches)")
+    parser.add_argument("--prefill-graph-max-tokens", type=int, default=8192,
+                        help="prefill and mixed steps of up to 32 rows and this many tokens replay CUDA graphs "
+                             "captured for 16, 32, ... 1024 tokens, then multiples of 1024, on models that support it "
+                             "(ZAYA1); capped by --max-num-batched-tokens; 0: none (such steps run eagerly, bound by "
+                             "the host's kernel launches)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed for requests that bring none (and for --load-format dummy weights)")
     parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],

@@ -102,9 +102,10 @@ class EngineConfig:
     # Decode rows the largest graph replays (default min(256, running cap)); with speculative decoding the verify
     # graphs hold as many tokens, i.e. up to max(1, cuda_graph_max_bs // (k + 1)) requests of 1 + k tokens.
     cuda_graph_max_bs: int | None = None
-    # Prefill steps of one row (a lone request's prompt or chunk) of up to this many tokens replay CUDA graphs
-    # captured per power of two from 16 (models whose prefill reads no other host value: ZAYA1); 0: none.
-    prefill_graph_max_tokens: int = 2048
+    # Prefill and mixed steps of up to 32 rows (each wanting at most one logits row) and this many tokens replay
+    # CUDA graphs, one per size: powers of two from 16 to 1024, then multiples of 1024 (models whose prefill reads
+    # no other host value: ZAYA1); capped by max_num_batched_tokens; 0: none.
+    prefill_graph_max_tokens: int = 8192
     tensor_parallel_size: int = 1  # ranks (processes, one GPU each on CUDA) that shard every layer
     nnodes: int = 1  # machines the tensor-parallel ranks span (tensor_parallel_size / nnodes ranks on each)
     node_rank: int = 0  # this machine's index; node 0 runs the engine (and the server), the others only ranks

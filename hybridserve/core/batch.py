@@ -147,7 +147,7 @@ class ForwardBatch:
 _ARRAY_CODES = {torch.long: "q", torch.int32: "i", torch.bool: "b"}
 
 
-def _host_tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+def host_tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
     """`values` as a CPU tensor. A flat list goes through array.array, which converts a list of ints about three
     times faster than torch.tensor (0.19 against 0.62 ms for 8,192 of them on the CPU VM); nested lists (tables)
     through torch.tensor."""
@@ -168,7 +168,7 @@ class HostPack:
         self._segments: list[tuple[str, torch.dtype, torch.Tensor]] = []
 
     def add(self, name: str, values: list, dtype: torch.dtype = torch.long) -> None:
-        self._segments.append((name, dtype, _host_tensor(values, dtype)))
+        self._segments.append((name, dtype, host_tensor(values, dtype)))
 
     def upload(self, device: torch.device) -> dict[str, torch.Tensor]:
         offsets, total = [], 0

@@ -25,7 +25,7 @@ from hybridserve.loader import read_config
 from hybridserve.ops.backends import all_triton, select_kernels
 from hybridserve.runtime.cuda_graphs import DecodeGraphs, capture_sizes
 from hybridserve.runtime.model_loader import build_model, resolve_dtype
-from hybridserve.runtime.prefill_graphs import PrefillGraphs, bounded_shape, prefill_sizes
+from hybridserve.runtime.prefill_graphs import MAX_ROWS, PrefillGraphs, bounded_shape, prefill_sizes
 from hybridserve.runtime.tensor_parallel import ControlChannel
 from hybridserve.runtime.warmup import DUMMY_PAGE, DUMMY_SLOT, warmup_batches
 from hybridserve.spec.mtp import MtpDrafter
@@ -128,7 +128,7 @@ class ModelRunner:
         self.tables: PageTables | None = None
         self.graphs: DecodeGraphs | None = None
         self.verify_graphs: DecodeGraphs | None = None  # speculative decoding: rows of 1 + k tokens
-        self.prefill_graphs: PrefillGraphs | None = None  # one-row prefill steps
+        self.prefill_graphs: PrefillGraphs | None = None  # prefill and mixed steps of a few rows
         self._awaiting_mask: StepHandle | None = None  # the launched step whose draws wait for grammar masks
         self._no_draws = torch.zeros(0, dtype=torch.long, device=self.device)
         self._drawn_tokens: torch.Tensor | None = None  # the last launched step's draws, in plan order
@@ -149,14 +149,18 @@ class ModelRunner:
         return self.drafter.k - 1 if self.drafter is not None else 0
 
     def prefill_graph_sizes(self) -> list[int]:
-        """Token sizes of the one-row prefill graphs (empty: none): on a model whose prefill can replay them, up to
+        """Token sizes of the prefill graphs (empty: none): on a model whose prefill can replay them, up to
         --prefill-graph-max-tokens and at most a step's tokens; not with a draft layer, which drafts from the eager
         step's hidden states."""
         config = self.config
         if not self.use_graphs or not self.model.prefill_graphs or self.drafter is not None:
             return []
-        return prefill_sizes(min(config.prefill_graph_max_tokens, config.max_num_batched_tokens,
-                                 config.chunked_prefill_size or config.max_num_batched_tokens))
+        return prefill_sizes(min(config.prefill_graph_max_tokens, config.max_num_batched_tokens))
+
+    def prefill_graph_rows(self, sizes: list[int]) -> int:
+        """Row slots of the prefill graphs: MAX_ROWS, at most the running requests, and fewer than the largest
+        size's tokens (the memory plan's profile gives each row a token)."""
+        return min(MAX_ROWS, self.config.max_running_requests, sizes[-1] - 1)
 
     def graph_rows(self) -> int:
         """Rows of the largest decode graph: --cuda-graph-max-bs, else 256 or the running cap, whichever is less."""
@@ -192,7 +196,8 @@ class ModelRunner:
         sizes = self.prefill_graph_sizes()
         if sizes:  # first: the largest prefill graph usually outgrows the largest decode graph
             self.prefill_graphs = PrefillGraphs(self.model, self.tables, self.config.page_size, max_model_len,
-                                                sizes, self.device, capture=True, pool=pool)
+                                                sizes, self.prefill_graph_rows(sizes), self.device, capture=True,
+                                                pool=pool)
         if k:
             self.verify_graphs = DecodeGraphs(self.model, self.tables, self.config.page_size, max_model_len,
                                               capture_sizes(max(1, rows // (k + 1))), self.device, capture=True,
@@ -271,19 +276,21 @@ class ModelRunner:
                      for _ in range(verify)], verify * (k + 1)))
             sizes = self.prefill_graph_sizes()
             if sizes:
-                # The largest prefill graph's forward: its row and padding row, with the graph's host bounds (the
-                # attention's key splits for the longest context). Added to the decode peak, not maxed with it:
-                # the decode graphs, captured after, reuse the prefill graphs' blocks only in part (two layers of
-                # ZAYA1-8B widths on the H200: prefill graphs 176 MiB, then decode graphs 32 MiB more).
-                size = sizes[-1]
-                prefill_rows = [ScheduledChunk([0] * (size - 1), 0, [], 1, False, [size - 2]),
-                                ScheduledChunk([0], 0, [], 1, False)]
+                # The largest prefill graph's forward: its row slots (each wanting logits) and padding row, with
+                # the graph's host bounds (the attention's key splits for the longest context). Added to the decode
+                # peak, not maxed with it: the decode graphs, captured after, reuse the prefill graphs' blocks only
+                # in part (two layers of ZAYA1-8B widths on the H200: prefill graphs 176 MiB, then decode graphs
+                # 32 MiB more).
+                size, slots = sizes[-1], self.prefill_graph_rows(sizes)
+                prefill_rows = [ScheduledChunk([0] * (size - slots), 0, [], 1, False, [size - slots - 1])] + \
+                    [ScheduledChunk([0], 0, [], 1, False, [0]) for _ in range(slots - 1)] + \
+                    [ScheduledChunk([0], 0, [], 1, False)]
                 keys = max(size, self.model_config.max_position_embeddings)
-                graph_peak += self._profile_activations(prefill_rows, 1, bounded_shape(size, keys))
+                graph_peak += self._profile_activations(prefill_rows, slots, bounded_shape(size, keys, slots))
             self.graph_reserve = _GRAPH_POOL_HEADROOM + graph_peak
             logger.info("memory plan: %.0f MiB reserved for the CUDA graphs' pool (the forward of %d decode rows%s%s)",
                         self.graph_reserve / 2**20, rows, f" or of {rows // (k + 1)} verify rows" if k else "",
-                        f", plus a {sizes[-1]}-token prefill row's" if sizes else "")
+                        f", plus a {sizes[-1]}-token prefill step's" if sizes else "")
             peak += self.graph_reserve
         # The sampler's penalty counts (fp32 count + bool flag per vocabulary entry and penalty row), allocated
         # when a request first uses a penalty.
@@ -364,7 +371,7 @@ class ModelRunner:
                 logits = logits[upload(wanted, self.device, torch.long)]
             self._copy_slots(plan.snapshots, self.state_pool)
         elif prefill is not None:
-            logits = prefill.run(chunks[0], previous)  # the wanted row's, if any
+            logits = prefill.run(chunks, previous)  # the wanted rows
             self._copy_slots(plan.snapshots, self.state_pool)
         else:
             hidden = self.model(batch)

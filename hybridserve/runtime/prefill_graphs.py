@@ -1,19 +1,23 @@
-"""Prefill steps of one row replayed from CUDA graphs, one graph per token bucket.
+"""Prefill and mixed steps of up to `max_rows` rows replayed from CUDA graphs, one graph per token bucket.
 
 An eager prefill step is bound by the host, not the device: on the H200 a 512-token prompt's step over 40
 ZAYA1-8B layers took 45 ms to queue its ~560 Triton launches and the cuBLAS and torch ops around them, where the
-device ran them in 7.7 ms (benchmarks/prefill_host.py). A step of one row is what a lone request's prompt runs:
-batch-1 time to first token, an idle server's next request, a long prompt's chunks when nothing else runs. Such a
-step of L tokens (L <= the largest size) replays the graph of the smallest size >= L. The size - L tokens after the
-row form a second row, the padding row, on the dummies (page 0 through the page tables' dummy row, state slot 0),
-as a decode graph's padding rows; it is empty when L is the size.
+device ran them in 7.7 ms (benchmarks/prefill_host.py); the offline benchmark's prefill steps (16 rows of 512
+tokens) took 58.6 ms of host work each against 53.6 ms of kernels, so the device waited for the host. A step of
+rows whose tokens add up to L (L <= the largest size; each row at most one logits position, no drafts: prompt
+chunks, decode rows, both mixed) replays the graph of the smallest size >= L. The size - L tokens after the rows
+form the padding row, on the dummies (page 0 through the page tables' dummy row, state slot 0), as a decode graph's
+padding rows; it is empty when L is the size. Row slots the step leaves unused are empty rows on the dummies too.
 
-Shapes come from the size alone: the kernels see 2 rows of up to `size` tokens (grids, tiles) and max_model_len
-keys (the attention's key splits, as in decode graphs: splits past the row's keys are empty). Everything else is
-read from static device buffers written by one host-to-device copy before the replay: tokens, positions, KV rows,
-the row boundaries, key counts, the initial-state flag, the wanted logits position; the page table and the state
-slot are gathered inside the graph from the persistent `PageTables`. Only models whose prefill forward reads no
-other host value take part (`model.prefill_graphs`).
+Shapes come from the size alone: the kernels see max_rows + 1 rows, as if the first held all `size` tokens (grids,
+tiles; programs past a row's tokens exit), and max_model_len keys (the attention's key splits, as in decode
+graphs: splits past a row's keys are empty). Everything else is read from static device buffers written by one
+host-to-device copy before the replay: tokens, positions, KV rows, the row boundaries, key counts, initial-state
+flags, the wanted logits positions; the page tables and state slots are gathered inside the graph from the
+persistent `PageTables`. Only models whose prefill forward reads no other host value take part
+(`model.prefill_graphs`).
+
+Sizes double from 16 to 1024 tokens, then grow by 1024, so a large step pads by at most 1024 tokens.
 
 Without `capture` (CPU tests) the same static-buffer forward runs eagerly. With every op on its kernel the batch
 then carries the same placeholder host fields as a captured one; with torch references it carries the step's own
@@ -21,6 +25,7 @@ then carries the same placeholder host fields as a captured one; with torch refe
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 
@@ -31,6 +36,7 @@ from hybridserve.core.batch import (
     PageTables,
     ScheduledChunk,
     future_inputs,
+    host_tensor,
     kv_rows,
     page_ends,
     resolve_future_inputs,
@@ -43,35 +49,39 @@ from hybridserve.runtime.warmup import DUMMY_PAGE, DUMMY_SLOT, dummy_row
 logger = logging.getLogger(__name__)
 
 MIN_SIZE = 16
+DOUBLING_UP_TO = 1024  # sizes double up to here, then grow by this many tokens
+MAX_ROWS = 32  # rows a graph step can hold: more cost the attention idle programs at every size
 
 
 def prefill_sizes(max_tokens: int) -> list[int]:
-    """16, 32, 64, ... up to `max_tokens`, and `max_tokens` itself; none below 16 tokens (such small steps cost
-    little to launch eagerly)."""
+    """16, 32, 64, ... 1024, then every multiple of 1024 up to `max_tokens`, and `max_tokens` itself; none below 16
+    tokens (such small steps cost little to launch eagerly)."""
     if max_tokens < MIN_SIZE:
         return []
     sizes, n = {max_tokens}, MIN_SIZE
-    while n <= max_tokens:
+    while n <= min(max_tokens, DOUBLING_UP_TO):
         sizes.add(n)
         n *= 2
+    sizes.update(range(2 * DOUBLING_UP_TO, max_tokens + 1, DOUBLING_UP_TO))
     return sorted(sizes)
 
 
-def bounded_shape(size: int, max_kv_len: int) -> dict:
-    """The host shape fields of a graph batch of `size` tokens: 2 rows of up to `size` query tokens (the row and
-    its padding row) and `max_kv_len` keys (the attention plans its key splits for that many)."""
-    return dict(query_lens=[size, 0], query_starts=[0, size], prefix_lens=[max_kv_len - size, 0],
-                max_query_len=size, max_kv_len=max_kv_len)
+def bounded_shape(size: int, max_kv_len: int, rows: int) -> dict:
+    """The host shape fields of a graph batch of `size` tokens in `rows` row slots and the padding row: as if the
+    first row held all of them (query blocks per row, key splits), with `max_kv_len` keys."""
+    return dict(query_lens=[size] + [0] * rows, query_starts=[0] + [size] * rows,
+                prefix_lens=[max_kv_len - size] + [0] * rows, max_query_len=size, max_kv_len=max_kv_len)
 
 
-def _segments(tokens: int, window: bool) -> list[tuple[str, torch.dtype, int]]:
-    """(field, dtype, elements) of the static input buffer, per-token fields sized for `tokens`."""
+def _segments(tokens: int, rows: int, window: bool) -> list[tuple[str, torch.dtype, int]]:
+    """(field, dtype, elements) of the static input buffer: per-token fields sized for `tokens`, per-row fields for
+    `rows` row slots and the padding row."""
     fields = [(name, torch.long, tokens) for name in ("input_ids", "positions", "slot_mapping")]
     if window:
         fields.append(("window_slot_mapping", torch.long, tokens))
-    return fields + [("kv_lens", torch.long, 2), ("table_rows", torch.long, 2), ("logits_index", torch.long, 1),
-                     ("query_start_loc", torch.int32, 3), ("seq_ids", torch.int32, tokens),
-                     ("has_initial_state", torch.bool, 2)]
+    return fields + [("kv_lens", torch.long, rows + 1), ("table_rows", torch.long, rows + 1),
+                     ("logits_index", torch.long, rows), ("query_start_loc", torch.int32, rows + 2),
+                     ("seq_ids", torch.int32, tokens), ("has_initial_state", torch.bool, rows + 1)]
 
 
 def _views(buffer: torch.Tensor, segments: list[tuple[str, torch.dtype, int]]) -> dict[str, torch.Tensor]:
@@ -89,20 +99,25 @@ def _nbytes(segments: list[tuple[str, torch.dtype, int]]) -> int:
     return sum(-(-count * dtype.itemsize // 16) * 16 for _, dtype, count in segments)
 
 
+def _starts(chunks: list[ScheduledChunk]) -> list[int]:
+    """Each row's first packed token, then the total."""
+    return list(itertools.accumulate((len(chunk.token_ids) for chunk in chunks), initial=0))
+
+
 class PrefillGraphs:
-    """Static inputs for one row of up to `sizes[-1]` tokens plus its padding row and (with `capture`) a CUDA graph
-    per size, all in one memory pool."""
+    """Static inputs for up to `max_rows` rows of `sizes[-1]` tokens in all plus the padding row and (with
+    `capture`) a CUDA graph per size, all in one memory pool."""
 
     def __init__(self, model, tables: PageTables, page_size: int, max_model_len: int, sizes: list[int],
-                 device: torch.device, capture: bool, pool=None, placeholders: bool | None = None):
+                 max_rows: int, device: torch.device, capture: bool, pool=None, placeholders: bool | None = None):
         """`placeholders`: give the batch host fields bounded by the size (default: when captured, or when every op
         runs its kernel; the torch references need the step's own)."""
-        if not sizes:
-            raise ValueError("prefill graphs need at least one size")
+        if not sizes or max_rows < 1:
+            raise ValueError("prefill graphs need at least one size and one row")
         self.model, self.tables, self.page_size, self.max_model_len = model, tables, page_size, max_model_len
-        self.sizes, self.device = sizes, device
+        self.sizes, self.max_rows, self.device = sizes, max_rows, device
         self.placeholders = capture or all_triton() if placeholders is None else placeholders
-        self._segments = _segments(sizes[-1], tables.window is not None)
+        self._segments = _segments(sizes[-1], max_rows, tables.window is not None)
         nbytes = _nbytes(self._segments)
         # Two pinned host twins, used in turn: a step's copy may still be queued while the next step is filled.
         self._host = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda") for _ in range(2)]
@@ -111,7 +126,7 @@ class PrefillGraphs:
         self._inputs = _views(self._static, self._segments)
         self._page_offsets = torch.arange(page_size, device=device)
         self._no_tokens = torch.zeros(0, dtype=torch.long, device=device)
-        self._chunk: ScheduledChunk | None = None  # the step's row (the references' host fields)
+        self._chunks: list[ScheduledChunk] = []  # the step's rows (the references' host fields)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
         self.memory_bytes = 0  # what the captured graphs added to the pool
@@ -122,28 +137,37 @@ class PrefillGraphs:
         return next((size for size in self.sizes if size >= tokens), None)
 
     def fits(self, chunks: list[ScheduledChunk]) -> bool:
-        """Whether a step replays these graphs: one row, not verifying drafts, wanting at most one logits row
-        (prompt logprobs run eagerly), with a size for its tokens."""
-        if len(chunks) != 1:
-            return False
-        chunk = chunks[0]
-        return not chunk.num_drafts and len(chunk.logits_offsets) <= 1 and \
-            self.size_for(len(chunk.token_ids)) is not None
+        """Whether a step replays these graphs: 1 to max_rows rows, none verifying drafts or wanting more than one
+        logits row (prompt logprobs run eagerly), with a size for their tokens."""
+        return 0 < len(chunks) <= self.max_rows and \
+            all(not chunk.num_drafts and len(chunk.logits_offsets) <= 1 for chunk in chunks) and \
+            self.size_for(sum(len(chunk.token_ids) for chunk in chunks)) is not None
+
+    def _rows(self, size: int) -> list[ScheduledChunk]:
+        """The step's rows, its padding row up to `size` tokens, then the unused row slots (empty)."""
+        pad = size - sum(len(chunk.token_ids) for chunk in self._chunks)
+        empty = self.max_rows - len(self._chunks)
+        return self._chunks + [ScheduledChunk([0] * pad, 0, [], DUMMY_SLOT, False)] + \
+            [ScheduledChunk([], 0, [], DUMMY_SLOT, False) for _ in range(empty)]
 
     def _host_fields(self, size: int) -> dict:
         """The batch's host-side shape fields: bounds that depend on the size alone (captured graphs, kernels), or
         the step's own (torch references)."""
         if self.placeholders:
-            return bounded_shape(size, self.max_model_len) | dict(
+            return bounded_shape(size, self.max_model_len, self.max_rows) | dict(
                 token_history=None, page_end_tokens=self._no_tokens, page_end_pages=self._no_tokens)
-        chunk = self._chunk
-        n, prefix = len(chunk.token_ids), chunk.prefix_len
-        pad = ScheduledChunk([0] * (size - n), 0, [], DUMMY_SLOT, False)
-        ends, pages = page_ends(chunk, 0, self.page_size)
+        rows = self._rows(size)
+        starts = _starts(rows)
+        ends, pages = [], []
+        for chunk, start in zip(self._chunks, starts):
+            row_ends, row_pages = page_ends(chunk, start, self.page_size)
+            ends += row_ends
+            pages += row_pages
+        lens = [len(row.token_ids) for row in rows]
         history = self.model.history_len
-        return dict(query_lens=[n, size - n], query_starts=[0, n], prefix_lens=[prefix, 0],
-                    max_query_len=max(n, size - n), max_kv_len=max(prefix + n, size - n),
-                    token_history=token_history([chunk, pad], history, self.device) if history else None,
+        return dict(query_lens=lens, query_starts=starts[:-1], prefix_lens=[row.prefix_len for row in rows],
+                    max_query_len=max(lens), max_kv_len=max(row.prefix_len + n for row, n in zip(rows, lens)),
+                    token_history=token_history(rows, history, self.device) if history else None,
                     page_end_tokens=upload(ends, self.device, torch.long),
                     page_end_pages=upload(pages, self.device, torch.long))
 
@@ -173,57 +197,79 @@ class PrefillGraphs:
             row = dummy_row(size, 0, page)
             row.table_row = self.tables.dummy_row
             row.window_page_ids = list(row.page_ids) if self.tables.window is not None else None
-            self._fill(row, size)
+            self._fill([row], size)
             self._forward(size)
             # The fill after next reuses this fill's host twin: its queued copy must have run by then (engine
             # steps are collected before that; these forwards are not).
             torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(self.device)
+        shared = None  # the largest size's logits: every size writes its rows there (see cuda_graphs.py)
         for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its blocks
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._logits[size] = self._forward(size)
+                logits = self._forward(size)
+                if shared is None:
+                    shared = logits
+                else:
+                    shared.copy_(logits)
+            del logits
+            self._logits[size] = shared
             self._graphs[size] = graph
         torch.cuda.synchronize(self.device)
         self.memory_bytes = torch.cuda.memory_reserved(self.device) - before
-        logger.info("CUDA graphs: %d prefill sizes (%s tokens, one row) captured in %.1f s, %.0f MiB",
-                    len(self.sizes), ", ".join(map(str, self.sizes)), time.perf_counter() - start,
+        logger.info("CUDA graphs: %d prefill sizes (%s tokens, up to %d rows) captured in %.1f s, %.0f MiB",
+                    len(self.sizes), ", ".join(map(str, self.sizes)), self.max_rows, time.perf_counter() - start,
                     self.memory_bytes / 2**20)
 
-    def _fill(self, chunk: ScheduledChunk, size: int) -> None:
-        """Write the step's row, then its padding row up to `size` tokens, into the static buffers."""
+    def _fill(self, chunks: list[ScheduledChunk], size: int) -> None:
+        """Write the step's rows, then the padding row up to `size` tokens and the empty row slots, into the static
+        buffers."""
         buffer = self._host[self._turn]
         self._turn ^= 1
         host = _views(buffer, self._segments)
-        n, prefix, page = len(chunk.token_ids), chunk.prefix_len, self.page_size
-        pad = size - n
-        positions = range(prefix, prefix + n)
+        page, dummy = self.page_size, self.tables.dummy_row
+        window = "window_slot_mapping" in host
+        starts = _starts(chunks)
+        ids, positions, kv, window_kv, seq_ids, logits = [], [], [], [], [], []
+        for i, (chunk, start) in enumerate(zip(chunks, starts)):
+            n, prefix = len(chunk.token_ids), chunk.prefix_len
+            ids += chunk.token_ids
+            positions += range(prefix, prefix + n)
+            kv += kv_rows(chunk.page_ids, prefix, prefix + n, page)
+            if window:
+                window_kv += kv_rows(chunk.window_page_ids, prefix, prefix + n, page)
+            seq_ids += [i] * n
+            logits += [start + offset for offset in chunk.logits_offsets]
+        pad, unused = size - starts[-1], self.max_rows - len(chunks)
         dummy_kv = [DUMMY_PAGE * page] * pad  # the dummy page's first KV row
-        fields = {"input_ids": chunk.token_ids + [0] * pad, "positions": [*positions, *range(pad)],
-                  "slot_mapping": kv_rows(chunk.page_ids, prefix, prefix + n, page) + dummy_kv,
-                  "kv_lens": [prefix + n, pad], "table_rows": [chunk.table_row, self.tables.dummy_row],
-                  "logits_index": chunk.logits_offsets[:1] or [0], "query_start_loc": [0, n, size],
-                  "seq_ids": [0] * n + [1] * pad, "has_initial_state": [chunk.has_initial_state, False]}
-        if "window_slot_mapping" in host:
-            fields["window_slot_mapping"] = kv_rows(chunk.window_page_ids, prefix, prefix + n, page) + dummy_kv
+        fields = {"input_ids": ids + [0] * pad, "positions": positions + list(range(pad)),
+                  "slot_mapping": kv + dummy_kv, "seq_ids": seq_ids + [len(chunks)] * pad,
+                  "kv_lens": [c.prefix_len + len(c.token_ids) for c in chunks] + [pad] + [0] * unused,
+                  "table_rows": [c.table_row for c in chunks] + [dummy] * (unused + 1),
+                  "logits_index": logits + [0] * (self.max_rows - len(logits)),
+                  "query_start_loc": starts + [size] * (unused + 1),
+                  "has_initial_state": [c.has_initial_state for c in chunks] + [False] * (unused + 1)}
+        if window:
+            fields["window_slot_mapping"] = window_kv + dummy_kv
         for name, values in fields.items():
-            host[name][:len(values)] = torch.tensor(values, dtype=host[name].dtype)
-        self._chunk = chunk
+            host[name][:len(values)] = host_tensor(values, host[name].dtype)
+        self._chunks = chunks
         self._static.copy_(buffer, non_blocking=True)
 
-    def run(self, chunk: ScheduledChunk, previous_draws: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [len(chunk.logits_offsets), vocab] of a one-row step (the tables already updated). A row with a
-        `future_token` reads that input from `previous_draws` (the step before's tokens, on the device)."""
-        size = self.size_for(len(chunk.token_ids))
+    def run(self, chunks: list[ScheduledChunk], previous_draws: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [rows wanting one, vocab] of a step that `fits` (the tables already updated), in row order. A row
+        with a `future_token` reads that input from `previous_draws` (the step before's tokens, on the device)."""
+        tokens = sum(len(chunk.token_ids) for chunk in chunks)
+        size = self.size_for(tokens)
         if size is None:
-            raise ValueError(f"{len(chunk.token_ids)} tokens exceed the largest prefill graph's {self.sizes[-1]}")
-        self._fill(chunk, size)
-        rows, sources = future_inputs([chunk], [0])
+            raise ValueError(f"{tokens} tokens exceed the largest prefill graph's {self.sizes[-1]}")
+        self._fill(chunks, size)
+        rows, sources = future_inputs(chunks, _starts(chunks))
         if rows:
             index = upload([rows, sources], self.device, torch.long)
             resolve_future_inputs(self._inputs["input_ids"], index[0], index[1], previous_draws)
-        wanted = len(chunk.logits_offsets)
+        wanted = sum(len(chunk.logits_offsets) for chunk in chunks)
         if not self._graphs:
             return self._forward(size)[:wanted]
         self._graphs[size].replay()

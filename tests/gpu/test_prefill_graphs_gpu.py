@@ -1,8 +1,9 @@
-"""One-row prefill steps replayed from CUDA graphs against eager prefill on the H200: same tokens, same logprobs,
-the graphs really replayed (padded and exact sizes, fresh rows, chunked continuations, prefix-cache hits), and the
-graph pool within what the memory plan reserved for it.
+"""Prefill and mixed steps replayed from CUDA graphs against eager steps on the H200: same tokens, same logprobs,
+the graphs really replayed (one row: padded and exact sizes, fresh rows, chunked continuations, prefix-cache hits;
+several rows: a batch's prompts together, then their chunks beside decode rows), and the graph pool within what
+the memory plan reserved for it.
 
-An fp32 checkpoint (ZAYA1-8B widths, two layers), so that padding a row to its graph size and planning the
+An fp32 checkpoint (ZAYA1-8B widths, two layers), so that padding a step to its graph size and planning the
 attention's key splits for max_model_len move the logits only by fp32 rounding: greedy tokens must match exactly
 and logprobs within 2e-5, as for the decode graphs (tests/gpu/test_cuda_graphs_gpu.py).
 """
@@ -33,19 +34,29 @@ def test_graph_prefill_matches_eager(tmp_path: Path) -> None:
     def one_at_a_time(llm: LLM) -> list:  # every prefill step has one row; twice: the second round hits the cache
         return [llm.generate([p], s)[0] for _ in range(2) for p, s in zip(prompts, params)]
 
+    # All at once, finishing one after another: the prompts (3,000 as chunks) in steps of several rows, their
+    # chunks beside decode rows, then decode steps (decode graphs). Reversed prompts: no prefix-cache hits.
+    together = [{"prompt_token_ids": p["prompt_token_ids"][::-1]} for p in prompts]
+    staggered = [SamplingParams(temperature=0, max_tokens=4 + 2 * i, logprobs=1, ignore_eos=True)
+                 for i in range(len(prompts))]
+
     eager = LLM(str(tmp_path), enforce_eager=True, disable_overlap_schedule=True, **options)
     assert eager.engine.runner.prefill_graphs is None and eager.engine.runner.graphs is None
     expected = one_at_a_time(eager)
+    expected_together = eager.generate(together, staggered)
     del eager
     torch.cuda.empty_cache()
 
     llm = LLM(str(tmp_path), **options)
     runner = llm.engine.runner
     graphs = runner.prefill_graphs
-    assert graphs is not None and graphs.sizes == [16, 32, 64, 128, 256, 512, 1024]
-    replays = []
+    assert graphs is not None and graphs.sizes == [16, 32, 64, 128, 256, 512, 1024, 2048, 3072, 4096]
+    assert graphs.max_rows == 8  # the running cap
+    replays, rows = [], []
     for size, graph in graphs._graphs.items():
         graph.replay = (lambda replay, size: lambda: (replays.append(size), replay())[1])(graph.replay, size)
+    run = graphs.run
+    graphs.run = lambda chunks, *rest: (rows.append(len(chunks)), run(chunks, *rest))[1]
     got = one_at_a_time(llm)
     assert {16, 64, 256, 512, 1024} <= set(replays)
     assert replays.count(1024) >= 3  # the 1024-token prompt and the 3000-token prompt's chunks
@@ -59,7 +70,14 @@ def test_graph_prefill_matches_eager(tmp_path: Path) -> None:
           f"{runner.graphs.memory_bytes / 2**20:.0f} MiB, reserved {runner.graph_reserve / 2**20:.0f} MiB")
     assert 0 < pool <= runner.graph_reserve
 
-    # A batch of prompts (several rows a step) and prompt logprobs run eagerly, beside the graphs.
+    rows.clear()
+    got_together = llm.generate(together, staggered)
+    worst_together = largest_logprob_difference(expected_together, got_together)
+    print(f"several rows: largest logprob difference {worst_together:.2e}; rows per replayed step {rows}")
+    assert worst_together <= 2e-5
+    assert max(rows) == 8 and any(1 < n < 8 for n in rows)  # the prompts together, then chunks beside decode rows
+
+    # Prompt logprobs (a logits row per prompt position) run eagerly, beside the graphs.
     before = len(replays)
     scored = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
     llm.generate([prompts[2]], scored)
