@@ -7,7 +7,7 @@
 # brings back at most 8 files. Usage, from the repository root on the GPU machine:
 #   bash benchmarks/gpu_session.sh [tests|kernels|engines|bench|all|ling|agreement|profile|tune|serving|serving-ling|tp|
 #                                   structured|spec|pdl|dp|prefill-alloc|new-kernels|conv|epilogues|prefill-graphs|
-#                                   prefill-host|prefill-rows]
+#                                   prefill-host|prefill-rows|graph-reserve]
 # (all = tests + bench; tests = kernels + engines: the two groups of test files, see below; ling = 16 Ling-2.6-flash
 # layers with dummy weights and the shared-expert overlap; agreement = Ling decode agreement per lightning
 # implementation; profile = the b1, b64, prefill and b1-under-a-JSON-grammar step profiles of the 40-layer
@@ -38,7 +38,8 @@
 # steps are bound by the host or the device: its step profile with the host's share of the whole scenario, one
 # 16-row step timed by prefill_host.py, then the prefill-graphs group's test files; prefill-rows = prefill graphs of
 # several rows: their two test files, the prefill scenario's profile with its host share, then the 40-layer offline
-# benchmark without HF)
+# benchmark without HF; graph-reserve = the memory plan's trial capture: the graph test files whose pools must fit
+# their reserve, then the 40-layer b1 profile (the pool against the reserve, the first token))
 set -u
 OUT=${OUT:-gpu-out}
 what=${1:-all}
@@ -262,6 +263,15 @@ if [[ $what == prefill-rows ]]; then  # prefill graphs of several rows
   timeout 300 python benchmarks/offline_throughput.py --layers 40 --load-format dummy --skip-hf --repeats 5 \
     --scenarios b1 b64 prefill --out "$OUT/offline_prefill_rows.json" > "$OUT/logs/offline_prefill_rows.log" 2>&1
   grep -A 4 "^scenario" "$OUT/logs/offline_prefill_rows.log"
+fi
+
+if [[ $what == graph-reserve ]]; then  # the graph pool's reserve from a trial capture
+  run_files 2 tests/gpu/test_prefill_graphs_gpu.py tests/gpu/test_cuda_graphs_gpu.py tests/gpu/test_speculative_gpu.py \
+    tests/gpu/test_host_sync_gpu.py
+  grep -H -E ' (passed|failed|error)|^rc=|largest|graph pool|trial capture' "$OUT"/logs/test_*.log
+  timeout 150 python benchmarks/profile_step.py --layers 40 --scenario b1 --out "$OUT/profile_b1.json" \
+    > "$OUT/logs/profile_b1.log" 2>&1
+  grep -E "median_late|profiled:|first token|graph_pool" -A 4 "$OUT/logs/profile_b1.log" | grep -v "^ *\[\|^--"
 fi
 
 if [[ $what == dp ]]; then

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 from dataclasses import dataclass, field
 
@@ -25,7 +26,7 @@ from hybridserve.loader import read_config
 from hybridserve.ops.backends import all_triton, select_kernels
 from hybridserve.runtime.cuda_graphs import DecodeGraphs, capture_sizes
 from hybridserve.runtime.model_loader import build_model, resolve_dtype
-from hybridserve.runtime.prefill_graphs import MAX_ROWS, PrefillGraphs, bounded_shape, prefill_sizes
+from hybridserve.runtime.prefill_graphs import MAX_ROWS, PrefillGraphs, prefill_sizes
 from hybridserve.runtime.tensor_parallel import ControlChannel
 from hybridserve.runtime.warmup import DUMMY_PAGE, DUMMY_SLOT, warmup_batches
 from hybridserve.spec.mtp import MtpDrafter
@@ -158,9 +159,8 @@ class ModelRunner:
         return prefill_sizes(min(config.prefill_graph_max_tokens, config.max_num_batched_tokens))
 
     def prefill_graph_rows(self, sizes: list[int]) -> int:
-        """Row slots of the prefill graphs: MAX_ROWS, at most the running requests, and fewer than the largest
-        size's tokens (the memory plan's profile gives each row a token)."""
-        return min(MAX_ROWS, self.config.max_running_requests, sizes[-1] - 1)
+        """Row slots of the prefill graphs: MAX_ROWS, at most the running requests and the largest size's tokens."""
+        return min(MAX_ROWS, self.config.max_running_requests, sizes[-1])
 
     def graph_rows(self) -> int:
         """Rows of the largest decode graph: --cuda-graph-max-bs, else 256 or the running cap, whichever is less."""
@@ -191,20 +191,27 @@ class ModelRunner:
         self._tell_workers("capture_graphs", max_rows, max_model_len)
         if not self.use_graphs:
             return
-        rows, k = min(self.graph_rows(), max_rows), self.config.num_speculative_tokens
+        self.prefill_graphs, self.verify_graphs, self.graphs = self._capture(
+            self.tables, min(self.graph_rows(), max_rows), max_model_len)
+
+    def _capture(self, tables: PageTables, rows: int, max_model_len: int
+                 ) -> tuple[PrefillGraphs | None, DecodeGraphs | None, DecodeGraphs | None]:
+        """(prefill, verify, decode) graphs over `tables`, decode graphs of up to `rows` rows, all in one pool."""
+        k = self.config.num_speculative_tokens
         pool = torch.cuda.graph_pool_handle()
+        prefill = verify = decode = None
         sizes = self.prefill_graph_sizes()
         if sizes:  # first: the largest prefill graph usually outgrows the largest decode graph
-            self.prefill_graphs = PrefillGraphs(self.model, self.tables, self.config.page_size, max_model_len,
-                                                sizes, self.prefill_graph_rows(sizes), self.device, capture=True,
-                                                pool=pool)
+            prefill = PrefillGraphs(self.model, tables, self.config.page_size, max_model_len, sizes,
+                                    self.prefill_graph_rows(sizes), self.device, capture=True, pool=pool)
         if k:
-            self.verify_graphs = DecodeGraphs(self.model, self.tables, self.config.page_size, max_model_len,
-                                              capture_sizes(max(1, rows // (k + 1))), self.device, capture=True,
-                                              row_tokens=k + 1, drafter=self.drafter, pool=pool)
+            verify = DecodeGraphs(self.model, tables, self.config.page_size, max_model_len,
+                                  capture_sizes(max(1, rows // (k + 1))), self.device, capture=True,
+                                  row_tokens=k + 1, drafter=self.drafter, pool=pool)
         if self.drafter is None:
-            self.graphs = DecodeGraphs(self.model, self.tables, self.config.page_size, max_model_len,
-                                       capture_sizes(rows), self.device, capture=True, pool=pool)
+            decode = DecodeGraphs(self.model, tables, self.config.page_size, max_model_len, capture_sizes(rows),
+                                  self.device, capture=True, pool=pool)
+        return prefill, verify, decode
 
     def _with_window_pages(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
         """Chunks that run outside the scheduler (warm-up, profiling) use the same page ids in the window group.
@@ -254,8 +261,8 @@ class ModelRunner:
     def _cache_budget(self) -> int:
         """Bytes for the caches: the CPU budget, or on CUDA this engine's share of the device minus what it holds,
         the activation peak of a profiling forward at the largest batch, the sampler's penalty counts and, with
-        CUDA graphs, the peak of the largest decode graph's forward (its memory pool stays held beside the
-        activations of eager steps)."""
+        CUDA graphs, what a trial capture of them took (their memory pool stays held beside the activations of
+        eager steps)."""
         self.graph_reserve = 0
         if self.device.type == "cpu":
             return self.config.kv_cache_memory_bytes or _CPU_CACHE_BYTES
@@ -263,34 +270,9 @@ class ModelRunner:
         peak = self._profile_activations([ScheduledChunk([0] * tokens, 0, [], 1, False, [tokens - 1])],
                                          min(tokens, self.config.max_running_requests))
         if self.use_graphs:
-            rows = self.graph_rows()
-            # The pool's segments are whole allocator blocks (2 MiB for small tensors, 20 MiB and up for large
-            # ones), hence the headroom over the peak of live tensors.
-            graph_peak = self._profile_activations([ScheduledChunk([0], 0, [], 1, True, [0]) for _ in range(rows)],
-                                                   rows)
-            k = self.config.num_speculative_tokens
-            if k:  # verify graphs: as many tokens in rows of 1 + k (their states into the profile pool's slot 1)
-                verify = max(1, rows // (k + 1))
-                graph_peak = max(graph_peak, self._profile_activations(
-                    [ScheduledChunk([0] * (k + 1), 0, [], 1, True, list(range(k + 1)), draft_slots=[1] * k)
-                     for _ in range(verify)], verify * (k + 1)))
-            sizes = self.prefill_graph_sizes()
-            if sizes:
-                # The largest prefill graph's forward: its row slots (each wanting logits) and padding row, with
-                # the graph's host bounds (the attention's key splits for the longest context). Added to the decode
-                # peak, not maxed with it: the decode graphs, captured after, reuse the prefill graphs' blocks only
-                # in part (two layers of ZAYA1-8B widths on the H200: prefill graphs 176 MiB, then decode graphs
-                # 32 MiB more).
-                size, slots = sizes[-1], self.prefill_graph_rows(sizes)
-                prefill_rows = [ScheduledChunk([0] * (size - slots), 0, [], 1, False, [size - slots - 1])] + \
-                    [ScheduledChunk([0], 0, [], 1, False, [0]) for _ in range(slots - 1)] + \
-                    [ScheduledChunk([0], 0, [], 1, False)]
-                keys = max(size, self.model_config.max_position_embeddings)
-                graph_peak += self._profile_activations(prefill_rows, slots, bounded_shape(size, keys, slots))
-            self.graph_reserve = _GRAPH_POOL_HEADROOM + graph_peak
-            logger.info("memory plan: %.0f MiB reserved for the CUDA graphs' pool (the forward of %d decode rows%s%s)",
-                        self.graph_reserve / 2**20, rows, f" or of {rows // (k + 1)} verify rows" if k else "",
-                        f", plus a {sizes[-1]}-token prefill step's" if sizes else "")
+            self.graph_reserve = _GRAPH_POOL_HEADROOM + self._graph_pool_bytes()
+            logger.info("memory plan: %.0f MiB reserved for the CUDA graphs (what a trial capture of them took)",
+                        self.graph_reserve / 2**20)
             peak += self.graph_reserve
         # The sampler's penalty counts (fp32 count + bool flag per vocabulary entry and penalty row), allocated
         # when a request first uses a penalty.
@@ -302,9 +284,40 @@ class ModelRunner:
         return int(min(total * self.config.gpu_memory_utilization - held, free - _NON_TORCH_HEADROOM) - peak)
 
     @torch.inference_mode()
-    def _profile_activations(self, chunks: list[ScheduledChunk], logits_rows: int, shape: dict | None = None) -> int:
+    def _graph_pool_bytes(self) -> int:
+        """Device memory that capturing every graph takes, measured by capturing them once on temporary one-page
+        caches (their padding touches only the dummy page and slot) with the largest row counts and context the
+        engine may get, then releasing them. A profiled peak of live tensors undercounts the pool: the graphs of
+        all sizes share its blocks only in part (the pool's segments split and fragment), and the shortfall was a
+        fifth to a half of it (H200: 400 MiB of prefill graphs against a 341 MiB reserve at two layers, 1,252 MiB
+        against 906 MiB at 40 layers)."""
+        full_spec, window_spec = self.kv_spec.groups()
+        size = self.config.page_size
+        kv = KVPool(full_spec, 1, size, self.device)
+        window = KVPool(window_spec, 1, size, self.device) if window_spec is not None else None
+        state_spec = self.model.state_spec(self.dtype)
+        state = StatePool(state_spec, 1, self.device)
+        footers = StatePool(state_spec, 1, self.device) if self.page_footers else None
+        self._bind(kv, window, state, footers)
+        rows = self.graph_rows()
+        max_model_len = self.config.max_model_len or self.model_config.max_position_embeddings
+        width = -(-(max_model_len + 2 * self.config.num_speculative_tokens) // size) + 1
+        tables = PageTables(rows, width, self.device, window=window is not None)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved(self.device)
+        graphs = self._capture(tables, rows, max_model_len)
+        torch.cuda.synchronize(self.device)
+        taken = torch.cuda.memory_reserved(self.device) - before
+        del graphs, tables, kv, window, state, footers
+        gc.collect()  # the graphs (and their pool) go with their last reference
+        torch.cuda.empty_cache()
+        return taken
+
+    @torch.inference_mode()
+    def _profile_activations(self, chunks: list[ScheduledChunk], logits_rows: int) -> int:
         """Peak extra memory of one forward over `chunks` (given pages here, on temporary caches) plus the logits
-        of `logits_rows` rows; `shape`: host shape fields to run with instead of the chunks' own (a graph's)."""
+        of `logits_rows` rows."""
         size = self.config.page_size
         pages = 1
         for chunk in chunks:
@@ -319,8 +332,6 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         batch = build_forward_batch(self._with_window_pages(chunks), size, self.device, self.model.history_len)
-        if shape is not None:
-            batch = dataclasses.replace(batch, **shape)
         hidden = self.model(batch)
         self.model.compute_logits(hidden[:logits_rows])
         torch.cuda.synchronize(self.device)

@@ -82,3 +82,14 @@ def test_graph_prefill_matches_eager(tmp_path: Path) -> None:
     scored = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
     llm.generate([prompts[2]], scored)
     assert len(replays) == before
+
+    # The trial capture that sized the reserve gives back everything it took (here run again on the live engine,
+    # whose caches are bound back after it).
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    held = torch.cuda.memory_reserved()
+    taken = runner._graph_pool_bytes()
+    runner._bind(runner.kv_pool, runner.window_pool, runner.state_pool, runner.footer_pool)
+    print(f"trial capture: {taken / 2**20:.0f} MiB; reserved before {held / 2**20:.0f} MiB, after "
+          f"{torch.cuda.memory_reserved() / 2**20:.0f} MiB")
+    assert pool <= taken and torch.cuda.memory_reserved() <= held + (16 << 20)
