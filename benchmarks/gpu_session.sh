@@ -57,6 +57,16 @@ run_files() {  # run_files PARALLEL FILE...: each file in its own pytest process
      echo "rc=$?" >> "$0/logs/$n.log"' "$OUT"
 }
 
+graph_tests() {  # graph_tests FILE...: run_files 2, then their results and the lines they print about graphs
+  run_files 2 "$@"
+  grep -H -E ' (passed|failed|error)|^rc=|largest|graph pool|trial capture' "$OUT"/logs/test_*.log
+}
+profile() {  # profile SCENARIO: the 40-layer step profile of an offline scenario, then its summary lines
+  timeout 200 python benchmarks/profile_step.py --layers 40 --scenario "$1" --out "$OUT/profile_$1.json" \
+    > "$OUT/logs/profile_$1.log" 2>&1
+  grep -E "median_late|profiled:|first token|host share|graph_pool" -A 4 "$OUT/logs/profile_$1.log" | grep -v "^ *\[\|^--"
+}
+
 # Engine tests (an LLM each, up to a quarter of the GPU's memory, memory plans that count what the device holds) run
 # two at a time, the kernel tests four at a time; `tests` runs both groups side by side (about 9 minutes: near the
 # device tool's 10-minute limit), `kernels` and `engines` one group each.
@@ -218,21 +228,16 @@ if [[ $what == epilogues ]]; then  # a change to kernel epilogues: their test fi
   run_files 2 tests/gpu/test_zaya_gpu.py tests/gpu/test_cuda_graphs_gpu.py tests/gpu/test_host_sync_gpu.py &
   wait
   grep -H -E ' (passed|failed|error)|^rc=' "$OUT"/logs/test_*.log
-  timeout 120 python benchmarks/profile_step.py --layers 40 --scenario b1 --out "$OUT/profile_b1.json" \
-    > "$OUT/logs/profile_b1.log" 2>&1
-  grep -E "median_late|profiled:" "$OUT/logs/profile_b1.log"
+  profile b1
   timeout 300 python benchmarks/offline_throughput.py --layers 40 --load-format dummy --skip-hf --repeats 5 \
     --scenarios b1 b64 prefill --out "$OUT/offline_epilogues.json" > "$OUT/logs/offline_epilogues.log" 2>&1
   grep -A 4 "^scenario" "$OUT/logs/offline_epilogues.log"
 fi
 
 if [[ $what == prefill-graphs ]]; then  # one-row prefill graphs: their tests, the b1 profile, 40 layers
-  run_files 2 tests/gpu/test_prefill_graphs_gpu.py tests/gpu/test_cuda_graphs_gpu.py tests/ops/test_prefill_graph_batch.py \
+  graph_tests tests/gpu/test_prefill_graphs_gpu.py tests/gpu/test_cuda_graphs_gpu.py tests/ops/test_prefill_graph_batch.py \
     tests/gpu/test_host_sync_gpu.py tests/gpu/test_speculative_gpu.py
-  grep -H -E ' (passed|failed|error)|^rc=|largest|graph pool' "$OUT"/logs/test_*.log
-  timeout 150 python benchmarks/profile_step.py --layers 40 --scenario b1 --out "$OUT/profile_b1.json" \
-    > "$OUT/logs/profile_b1.log" 2>&1
-  grep -E "median_late|profiled:|first token|graph_pool" -A 4 "$OUT/logs/profile_b1.log" | grep -v "^ *\[\|^--"
+  profile b1
   timeout 300 python benchmarks/offline_throughput.py --layers 40 --load-format dummy --skip-hf --repeats 5 \
     --scenarios b1 b64 prefill --out "$OUT/offline_prefill_graphs.json" > "$OUT/logs/offline_prefill_graphs.log" 2>&1
   grep -A 4 "^scenario" "$OUT/logs/offline_prefill_graphs.log"
@@ -243,35 +248,26 @@ if [[ $what == prefill-graphs ]]; then  # one-row prefill graphs: their tests, t
 fi
 
 if [[ $what == prefill-host ]]; then  # the prefill scenario: host- or device-bound?
-  timeout 200 python benchmarks/profile_step.py --layers 40 --scenario prefill --out "$OUT/profile_prefill.json" \
-    > "$OUT/logs/profile_prefill.log" 2>&1
-  grep -E "median_late|first_steps|profiled:|host share" "$OUT/logs/profile_prefill.log"
+  profile prefill
   timeout 150 python benchmarks/prefill_host.py --layers 40 --tokens 512 --rows 16 --out "$OUT/prefill_host_16rows.json" \
     > "$OUT/logs/prefill_host.log" 2>&1
   grep -v "^ " "$OUT/logs/prefill_host.log" | tail -n 12
-  run_files 2 tests/gpu/test_prefill_graphs_gpu.py tests/gpu/test_cuda_graphs_gpu.py tests/ops/test_prefill_graph_batch.py \
+  graph_tests tests/gpu/test_prefill_graphs_gpu.py tests/gpu/test_cuda_graphs_gpu.py tests/ops/test_prefill_graph_batch.py \
     tests/gpu/test_host_sync_gpu.py tests/gpu/test_speculative_gpu.py
-  grep -H -E ' (passed|failed|error)|^rc=' "$OUT"/logs/test_*.log
 fi
 
 if [[ $what == prefill-rows ]]; then  # prefill graphs of several rows
-  run_files 2 tests/gpu/test_prefill_graphs_gpu.py tests/ops/test_prefill_graph_batch.py
-  grep -H -E ' (passed|failed|error)|^rc=|largest|graph pool' "$OUT"/logs/test_*.log
-  timeout 200 python benchmarks/profile_step.py --layers 40 --scenario prefill --out "$OUT/profile_prefill.json" \
-    > "$OUT/logs/profile_prefill.log" 2>&1
-  grep -E "median_late|profiled:|host share|graph_pool" -A 3 "$OUT/logs/profile_prefill.log" | grep -v "^ *\[\|^--"
+  graph_tests tests/gpu/test_prefill_graphs_gpu.py tests/ops/test_prefill_graph_batch.py
+  profile prefill
   timeout 300 python benchmarks/offline_throughput.py --layers 40 --load-format dummy --skip-hf --repeats 5 \
     --scenarios b1 b64 prefill --out "$OUT/offline_prefill_rows.json" > "$OUT/logs/offline_prefill_rows.log" 2>&1
   grep -A 4 "^scenario" "$OUT/logs/offline_prefill_rows.log"
 fi
 
 if [[ $what == graph-reserve ]]; then  # the graph pool's reserve from a trial capture
-  run_files 2 tests/gpu/test_prefill_graphs_gpu.py tests/gpu/test_cuda_graphs_gpu.py tests/gpu/test_speculative_gpu.py \
+  graph_tests tests/gpu/test_prefill_graphs_gpu.py tests/gpu/test_cuda_graphs_gpu.py tests/gpu/test_speculative_gpu.py \
     tests/gpu/test_host_sync_gpu.py
-  grep -H -E ' (passed|failed|error)|^rc=|largest|graph pool|trial capture' "$OUT"/logs/test_*.log
-  timeout 150 python benchmarks/profile_step.py --layers 40 --scenario b1 --out "$OUT/profile_b1.json" \
-    > "$OUT/logs/profile_b1.log" 2>&1
-  grep -E "median_late|profiled:|first token|graph_pool" -A 4 "$OUT/logs/profile_b1.log" | grep -v "^ *\[\|^--"
+  profile b1
 fi
 
 if [[ $what == dp ]]; then
