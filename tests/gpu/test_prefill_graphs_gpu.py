@@ -34,8 +34,9 @@ def test_graph_prefill_matches_eager(tmp_path: Path) -> None:
     def one_at_a_time(llm: LLM) -> list:  # every prefill step has one row; twice: the second round hits the cache
         return [llm.generate([p], s)[0] for _ in range(2) for p, s in zip(prompts, params)]
 
-    # All at once, finishing one after another: the prompts (3,000 as chunks) in steps of several rows, their
-    # chunks beside decode rows, then decode steps (decode graphs). Reversed prompts: no prefix-cache hits.
+    # All at once: the eight prompts in one step (3,000 tokens: its first chunk), then its two other chunks beside
+    # the seven others' decode rows, then decode steps alone (the decode graphs; the requests finish one after
+    # another). Reversed prompts: no prefix-cache hits.
     together = [{"prompt_token_ids": p["prompt_token_ids"][::-1]} for p in prompts]
     staggered = [SamplingParams(temperature=0, max_tokens=4 + 2 * i, logprobs=1, ignore_eos=True)
                  for i in range(len(prompts))]
@@ -75,7 +76,7 @@ def test_graph_prefill_matches_eager(tmp_path: Path) -> None:
     worst_together = largest_logprob_difference(expected_together, got_together)
     print(f"several rows: largest logprob difference {worst_together:.2e}; rows per replayed step {rows}")
     assert worst_together <= 2e-5
-    assert max(rows) == 8 and any(1 < n < 8 for n in rows)  # the prompts together, then chunks beside decode rows
+    assert rows == [8, 8, 8]  # the prompts together, then the chunks beside decode rows
 
     # Prompt logprobs (a logits row per prompt position) run eagerly, beside the graphs.
     before = len(replays)
