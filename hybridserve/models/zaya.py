@@ -298,7 +298,7 @@ class ZayaForCausalLM(nn.Module):
     # (a footer, written during the forward): prefix-cache hits are usable at any page boundary.
     state_checkpoints = "per_page"
     # Its prefill kernels read only the batch's device tensors and host bounds (token count, rows, max_model_len
-    # keys), so a one-row prefill step can replay a CUDA graph per token bucket (runtime/prefill_graphs.py).
+    # keys), so prefill and mixed steps can replay a CUDA graph per token bucket (runtime/prefill_graphs.py).
     prefill_graphs = True
 
     @property

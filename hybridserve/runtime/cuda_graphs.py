@@ -20,14 +20,17 @@ from the draws and the accepted counts on the device and replays it.
 
 All graphs share one memory pool, captured largest first so the smaller graphs reuse its blocks. A graph's output
 outlives its capture, so each size writes its logits into the rows of the largest size's instead of keeping its
-own (35 sizes of fp32 logits over a 262k vocabulary held 4.2 GiB of the pool). The model runner reserves the
-largest decode forward's peak for the pool in the memory plan and logs what the capture really took.
+own (35 sizes of fp32 logits over a 262k vocabulary held 4.2 GiB of the pool): `capture_logits`, which the prefill
+graphs use too. The model runner's memory plan reserves what a trial capture of all graphs took, and each capture
+logs what it really took.
 Without `capture` (CPU tests) the same static-buffer forward runs eagerly, which checks everything but the capture.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -53,6 +56,21 @@ logger = logging.getLogger(__name__)
 # verify graphs; the draft layer's inputs only with a drafter.
 _TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping", "window_slot_mapping", "token_slots", "draft_ids")
 _ROW_FIELDS = ("kv_lens", "table_rows", "draft_base", "reach")
+
+
+def capture_logits(forward: Callable[[], torch.Tensor], pool, shared: torch.Tensor | None
+                   ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """A CUDA graph of `forward` (-> logits [rows, vocab]) in `pool`, and the tensor its logits land in: the first
+    rows of `shared`, the logits of the largest size, captured first (None then: its own logits become `shared`).
+    A graph's output outlives its capture, so the sizes share one logits tensor rather than keep one each."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        logits = forward()
+        if shared is None:
+            shared = logits
+        else:
+            shared[:logits.shape[0]].copy_(logits)
+    return graph, shared
 
 
 def capture_sizes(max_size: int) -> list[int]:
@@ -184,18 +202,10 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(self.device)
-        shared = None  # the largest size's logits: every size writes its rows there
+        shared = None
         for size in reversed(self.sizes):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(size)
-                if shared is None:
-                    shared = logits
-                else:
-                    shared[:logits.shape[0]].copy_(logits)
-            del logits
+            self._graphs[size], shared = capture_logits(functools.partial(self._forward, size), pool, shared)
             self._logits[size] = shared[:size * self.row_tokens]
-            self._graphs[size] = graph
             if self.drafter is not None:  # reads the forward graph's hidden states, kept alive in self._hidden
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):

@@ -25,6 +25,7 @@ then carries the same placeholder host fields as a captured one; with torch refe
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -44,6 +45,7 @@ from hybridserve.core.batch import (
 )
 from hybridserve.core.upload import upload
 from hybridserve.ops.backends import all_triton
+from hybridserve.runtime.cuda_graphs import capture_logits
 from hybridserve.runtime.warmup import DUMMY_PAGE, DUMMY_SLOT, dummy_row
 
 logger = logging.getLogger(__name__)
@@ -204,18 +206,10 @@ class PrefillGraphs:
             torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(self.device)
-        shared = None  # the largest size's logits: every size writes its rows there (see cuda_graphs.py)
+        shared = None
         for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its blocks
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(size)
-                if shared is None:
-                    shared = logits
-                else:
-                    shared.copy_(logits)
-            del logits
-            self._logits[size] = shared
-            self._graphs[size] = graph
+            self._graphs[size], shared = capture_logits(functools.partial(self._forward, size), pool, shared)
+            self._logits[size] = shared  # max_rows rows at every size
         torch.cuda.synchronize(self.device)
         self.memory_bytes = torch.cuda.memory_reserved(self.device) - before
         logger.info("CUDA graphs: %d prefill sizes (%s tokens, up to %d rows) captured in %.1f s, %.0f MiB",

@@ -33,6 +33,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows:
         block = min(_BLOCK, next_power_of_2(width))
         _silu_and_mul_kernel[(rows, cdiv(width, block))](x, out, width, x.stride(0), out.stride(0),
-                                                              BLOCK=block, num_warps=max(1, min(4, block // 256)),
-                                                              **pdl.launch(x.device))
+                                                         BLOCK=block, num_warps=max(1, min(4, block // 256)),
+                                                         **pdl.launch(x.device))
     return out
