@@ -268,6 +268,7 @@ if [[ $what == graph-reserve ]]; then  # the graph pool's reserve from a trial c
   graph_tests tests/gpu/test_prefill_graphs_gpu.py tests/gpu/test_cuda_graphs_gpu.py tests/gpu/test_speculative_gpu.py \
     tests/gpu/test_host_sync_gpu.py
   profile b1
+  sed -n '/device self time of that first token/,/^[^ ]/p' "$OUT/logs/profile_b1.log"
 fi
 
 if [[ $what == dp ]]; then

@@ -8,9 +8,8 @@ steps in the middle of a run, or for the prefill scenario the first steps (all p
 `device_busy_ms_per_step` (kernel time summed over the profiled steps) next to `wall_ms_per_step` says whether a
 step is bound by the GPU or by the host; so does `host` (decode scenarios): steady steps of the overlapped loop
 timed unsynchronised, split into time blocked on the device and the host's own work, and a cProfile of it; and
-`first_token`, the same split for one prompt alone until its first token (on the H200 an eager 512-token prefill
-step took 50-78 ms where an 8192-token chunk's kernels take ~56 ms); for the prefill scenario `host` is that split
-for the whole scenario's prompts (its 16-row eager steps).
+`first_token`, the same split for one prompt alone until its first token, and its kernels by device time; for
+the prefill scenario `host` is that split for the whole scenario's prompts (its prefill steps).
 `--json-grammar` puts the offline benchmark's JSON grammar on every request
 (where the time of a constrained step goes). Prefix caching is off, as in the offline benchmark.
 
@@ -202,10 +201,16 @@ def main() -> None:
         while engine.has_unfinished_requests():
             engine.step()
         if args.scenario != "prefill":
-            summary["first_token"] = _host_share(_prompts_alone(engine, prompts[:1], args.temperature, grammar),
-                                                 args.first_token_runs)
+            alone = _prompts_alone(engine, prompts[:1], args.temperature, grammar)
+            summary["first_token"] = _host_share(alone, args.first_token_runs)
             print(f"host share of a {len(prompts[0])}-token prompt's first token:",
                   json.dumps(summary["first_token"]["per_run_ms"]))
+            with profile(activities=[ProfilerActivity.CUDA]) as first:
+                alone()
+            summary["first_token"]["device"] = _table(first, "self_device_time_total", 30)
+            print("device self time of that first token (ms):")
+            for name, count, ms in summary["first_token"]["device"]:
+                print(f"  {ms:9.2f}  {count:6d}  {name}")
         else:  # the whole scenario, unsynchronised: is the overlapped loop bound by the host or the device?
             summary["host"] = _host_share(_prompts_alone(engine, prompts, args.temperature, grammar),
                                           args.first_token_runs)
