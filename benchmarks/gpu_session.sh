@@ -7,7 +7,7 @@
 # brings back at most 8 files. Usage, from the repository root on the GPU machine:
 #   bash benchmarks/gpu_session.sh [tests|kernels|engines|bench|all|ling|agreement|profile|tune|serving|serving-ling|tp|
 #                                   structured|spec|pdl|dp|prefill-alloc|new-kernels|conv|epilogues|prefill-graphs|
-#                                   prefill-host|prefill-rows|graph-reserve]
+#                                   prefill-host|prefill-rows|graph-reserve|targets]
 # (all = tests + bench; tests = kernels + engines: the two groups of test files, see below; ling = 16 Ling-2.6-flash
 # layers with dummy weights and the shared-expert overlap; agreement = Ling decode agreement per lightning
 # implementation; profile = the b1, b64, prefill and b1-under-a-JSON-grammar step profiles of the 40-layer
@@ -39,7 +39,8 @@
 # 16-row step timed by prefill_host.py, then the prefill-graphs group's test files; prefill-rows = prefill graphs of
 # several rows: their two test files, the prefill scenario's profile with its host share, then the 40-layer offline
 # benchmark without HF; graph-reserve = the memory plan's trial capture: the graph test files whose pools must fit
-# their reserve, then the 40-layer b1 profile (the pool against the reserve, the first token))
+# their reserve, then the 40-layer b1 profile (the pool against the reserve, the first token); targets = the 40-layer
+# offline benchmark against HF transformers and the floor, then the b1 profile with PDL off (kernel times))
 set -u
 OUT=${OUT:-gpu-out}
 what=${1:-all}
@@ -269,6 +270,14 @@ if [[ $what == graph-reserve ]]; then  # the graph pool's reserve from a trial c
     tests/gpu/test_host_sync_gpu.py
   profile b1
   sed -n '/device self time of that first token/,/^[^ ]/p' "$OUT/logs/profile_b1.log"
+fi
+
+if [[ $what == targets ]]; then  # the targets table: 40-layer ZAYA1 vs HF vs the floor, then the b1 kernels
+  timeout 330 python benchmarks/offline_throughput.py --layers 40 --scenarios b1 b64 prefill \
+    --out "$OUT/offline_40l.json" > "$OUT/logs/offline.log" 2>&1
+  grep -A 4 "^scenario" "$OUT/logs/offline.log"
+  HYBRIDSERVE_PDL=0 profile b1  # kernel times without PDL's early launches (which count their waits as kernel time)
+  sed -n '/^device self time (ms)/,$p' "$OUT/logs/profile_b1.log" | head -n 12
 fi
 
 if [[ $what == dp ]]; then

@@ -54,7 +54,7 @@ class CountedModel:
 
 
 MODELS = {
-    "zaya": CountedModel(tiny_zaya_config, ("attention", "conv", "norm", "zaya_qk", "zaya_router", "moe", "linear")),
+    "zaya": CountedModel(tiny_zaya_config, ("attention", "conv", "norm", "zaya_router", "moe", "linear")),
     "ling": CountedModel(tiny_ling_config, ("attention", "moe", "router", "lightning", "ling_norm", "activation",
                                             "linear")),
 }

@@ -31,9 +31,9 @@ from hybridserve.layers.weights import check_shape, new_parameter
 from hybridserve.models.zaya_config import ZayaConfig
 from hybridserve.ops import backends
 from hybridserve.ops.attention import paged_attention
-from hybridserve.ops.conv import cca_conv
+from hybridserve.ops.conv import cca_conv_to_cache
+from hybridserve.ops.reference.zaya_qk import QKCache
 from hybridserve.ops.norm import ResidualNorm, residual_rms_norm
-from hybridserve.ops.zaya_qk import qk_norm_rope_cache
 from hybridserve.ops.zaya_router import Routing, eda_route
 
 
@@ -72,13 +72,15 @@ class CCAProjection(nn.Module):
         self.conv_qk_grouped = ConvWeights(channels, d, config.cca_time1, rows)
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, state: dict[str, torch.Tensor],
-                page_state: dict[str, torch.Tensor]):
-        """`state`: the per-request slots; `page_state`: per-page footers to fill (empty without prefix caching)."""
+                page_state: dict[str, torch.Tensor], cache: QKCache) -> torch.Tensor:
+        """`state`: the per-request slots; `page_state`: per-page footers to fill (empty without prefix caching);
+        `cache`: the q/k normalisation and the KV cache that K and V go to. -> q, normalised and rotated."""
         bias = self.qkvv_proj.bias
-        return cca_conv(self.qkvv_proj(h), self.conv_qk_depthwise.weight, self.conv_qk_depthwise.bias,
-                        self.conv_qk_grouped.weight, self.conv_qk_grouped.bias,
-                        None if bias is None else bias[-self.lag_width:], self.q_heads, tp_rank() * self.k_heads,
-                        batch, state["conv"], state["lag"], page_state.get("conv"), page_state.get("lag"))
+        return cca_conv_to_cache(self.qkvv_proj(h), self.conv_qk_depthwise.weight, self.conv_qk_depthwise.bias,
+                                 self.conv_qk_grouped.weight, self.conv_qk_grouped.bias,
+                                 None if bias is None else bias[-self.lag_width:], self.q_heads,
+                                 tp_rank() * self.k_heads, batch, state["conv"], state["lag"],
+                                 page_state.get("conv"), page_state.get("lag"), cache)
 
 
 class ConvWeights(nn.Module):
@@ -99,7 +101,7 @@ class ConvWeights(nn.Module):
 
 
 class QKNorm(nn.Module):
-    """The learned per-KV-head key temperature of the q/k normalisation (the op: `ops.zaya_qk`)."""
+    """The learned per-KV-head key temperature of the q/k normalisation (the op: `ops.conv.cca_conv_to_cache`)."""
 
     def __init__(self, k_heads: int):
         super().__init__()
@@ -130,11 +132,10 @@ class CCAAttention(nn.Module):
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, norm: ResidualNorm):
         """-> `norm`'s (x, h, h32) of the attention output (the residual update: o_proj's kernel may run it)."""
-        q, k, v = self.qkv_proj(h, batch, self.state, self.page_state)
         # A sliding layer's KV lives in the window group (its own pages and table), when the caches have one.
         kv_batch = batch if self.sliding_window is None else batch.window_view()
-        q = qk_norm_rope_cache(q, k, v, self.qk_norm.temp, self.rotary.inv_freq, kv_batch.positions,
-                               kv_batch.slot_mapping, self.kv["k"], self.kv["v"], h.dtype)
+        q = self.qkv_proj(h, batch, self.state, self.page_state, QKCache(
+            self.qk_norm.temp, self.rotary.inv_freq, kv_batch.slot_mapping, self.kv["k"], self.kv["v"], h.dtype))
         out = paged_attention(q, self.kv["k"], self.kv["v"], kv_batch, self.scale, self.sliding_window)
         return self.o_proj(out.flatten(1), norm)
 

@@ -13,7 +13,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-OPS = ("attention", "moe", "router", "conv", "lightning", "norm", "ling_norm", "activation", "zaya_qk",
+OPS = ("attention", "moe", "router", "conv", "lightning", "norm", "ling_norm", "activation",
        "zaya_router", "linear", "sampling")
 CHOICES = ("auto", "triton", "torch")
 

@@ -1,11 +1,11 @@
 """ZAYA1 kernels on CUDA at ZAYA1-8B widths (hidden 2048, 8 q / 2 kv heads x 128, conv channels 1280, router 256,
 16 experts), bf16 inputs against fp32 references on the same bf16-rounded inputs, and free of device-to-host syncs.
 
-Bounds: the conv computes in fp32, but in its heads form the [128, 128] stage-2 product runs as a TF32 tl.dot
-(10-bit mantissa), 3e-3 of the output scale; its columns form stays fp32, 1e-5 (tests/ops/test_conv_kernel.py).
-QKNorm/RoPE rounds once to bf16 at the end: one bf16 ulp. The norm rounds twice (normalised row, then times the
-weight), against the fp32 result: two bf16 ulps. The router is fp32 end to end (its prefill GEMMs 3xTF32, as
-accurate): 1e-5, and choices equal wherever the reference has no near-tie.
+Bounds: the conv computes in fp32, but in its heads form the [128, 128] stage-2 product runs as a TF32 tl.dot (10-bit
+mantissa), 3e-3 of the output scale; its columns form stays fp32, 1e-5 (tests/ops/test_conv_kernel.py). Its QKNorm/RoPE
+epilogue rounds once to bf16 at the end: one bf16 ulp beyond the conv's bound. The norm rounds twice (normalised row,
+then times the weight), against the fp32 result: two bf16 ulps. The router is fp32 end to end (its prefill GEMMs
+3xTF32, as accurate): 1e-5, and choices equal wherever the reference has no near-tie.
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ if torch.cuda.is_available():
     from hybridserve.core.batch import ScheduledChunk, build_forward_batch
     from hybridserve.ops.reference import norm as norm_reference
     from hybridserve.ops.reference import zaya_router as router_reference
-    from hybridserve.ops.triton import conv, norm, zaya_qk, zaya_router
+    from hybridserve.ops.reference.zaya_qk import QKCache
+    from hybridserve.ops.triton import conv, norm, zaya_router
     from tests.ops.test_conv_kernel import run_conv_case
-    from tests.ops.test_zaya_qk_kernel import check_qk_case
     from tests.ops.test_zaya_router_kernel import biased_probs, check_routing, router_inputs
 
 HIDDEN, Q_HEADS, K_HEADS, HEAD_DIM, ROUTER, EXPERTS = 2048, 8, 2, 128, 256, 16
@@ -36,8 +36,11 @@ WIDTHS = dict(q_heads=Q_HEADS, k_heads=K_HEADS, d=HEAD_DIM)
     [(3, 5, True), (15, 1, True), (0, 2, False)],  # a small mixed step (the columns form up to 64 tokens)
     [(0, 700, False), (31, 1, True), (16, 300, True), (0, 1, False), (47, 2, True)],  # mixed
 ], ids=["decode1", "decode64", "mixed8", "mixed"])
-def test_conv_at_zaya1_8b_widths(rows, form):
-    run_conv_case(rows, torch.bfloat16, form, page_size=16, **WIDTHS)
+@pytest.mark.parametrize("epilogue", [False, True], ids=["conv", "qk-epilogue"])
+def test_conv_at_zaya1_8b_widths(rows, form, epilogue):
+    """The conv alone, and with its q/k epilogue (rotary dim 64 of 128) into a bf16 KV cache."""
+    run_conv_case(rows, torch.bfloat16, form, page_size=16, rotary_dim=HEAD_DIM // 2 if epilogue else None,
+                  **WIDTHS)
 
 
 @pytest.mark.parametrize("rows", [1, 64])
@@ -77,10 +80,6 @@ def test_conv_columns_form_replays_from_a_cuda_graph(rows):
         eager = conv.cca_conv(*args, form="columns")
         for got, want in zip(replayed, (*eager, *state, *footers)):
             assert torch.equal(got, want)
-
-
-def test_qk_norm_rope_at_zaya1_8b_widths():
-    check_qk_case(300, Q_HEADS, K_HEADS, HEAD_DIM, HEAD_DIM // 2, torch.bfloat16)
 
 
 @pytest.mark.parametrize("tokens", [1, 256, 4096])
@@ -155,9 +154,8 @@ def test_kernels_issue_no_device_to_host_sync():
              for k, v in router_inputs(rows, HIDDEN, ROUTER, EXPERTS, skip_bias=0.05, device="cpu").items()}
     with no_host_sync():
         conv.cca_conv(proj, *weights, None, Q_HEADS, 0, batch, *state, *footers, form="heads")
-        q, k, v = conv.cca_conv(proj, *weights, None, Q_HEADS, 0, batch, *state, *footers)  # the columns form
-        q = zaya_qk.qk_norm_rope_cache(q, k, v, torch.ones(K_HEADS, **bf16), inv_freq, batch.positions,
-                                       batch.slot_mapping, *caches, torch.bfloat16)
+        cache = QKCache(torch.ones(K_HEADS, **bf16), inv_freq, batch.slot_mapping, *caches, torch.bfloat16)
+        q = conv.cca_conv(proj, *weights, None, Q_HEADS, 0, batch, *state, *footers, to_cache=cache)  # columns
         _, _, h32 = norm.residual_rms_norm(q.view(rows, -1).repeat(1, 2), norm_weight, 1e-5, residual,
                                            fp32_copy=True)
         routing = zaya_router.eda_route(**route)

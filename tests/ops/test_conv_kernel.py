@@ -9,13 +9,17 @@ carried window, the lag and page footers are copies of input values, so they mus
 """
 from __future__ import annotations
 
+import dataclasses
 from unittest import mock
 
 import pytest
 import torch
 
 from hybridserve.core.batch import ScheduledChunk, build_forward_batch
+from hybridserve.layers.rotary import RotaryEmbedding
 from hybridserve.ops.reference import conv as reference
+from hybridserve.ops.reference import zaya_qk
+from hybridserve.ops.reference.zaya_qk import QKCache
 from hybridserve.ops.triton import conv as kernel
 from tests.ops.conftest import DEVICE, KERNEL_DTYPES, ON_GPU
 
@@ -47,16 +51,23 @@ def _batch(rows: list[tuple[int, int, bool]], page_size: int, device: torch.devi
 
 
 def run_conv_case(rows, dtype, form, page_size=4, q_heads=4, k_heads=2, d=16, full_k_heads=None, kv_head_offset=0,
-                  bias=True, footers=True, seed=0, verify=(), block_tokens=None):
+                  bias=True, footers=True, seed=0, verify=(), block_tokens=None, rotary_dim=None, positions=None):
     """Kernel (in `form`, None: chosen by the token count) vs reference on `rows` (see _batch), with every slot and
-    page of the pools not used by a row (and every fresh row's slot) poisoned; returns the batch."""
+    page of the pools not used by a row (and every fresh row's slot) poisoned; returns the batch. With
+    `rotary_dim`, the kernel runs with its q/k epilogue (`to_cache`: tests/ops/test_zaya_qk_kernel.py) against
+    the reference conv followed by the reference q/k normalisation, RoPE and cache write; `positions` replaces the
+    batch's (only without footers, which follow the positions)."""
     gen = torch.Generator().manual_seed(seed)
     slots = len(rows) + 3 + sum(rows[i][1] - 1 for i in verify)
     pages = sum(-(-(prefix + n) // page_size) for prefix, n, _ in rows) + 3
     full_k_heads = full_k_heads or k_heads
     lag_width = full_k_heads * d // 2
     c = (q_heads + k_heads) * d
-    batch = _batch(rows, page_size, verify=verify)
+    batch, cpu_batch = _batch(rows, page_size, verify=verify), _batch(rows, page_size, torch.device("cpu"), verify)
+    if positions is not None:
+        assert not footers, "footers follow the batch's own positions"
+        batch = dataclasses.replace(batch, positions=positions.to(DEVICE))
+        cpu_batch = dataclasses.replace(cpu_batch, positions=positions)
     tokens = sum(n for _, n, _ in rows)
     proj = torch.randn(tokens, c + 2 * lag_width, generator=gen).to(dtype)
     weights = [w.to(dtype) for w in _weights(q_heads, k_heads, d, bias, gen)]
@@ -74,21 +85,48 @@ def run_conv_case(rows, dtype, form, page_size=4, q_heads=4, k_heads=2, d=16, fu
 
     ref_state = [f32(conv), f32(lag), f32(conv_footer), f32(lag_footer)]
     ref = reference.cca_conv(proj.float(), *[w.float() for w in weights], f32(lag_bias), q_heads, kv_head_offset,
-                             _batch(rows, page_size, torch.device("cpu"), verify), *ref_state)
+                             cpu_batch, *ref_state)
     dev = [None if t is None else t.to(DEVICE) for t in (conv, lag, conv_footer, lag_footer)]
-    got = kernel.cca_conv(proj.to(DEVICE), *[w.to(DEVICE) for w in weights],
-                          None if lag_bias is None else lag_bias.to(DEVICE), q_heads, kv_head_offset, batch, *dev,
-                          form=form, block_tokens=block_tokens)
+    args = (proj.to(DEVICE), *[w.to(DEVICE) for w in weights], None if lag_bias is None else lag_bias.to(DEVICE),
+            q_heads, kv_head_offset, batch, *dev)
     tol = 3e-3 if ON_GPU and dtype != torch.float32 and form != "columns" else 1e-5
-    for name, want, have in zip(("query", "key"), ref[:2], got[:2]):
-        scale = want.abs().max().item()
-        assert (have.float().cpu() - want).abs().max().item() <= tol * scale, name
-    assert got[2].dtype == dtype and torch.equal(got[2].float().cpu(), ref[2]), "value"
+    if rotary_dim is None:
+        got = kernel.cca_conv(*args, form=form, block_tokens=block_tokens)
+        for name, want, have in zip(("query", "key"), ref[:2], got[:2]):
+            scale = want.abs().max().item()
+            assert (have.float().cpu() - want).abs().max().item() <= tol * scale, name
+        assert got[2].dtype == dtype and torch.equal(got[2].float().cpu(), ref[2]), "value"
+    else:
+        _check_to_cache(args, ref, cpu_batch.positions, form, block_tokens, rotary_dim, dtype, tol, gen)
     for name, want, have in zip(("conv", "lag", "conv footer", "lag footer"), ref_state, dev):
         if want is not None:  # untouched slots and pages keep their (poison / sentinel) contents, NaN included
             assert torch.equal(have.float().cpu().nan_to_num(123.0), want.nan_to_num(123.0)), name
     assert not kernel._arrival_counters(DEVICE).any()  # back at zero for the next call (and graph replay)
     return batch
+
+
+def _check_to_cache(args, ref, positions, form, block_tokens, rotary_dim, dtype, tol, gen) -> None:
+    """The kernel with its q/k epilogue vs ops/reference/zaya_qk.py on the reference conv's fp32 q, k, v: q and
+    the K cache within the conv's tolerance of their scale (the normalisation divides by a row's norm, which is of
+    the order of its elements' scale) plus one ulp of the dtype, V bit for bit, other cache rows untouched."""
+    (query, key, value), tokens, k_heads = ref, ref[0].shape[0], ref[1].shape[1]
+    cache_rows = 3 * tokens + 5
+    slots = torch.randperm(cache_rows, generator=gen)[:tokens]
+    temp = (torch.rand(k_heads, generator=gen) * 1.5 + 0.5).to(dtype)
+    inv_freq = RotaryEmbedding(rotary_dim, 5_000_000.0).inv_freq
+    caches = [torch.full((cache_rows, k_heads, query.shape[-1]), 9.0).to(dtype) for _ in range(2)]
+    want_caches = [c.clone() for c in caches]
+    want = zaya_qk.qk_norm_rope_cache(query, key, value.to(dtype), temp, inv_freq, positions, slots, *want_caches,
+                                      dtype)  # V: values of the dtype, exactly
+    got_caches = [c.to(DEVICE) for c in caches]
+    got = kernel.cca_conv(*args, to_cache=QKCache(temp.to(DEVICE), inv_freq.to(DEVICE), slots.to(DEVICE),
+                                                  *got_caches, dtype), form=form, block_tokens=block_tokens)
+    assert got.dtype == dtype
+    ulp = torch.finfo(dtype).eps if dtype != torch.float32 else 0.0
+    for name, have, want in (("q", got, want), ("k cache", got_caches[0], want_caches[0])):
+        have, want = have.cpu().float(), want.float()
+        assert ((have - want).abs() <= 2 * tol * want.abs().max() + ulp * want.abs()).all(), name
+    assert torch.equal(got_caches[1].cpu(), want_caches[1]), "v cache"
 
 
 # (prefix_len, new tokens, has_initial_state) rows; chunk lengths 1, P - 1, P, P + 1 and long.

@@ -1,7 +1,8 @@
-"""A tiny ZAYA1 model with its kernels (conv, norm, zaya_qk, zaya_router, moe; through the interpreter) equals the
-same model on its torch references over fresh, chunked, mixed and decode steps: logits, state slots and page
-footers. Both are fp32; the kernels sum in other orders, hence 1e-4 on logits of unit scale. The decode step (three
-tokens) runs the experts' GEMV form with the post-MoE residual norm in its down launch, MOD skips included."""
+"""A tiny ZAYA1 model with its kernels (conv with the q/k norm + RoPE + KV write, norm, zaya_router, moe; through the
+interpreter) equals the same model on its torch references over fresh, chunked, mixed and decode steps: logits, state
+slots and page footers. Both are fp32; the kernels sum in other orders, hence 1e-4 on logits of unit scale. The decode
+step (three tokens) runs the experts' GEMV form with the post-MoE residual norm in its down launch, MOD skips
+included."""
 from __future__ import annotations
 
 from unittest import mock
@@ -16,7 +17,7 @@ from hybridserve.runtime.model_loader import build_model
 from tests.helpers import CacheHarness
 from tests.ops.conftest import ON_GPU
 
-ZAYA_KERNELS = ("conv", "norm", "zaya_qk", "zaya_router", "moe")
+ZAYA_KERNELS = ("conv", "norm", "zaya_router", "moe")
 CONFIG = {"model_type": "zaya", "architectures": ["ZayaForCausalLM"], "vocab_size": 96, "hidden_size": 48,
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
           "moe_intermediate_size": 32, "num_experts": 3, "num_experts_per_tok": 1, "router_hidden_size": 16,
@@ -55,17 +56,18 @@ def test_model_on_kernels_equals_model_on_references(tmp_path):
         [(1, prompts[0][5:], 5), (2, [7], 3), (3, prompts[2], 0)],
         [(1, [4], 9), (2, [8], 4), (3, [9], 6)],
     ]
-    from hybridserve.ops.triton import conv, moe_gemv, norm, zaya_qk, zaya_router
-    entries = [(conv, "cca_conv"), (norm, "residual_rms_norm"), (zaya_qk, "qk_norm_rope_cache"),
-               (zaya_router, "eda_route"), (moe_gemv, "fused_experts")]
+    from hybridserve.ops.triton import conv, moe_gemv, norm, zaya_router
+    entries = [(conv, "cca_conv"), (norm, "residual_rms_norm"), (zaya_router, "eda_route"),
+               (moe_gemv, "fused_experts")]
     results = {}
     for kernels in (False, True):
         harness, footers = _harness(tmp_path, kernels)
         spies = [mock.patch.object(module, name, wraps=getattr(module, name)) for module, name in entries]
-        with _kernels(kernels), spies[0] as a, spies[1] as b, spies[2] as c, spies[3] as d, spies[4] as e:
+        with _kernels(kernels), spies[0] as a, spies[1] as b, spies[2] as c, spies[3] as d:
             logits = [harness.run([harness.chunk(*row) for row in step]) for step in steps]
-        assert all(spy.called == kernels for spy in (a, b, c, d, e))
-        assert not kernels or all(call.kwargs.get("norm") is not None for call in e.call_args_list)
+        assert all(spy.called == kernels for spy in (a, b, c, d))
+        assert not kernels or all(call.kwargs.get("to_cache") is not None for call in a.call_args_list)
+        assert not kernels or all(call.kwargs.get("norm") is not None for call in d.call_args_list)
         results[kernels] = (torch.cat(logits), harness.state.buffers, footers.buffers)
     (want, want_state, want_footers), (got, got_state, got_footers) = results[False], results[True]
     assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()

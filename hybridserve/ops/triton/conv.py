@@ -31,6 +31,7 @@ program that writes the windows (after every read of the old one), like a row's 
 """
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -38,10 +39,12 @@ import triton
 import triton.language as tl
 
 from hybridserve.core.batch import ForwardBatch
+from hybridserve.ops.reference.zaya_qk import QKCache
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.counters import arrival_counters
 from hybridserve.ops.triton.pdl import wait_for_previous
 from hybridserve.ops.triton.sizes import cdiv, next_power_of_2
+from hybridserve.ops.triton.zaya_qk import norm_rope_store
 
 # Launch constants of the columns form, sized for an H200 (132 SMs); benchmarks/ops/conv.py times both forms.
 # Steps of at most this many tokens run the columns form (H200, 40-layer graphs: 1.8x at 1 token, 1.3x at 8,
@@ -185,12 +188,15 @@ def _write_windows(g, tok, local, start, seq, mine, starter, out_slot, keep_fina
 @triton.jit
 def _conv_head(g, cb, tok, local, start, seq, mine, starter, out_slot, keep_final, proj_ptr, proj_s0, w0_ptr,
                b0_ptr, w1_ptr, b1_ptr, qk_out_ptr, conv_ptr, cs0, cs1, cs2, cfoot_ptr, cf0, cf1, cf2, slots_ptr,
-               init_ptr, qsl_ptr, pos_ptr, pt_ptr, pt_s0, page_size, counter_ptr,
+               init_ptr, qsl_ptr, pos_ptr, pt_ptr, pt_s0, page_size, counter_ptr, kv_slot_ptr, temp_ptr,
+               inv_freq_ptr, q_out_ptr, k_cache_ptr, kc_s0, kc_s1, norm_scale, norm_eps,
                HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, K0: tl.constexpr, K1: tl.constexpr,
                P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
                COLUMNS: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-               HAS_FOOTER: tl.constexpr, HAS_VERIFY: tl.constexpr, PRECISION: tl.constexpr):
-    """Head g's output columns of column block cb (all of them in the heads form), then its state."""
+               HAS_FOOTER: tl.constexpr, HAS_VERIFY: tl.constexpr, PRECISION: tl.constexpr,
+               TO_CACHE: tl.constexpr, HALF: tl.constexpr):
+    """Head g's output columns of column block cb (all of them in the heads form), then its state; with TO_CACHE,
+    the head's last program then normalises and rotates the head's whole rows into q_out or the K cache."""
     slot = tl.load(slots_ptr + seq, mask=mine, other=0)
     init = tl.load(init_ptr + seq, mask=mine, other=0) != 0
     start2, slot2, init2, mine2 = start[:, None], slot[:, None], init[:, None], mine[:, None]
@@ -219,16 +225,25 @@ def _conv_head(g, cb, tok, local, start, seq, mine, starter, out_slot, keep_fina
         _write_windows(g, tok, local, start, seq, mine, starter, out_slot, keep_final, slot, init, proj_ptr, proj_s0,
                        conv_ptr, cs0, cs1, cs2, cfoot_ptr, cf0, cf1, cf2, qsl_ptr, pos_ptr, pt_ptr, pt_s0, page_size,
                        D, P, BLOCK_D, BLOCK_P, HAS_FOOTER, HAS_VERIFY)
+        if TO_CACHE:
+            tl.debug_barrier()  # the heads form: every thread's stores of the rows precede their reads below
+            kv_row = tl.load(kv_slot_ptr + tok, mask=mine, other=0)
+            norm_rope_store(qk_out_ptr, tok, g, mine, pos_ptr, inv_freq_ptr, temp_ptr, q_out_ptr, k_cache_ptr,
+                            kc_s0, kc_s1, kv_row, norm_scale, norm_eps, HQ, HK, D, HALF, BLOCK_D,
+                            ".cg" if COLUMNS else "")  # .cg: the other column blocks' outputs, from L2
         if COLUMNS:
             tl.store(counter, 0)
 
 
 @triton.jit
 def _value_block(vb, tok, local, start, seq, mine, starter, out_slot, keep_final, proj_ptr, proj_s0, lag_bias_ptr,
-                 v_out_ptr, lag_ptr, lag_s0, lfoot_ptr, lf0, slots_ptr, init_ptr, qsl_ptr, pos_ptr, pt_ptr, pt_s0,
-                 page_size, kv_head_offset,
+                 v_out_ptr, v_s0, v_s1, lag_ptr, lag_s0, lfoot_ptr, lf0, slots_ptr, init_ptr, qsl_ptr, pos_ptr,
+                 pt_ptr, pt_s0, page_size, kv_head_offset, kv_slot_ptr,
                  HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, VH: tl.constexpr, BLOCK_D: tl.constexpr,
-                 HAS_LAG_BIAS: tl.constexpr, HAS_FOOTER: tl.constexpr, HAS_VERIFY: tl.constexpr):
+                 HAS_LAG_BIAS: tl.constexpr, HAS_FOOTER: tl.constexpr, HAS_VERIFY: tl.constexpr,
+                 TO_CACHE: tl.constexpr):
+    """Value channels [vb * BLOCK_D, ...) of the tokens: v_out [T, HK, D] rows by token, or with TO_CACHE the V
+    cache rows of the tokens' slots (row stride v_s0, head stride v_s1); then the lag."""
     c = vb * BLOCK_D + tl.arange(0, BLOCK_D)
     c_ok = c < VH
     current_col = (HQ + HK) * D + c
@@ -237,12 +252,18 @@ def _value_block(vb, tok, local, start, seq, mine, starter, out_slot, keep_final
     init = tl.load(init_ptr + seq, mask=mine, other=0) != 0
     mine2, c2, ok2 = mine[:, None], c[None, :], c_ok[None, :]
     row = proj_ptr + tok[:, None] * proj_s0
+    if TO_CACHE:
+        v_row = tl.load(kv_slot_ptr + tok, mask=mine, other=0)
+    else:
+        v_row = tok.to(tl.int64)
+    v_dst = v_out_ptr + v_row[:, None] * v_s0
 
     # Value channel c of [v_current | v_delayed] belongs to KV head c // D; this rank stores its own heads only.
     head = c // D - kv_head_offset
     keep = ok2 & (head >= 0)[None, :] & (head < HK)[None, :]
     current = tl.load(row + current_col[None, :], mask=mine2 & keep, other=0.0)
-    tl.store(v_out_ptr + (tok[:, None] * HK + head[None, :]) * D + (c % D)[None, :], current, mask=mine2 & keep)
+    tl.store(v_dst + head[None, :] * v_s1 + (c % D)[None, :], current.to(v_out_ptr.dtype.element_ty),
+             mask=mine2 & keep)
 
     inside = (local >= 1)[:, None]
     shifted = tl.load(row - proj_s0 + delayed_col[None, :], mask=mine2 & inside & ok2, other=0.0)
@@ -254,8 +275,8 @@ def _value_block(vb, tok, local, start, seq, mine, starter, out_slot, keep_final
     delayed = tl.where(inside, shifted, tl.where(init[:, None], carried, fresh.to(carried.dtype)))
     head = (VH + c) // D - kv_head_offset
     keep = ok2 & (head >= 0)[None, :] & (head < HK)[None, :]
-    tl.store(v_out_ptr + (tok[:, None] * HK + head[None, :]) * D + ((VH + c) % D)[None, :],
-             delayed.to(v_out_ptr.dtype.element_ty), mask=mine2 & keep)
+    tl.store(v_dst + head[None, :] * v_s1 + ((VH + c) % D)[None, :], delayed.to(v_out_ptr.dtype.element_ty),
+             mask=mine2 & keep)
 
     if HAS_FOOTER:
         pos = tl.load(pos_ptr + tok, mask=mine, other=0)
@@ -278,16 +299,17 @@ def _value_block(vb, tok, local, start, seq, mine, starter, out_slot, keep_final
 
 
 @triton.jit(do_not_specialize=["pt_s0", "num_tokens"])  # per-step integers: one variant for all steps
-def _cca_conv_kernel(proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr, b1_ptr, lag_bias_ptr, qk_out_ptr, v_out_ptr,
-                     conv_ptr, cs0, cs1, cs2, lag_ptr, lag_s0, cfoot_ptr, cf0, cf1, cf2, lfoot_ptr, lf0,
+def _cca_conv_kernel(proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr, b1_ptr, lag_bias_ptr, qk_out_ptr, v_out_ptr, v_s0,
+                     v_s1, conv_ptr, cs0, cs1, cs2, lag_ptr, lag_s0, cfoot_ptr, cf0, cf1, cf2, lfoot_ptr, lf0,
                      seq_ids_ptr, qsl_ptr, slots_ptr, init_ptr, pos_ptr, pt_ptr, pt_s0, page_size, token_slots_ptr,
-                     num_tokens, kv_head_offset, counter_ptr,
+                     num_tokens, kv_head_offset, counter_ptr, kv_slot_ptr, temp_ptr, inv_freq_ptr, q_out_ptr,
+                     k_cache_ptr, kc_s0, kc_s1, norm_scale, norm_eps,
                      HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, VH: tl.constexpr, K0: tl.constexpr,
                      K1: tl.constexpr, P: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_T: tl.constexpr,
                      BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, COLUMNS: tl.constexpr, BLOCK_O: tl.constexpr,
                      BLOCK_K: tl.constexpr, STAGES: tl.constexpr, HAS_LAG_BIAS: tl.constexpr,
                      HAS_FOOTER: tl.constexpr, HAS_VERIFY: tl.constexpr, PRECISION: tl.constexpr,
-                     USE_PDL: tl.constexpr):
+                     TO_CACHE: tl.constexpr, HALF: tl.constexpr, USE_PDL: tl.constexpr):
     wait_for_previous(USE_PDL)
     pid = tl.program_id(0)
     item = tl.program_id(1)
@@ -309,14 +331,15 @@ def _cca_conv_kernel(proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr, b1_ptr, lag_bias
     if item < (HQ + HK) * BLOCKS:
         _conv_head(item // BLOCKS, item % BLOCKS, tok, local, start, seq, mine, starter, out_slot, keep_final,
                    proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr, b1_ptr, qk_out_ptr, conv_ptr, cs0, cs1, cs2, cfoot_ptr,
-                   cf0, cf1, cf2, slots_ptr, init_ptr, qsl_ptr, pos_ptr, pt_ptr, pt_s0, page_size, counter_ptr, HQ,
-                   HK, D, K0, K1, P, BLOCK_T, BLOCK_D, BLOCK_P, COLUMNS, BLOCK_O, BLOCK_K, STAGES, HAS_FOOTER,
-                   HAS_VERIFY, PRECISION)
+                   cf0, cf1, cf2, slots_ptr, init_ptr, qsl_ptr, pos_ptr, pt_ptr, pt_s0, page_size, counter_ptr,
+                   kv_slot_ptr, temp_ptr, inv_freq_ptr, q_out_ptr, k_cache_ptr, kc_s0, kc_s1, norm_scale, norm_eps,
+                   HQ, HK, D, K0, K1, P, BLOCK_T, BLOCK_D, BLOCK_P, COLUMNS, BLOCK_O, BLOCK_K, STAGES, HAS_FOOTER,
+                   HAS_VERIFY, PRECISION, TO_CACHE, HALF)
     else:
         _value_block(item - (HQ + HK) * BLOCKS, tok, local, start, seq, mine, starter, out_slot, keep_final,
-                     proj_ptr, proj_s0, lag_bias_ptr, v_out_ptr, lag_ptr, lag_s0, lfoot_ptr, lf0, slots_ptr, init_ptr,
-                     qsl_ptr, pos_ptr, pt_ptr, pt_s0, page_size, kv_head_offset, HQ, HK, D, VH, BLOCK_D,
-                     HAS_LAG_BIAS, HAS_FOOTER, HAS_VERIFY)
+                     proj_ptr, proj_s0, lag_bias_ptr, v_out_ptr, v_s0, v_s1, lag_ptr, lag_s0, lfoot_ptr, lf0,
+                     slots_ptr, init_ptr, qsl_ptr, pos_ptr, pt_ptr, pt_s0, page_size, kv_head_offset, kv_slot_ptr,
+                     HQ, HK, D, VH, BLOCK_D, HAS_LAG_BIAS, HAS_FOOTER, HAS_VERIFY, TO_CACHE)
 
 
 def _arrival_counters(device: torch.device) -> torch.Tensor:
@@ -345,10 +368,12 @@ def cca_conv(proj: torch.Tensor, weight0: torch.Tensor, bias0: torch.Tensor, wei
              bias1: torch.Tensor, lag_bias: torch.Tensor | None, q_heads: int, kv_head_offset: int,
              batch: ForwardBatch, conv_state: torch.Tensor, lag_state: torch.Tensor,
              conv_footer: torch.Tensor | None = None, lag_footer: torch.Tensor | None = None,
-             form: Literal["heads", "columns"] | None = None, block_tokens: int | None = None):
-    """ops.conv.cca_conv on the GPU. `form` forces one of the kernel's two forms (tests, benchmarks); by default
-    steps of at most COLUMNS_MAX_TOKENS tokens take the columns form, larger ones the heads form. `block_tokens`
-    forces the heads form's token block (a power of two of at least 16; benchmarks/ops/conv.py sweeps it)."""
+             to_cache: QKCache | None = None, form: Literal["heads", "columns"] | None = None,
+             block_tokens: int | None = None):
+    """ops.conv.cca_conv on the GPU, or with `to_cache` ops.conv.cca_conv_to_cache (-> q only). `form` forces one
+    of the kernel's two forms (tests, benchmarks); by default steps of at most COLUMNS_MAX_TOKENS tokens take the
+    columns form, larger ones the heads form. `block_tokens` forces the heads form's token block (a power of two of
+    at least 16; benchmarks/ops/conv.py sweeps it)."""
     tokens, channels = proj.shape[0], weight0.shape[0]
     d, k0, k1 = weight1.shape[1], weight0.shape[-1], weight1.shape[-1]
     k_heads = channels // d - q_heads
@@ -367,9 +392,17 @@ def cca_conv(proj: torch.Tensor, weight0: torch.Tensor, bias0: torch.Tensor, wei
     if block_tokens is not None and (block_tokens < 16 or block_tokens & (block_tokens - 1)):
         raise ValueError(f"block_tokens must be a power of two of at least 16, not {block_tokens}")
     qk = torch.empty(tokens, q_heads + k_heads, d, device=proj.device, dtype=torch.float32)
-    value = torch.empty(tokens, k_heads, d, device=proj.device, dtype=proj.dtype)
+    if to_cache is None:
+        value = torch.empty(tokens, k_heads, d, device=proj.device, dtype=proj.dtype)
+        v_dst, query, k_cache, kv_slots, half = value, qk, qk, batch.positions, 0
+    else:
+        query = torch.empty(tokens, q_heads, d, device=proj.device, dtype=to_cache.out_dtype)
+        v_dst, k_cache, kv_slots = to_cache.v_cache, to_cache.k_cache, to_cache.slot_mapping
+        half = to_cache.inv_freq.shape[0]
+        if k_cache.stride(-1) != 1 or v_dst.stride(-1) != 1 or 2 * half > d:
+            raise ValueError("the caches need a unit stride over D, and the rotary dims must fit in D")
     if tokens == 0:
-        return qk[:, :q_heads], qk[:, q_heads:], value
+        return query if to_cache is not None else (qk[:, :q_heads], qk[:, q_heads:], value)
     columns = tokens <= COLUMNS_MAX_TOKENS if form is None else form == "columns"
     block_d = max(16, next_power_of_2(d))
     # A row of one token has no later token reading its carried window, so token blocks need not overlap.
@@ -395,13 +428,15 @@ def cca_conv(proj: torch.Tensor, weight0: torch.Tensor, bias0: torch.Tensor, wei
     grid = (token_blocks, heads * cdiv(d, block_o) + cdiv(lag_width, block_d))
     _cca_conv_kernel[grid](
         proj, proj.stride(0), weight0, bias0, weight1, bias1, lag_bias if lag_bias is not None else bias0,
-        qk, value, conv_state, *conv_state.stride(), lag_state, lag_state.stride(0), cfoot, *cfoot.stride(),
-        lfoot, lfoot.stride(0), batch.seq_ids, batch.query_start_loc, batch.state_slots, batch.has_initial_state,
-        batch.positions, batch.page_table, batch.page_table.stride(0), batch.page_size,
-        batch.verify.token_slots if batch.verify is not None else batch.positions, tokens, kv_head_offset,
-        _arrival_counters(proj.device) if columns else qk,
+        qk, v_dst, v_dst.stride(0), v_dst.stride(1), conv_state, *conv_state.stride(), lag_state,
+        lag_state.stride(0), cfoot, *cfoot.stride(), lfoot, lfoot.stride(0), batch.seq_ids, batch.query_start_loc,
+        batch.state_slots, batch.has_initial_state, batch.positions, batch.page_table, batch.page_table.stride(0),
+        batch.page_size, batch.verify.token_slots if batch.verify is not None else batch.positions, tokens,
+        kv_head_offset, _arrival_counters(proj.device) if columns else qk, kv_slots,
+        to_cache.temp if to_cache is not None else qk, to_cache.inv_freq if to_cache is not None else qk, query,
+        k_cache, k_cache.stride(0), k_cache.stride(1), math.sqrt(d), torch.finfo(torch.float32).eps,
         HQ=q_heads, HK=k_heads, D=d, VH=lag_width, K0=k0, K1=k1, P=history, OVERLAP=overlap, BLOCK_T=block_t,
         BLOCK_D=block_d, BLOCK_P=next_power_of_2(max(history, 1)), HAS_LAG_BIAS=lag_bias is not None,
-        HAS_FOOTER=has_footer, HAS_VERIFY=batch.verify is not None, **launch,
-        **pdl.launch(proj.device))
-    return qk[:, :q_heads], qk[:, q_heads:], value
+        HAS_FOOTER=has_footer, HAS_VERIFY=batch.verify is not None, TO_CACHE=to_cache is not None, HALF=half,
+        **launch, **pdl.launch(proj.device))
+    return query if to_cache is not None else (qk[:, :q_heads], qk[:, q_heads:], value)
