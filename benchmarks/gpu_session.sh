@@ -40,7 +40,7 @@
 # several rows: their two test files, the prefill scenario's profile with its host share, then the 40-layer offline
 # benchmark without HF; graph-reserve = the memory plan's trial capture: the graph test files whose pools must fit
 # their reserve, then the 40-layer b1 profile (the pool against the reserve, the first token); targets = the 40-layer
-# offline benchmark against HF transformers and the floor, then the b1 profile with PDL off (kernel times))
+# offline benchmark against HF transformers and the floor, then the ZAYA1 kernel and host-sync GPU tests)
 set -u
 OUT=${OUT:-gpu-out}
 what=${1:-all}
@@ -272,12 +272,12 @@ if [[ $what == graph-reserve ]]; then  # the graph pool's reserve from a trial c
   sed -n '/device self time of that first token/,/^[^ ]/p' "$OUT/logs/profile_b1.log"
 fi
 
-if [[ $what == targets ]]; then  # the targets table: 40-layer ZAYA1 vs HF vs the floor, then the b1 kernels
-  timeout 330 python benchmarks/offline_throughput.py --layers 40 --scenarios b1 b64 prefill \
+if [[ $what == targets ]]; then  # the targets table (40-layer ZAYA1 vs HF vs the floor), then ZAYA1 GPU tests
+  timeout 300 python benchmarks/offline_throughput.py --layers 40 --scenarios b1 b64 prefill \
     --out "$OUT/offline_40l.json" > "$OUT/logs/offline.log" 2>&1
   grep -A 4 "^scenario" "$OUT/logs/offline.log"
-  HYBRIDSERVE_PDL=0 profile b1  # kernel times without PDL's early launches (which count their waits as kernel time)
-  sed -n '/^device self time (ms)/,$p' "$OUT/logs/profile_b1.log" | head -n 12
+  timeout 140 bash -c "$(declare -f run_files); run_files 2 tests/gpu/test_zaya_kernels_gpu.py tests/gpu/test_host_sync_gpu.py"
+  grep -H -E ' (passed|failed|error)|^rc=' "$OUT"/logs/test_*.log
 fi
 
 if [[ $what == dp ]]; then
