@@ -24,6 +24,12 @@ several programs read the head's window, so each bumps the (token block, head) a
 next call (and every CUDA-graph replay) starts from zero (ops/triton/counters.py). Page footers are stored from
 values loaded before the new window is written.
 
+With `to_cache` (ops.conv.cca_conv_to_cache, what the model runs) the kernel also does the q/k normalisation, RoPE
+and the K/V cache write (ops/triton/zaya_qk.py) instead of returning q, k and v: the program that writes a head's
+new window (the heads form's one program of the head; the columns form's last to arrive) reads the head's fp32
+rows back and stores them normalised and rotated, as q or into the K cache, and the value programs store V
+straight into its cache rows. The fp32 q|k buffer stays the exchange between a head's programs.
+
 Verify rows (speculative decoding, `batch.verify`): each token stores the window and lag after it in its own slot
 (`token_slots`: the row's working slot for its first token, intermediate slots for its drafts), and the row's
 final window and lag are not stored. Only the first token targets the working slot; its window is stored by the
