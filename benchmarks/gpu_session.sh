@@ -71,12 +71,17 @@ profile() {  # profile SCENARIO: the 40-layer step profile of an offline scenari
 # Engine tests (an LLM each, up to a quarter of the GPU's memory, memory plans that count what the device holds) run
 # two at a time, the kernel tests four at a time; `tests` runs both groups side by side, which took longer than 580 s
 # on a fresh machine (the device tool's limit is 600 s): run `kernels` and `engines`, one group each, as two calls.
+# Each group stops at TESTS_LIMIT seconds (default 520; timeout ends its whole process group), so that the summary
+# and logs.tgz below still come back from a call that runs out of time: a file cut short shows no rc= line.
 engines=$(grep -l "LLM(\|write_two_layer_model" tests/gpu/test_*.py)
+bounded_files() {  # bounded_files PARALLEL FILE...: run_files within TESTS_LIMIT seconds
+  timeout "${TESTS_LIMIT:-520}" bash -c "$(declare -f run_files); run_files $*"
+}
 if [[ $what == tests || $what == all || $what == engines ]]; then
-  run_files 2 $engines &
+  bounded_files 2 $engines &
 fi
 if [[ $what == tests || $what == all || $what == kernels ]]; then
-  run_files 4 $(ls tests/ops/test_*.py tests/gpu/test_*.py | grep -vxF "$engines") &
+  bounded_files 4 $(ls tests/ops/test_*.py tests/gpu/test_*.py | grep -vxF "$engines") &
 fi
 wait
 if [[ $what == tests || $what == all || $what == kernels || $what == engines ]]; then
@@ -276,7 +281,7 @@ if [[ $what == targets ]]; then  # the targets table (40-layer ZAYA1 vs HF vs th
   timeout 300 python benchmarks/offline_throughput.py --layers 40 --scenarios b1 b64 prefill \
     --out "$OUT/offline_40l.json" > "$OUT/logs/offline.log" 2>&1
   grep -A 4 "^scenario" "$OUT/logs/offline.log"
-  timeout 140 bash -c "$(declare -f run_files); run_files 2 tests/gpu/test_zaya_kernels_gpu.py tests/gpu/test_host_sync_gpu.py"
+  TESTS_LIMIT=140 bounded_files 2 tests/gpu/test_zaya_kernels_gpu.py tests/gpu/test_host_sync_gpu.py
   grep -H -E ' (passed|failed|error)|^rc=' "$OUT"/logs/test_*.log
 fi
 
