@@ -54,7 +54,7 @@ run_files() {  # run_files PARALLEL FILE...: each file in its own pytest process
   local parallel=$1
   shift
   printf '%s\n' "$@" | xargs -P "$parallel" -I{} bash -c \
-    'n=$(basename {} .py); timeout 450 $PYTEST -s {} > "$0/logs/$n.log" 2>&1;
+    'n=$(basename {} .py); timeout --foreground 450 $PYTEST -s {} > "$0/logs/$n.log" 2>&1;
      echo "rc=$?" >> "$0/logs/$n.log"' "$OUT"
 }
 
@@ -71,8 +71,9 @@ profile() {  # profile SCENARIO: the 40-layer step profile of an offline scenari
 # Engine tests (an LLM each, up to a quarter of the GPU's memory, memory plans that count what the device holds) run
 # two at a time, the kernel tests four at a time; `tests` runs both groups side by side, which took longer than 580 s
 # on a fresh machine (the device tool's limit is 600 s): run `kernels` and `engines`, one group each, as two calls.
-# Each group stops at TESTS_LIMIT seconds (default 520; timeout ends its whole process group), so that the summary
-# and logs.tgz below still come back from a call that runs out of time: a file cut short shows no rc= line.
+# Each group stops at TESTS_LIMIT seconds (default 520; timeout ends its whole process group, which is why a file's
+# own timeout runs in the foreground: in a group of its own it would outlive the group's), so that the summary and
+# logs.tgz below still come back from a call that runs out of time: a file cut short shows no rc= line.
 engines=$(grep -l "LLM(\|write_two_layer_model" tests/gpu/test_*.py)
 bounded_files() {  # bounded_files PARALLEL FILE...: run_files within TESTS_LIMIT seconds
   timeout "${TESTS_LIMIT:-520}" bash -c "$(declare -f run_files); run_files $*"
