@@ -180,9 +180,13 @@ class ModelRunner:
     def create_tables(self, max_rows: int, max_model_len: int) -> None:
         """The persistent device page/slot tables: one row per running sequence, wide enough for max_model_len."""
         self._tell_workers("create_tables", max_rows, max_model_len)
+        self.tables = self._page_tables(max_rows, max_model_len, window=self.window_pool is not None)
+
+    def _page_tables(self, rows: int, max_model_len: int, window: bool) -> PageTables:
+        """Page/slot tables of `rows` rows wide enough for max_model_len (with a window group's table if asked)."""
         # Speculative rows reach up to 2k positions past their last token (verify padding, an MTP chain).
         width = -(-(max_model_len + 2 * self.config.num_speculative_tokens) // self.config.page_size) + 1
-        self.tables = PageTables(max_rows, width, self.device, window=self.window_pool is not None)
+        return PageTables(rows, width, self.device, window=window)
 
     def capture_graphs(self, max_rows: int, max_model_len: int) -> None:
         """Capture the decode graphs and, with speculative decoding, the verify graphs (after `create_tables`; the
@@ -258,6 +262,20 @@ class ModelRunner:
         kv_layers = [(window if in_window else kv).layer(i) for in_window, i in self.kv_spec.layer_groups()]
         self.model.bind_caches(kv_layers, [state.layer(i) for i in layers], footer_layers)
 
+    def _bind_temporary(self, pages: int, state_slots: int, footers: bool) -> tuple:
+        """Caches of `pages` pages and `state_slots` state slots (and as many footer slots as pages, if asked),
+        bound to the layers for a forward outside the engine's own caches (memory profiling); -> (kv, window,
+        state, footers), to be dropped by the caller."""
+        full_spec, window_spec = self.kv_spec.groups()
+        size = self.config.page_size
+        kv = KVPool(full_spec, pages, size, self.device)
+        window = KVPool(window_spec, pages, size, self.device) if window_spec is not None else None
+        state_spec = self.model.state_spec(self.dtype)
+        state = StatePool(state_spec, state_slots, self.device)
+        footer_pool = StatePool(state_spec, pages, self.device) if footers else None
+        self._bind(kv, window, state, footer_pool)
+        return kv, window, state, footer_pool
+
     def _cache_budget(self) -> int:
         """Bytes for the caches: the CPU budget, or on CUDA this engine's share of the device minus what it holds,
         the activation peak of a profiling forward at the largest batch, the sampler's penalty counts and, with
@@ -291,25 +309,17 @@ class ModelRunner:
         all sizes share its blocks only in part (the pool's segments split and fragment), and the shortfall was a
         fifth to a half of it (H200: 400 MiB of prefill graphs against a 341 MiB reserve at two layers, 1,252 MiB
         against 906 MiB at 40 layers)."""
-        full_spec, window_spec = self.kv_spec.groups()
-        size = self.config.page_size
-        kv = KVPool(full_spec, 1, size, self.device)
-        window = KVPool(window_spec, 1, size, self.device) if window_spec is not None else None
-        state_spec = self.model.state_spec(self.dtype)
-        state = StatePool(state_spec, 1, self.device)
-        footers = StatePool(state_spec, 1, self.device) if self.page_footers else None
-        self._bind(kv, window, state, footers)
+        caches = self._bind_temporary(1, 1, self.page_footers)
         rows = self.graph_rows()
         max_model_len = self.config.max_model_len or self.model_config.max_position_embeddings
-        width = -(-(max_model_len + 2 * self.config.num_speculative_tokens) // size) + 1
-        tables = PageTables(rows, width, self.device, window=window is not None)
+        tables = self._page_tables(rows, max_model_len, window=caches[1] is not None)  # [1]: the window pool
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(self.device)
         graphs = self._capture(tables, rows, max_model_len)
         torch.cuda.synchronize(self.device)
         taken = torch.cuda.memory_reserved(self.device) - before
-        del graphs, tables, kv, window, state, footers
+        del graphs, tables, caches
         gc.collect()  # the graphs (and their pool) go with their last reference
         torch.cuda.empty_cache()
         return taken
@@ -323,11 +333,7 @@ class ModelRunner:
         for chunk in chunks:
             chunk.page_ids = list(range(pages, pages + -(-len(chunk.token_ids) // size)))
             pages += len(chunk.page_ids)
-        full_spec, window_spec = self.kv_spec.groups()
-        kv = KVPool(full_spec, pages, size, self.device)
-        window = KVPool(window_spec, pages, size, self.device) if window_spec is not None else None
-        state = StatePool(self.model.state_spec(self.dtype), 2, self.device)
-        self._bind(kv, window, state, None)
+        caches = self._bind_temporary(pages, 2, footers=False)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
@@ -336,7 +342,7 @@ class ModelRunner:
         self.model.compute_logits(hidden[:logits_rows])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
-        del kv, window, state, batch, hidden
+        del caches, batch, hidden
         torch.cuda.empty_cache()
         return peak
 

@@ -216,9 +216,9 @@ class PrefillGraphs:
                     len(self.sizes), ", ".join(map(str, self.sizes)), self.max_rows, time.perf_counter() - start,
                     self.memory_bytes / 2**20)
 
-    def _fill(self, chunks: list[ScheduledChunk], size: int) -> None:
+    def _fill(self, chunks: list[ScheduledChunk], size: int) -> list[int]:
         """Write the step's rows, then the padding row up to `size` tokens and the empty row slots, into the static
-        buffers."""
+        buffers; -> each row's first packed token, then the total."""
         buffer = self._host[self._turn]
         self._turn ^= 1
         host = _views(buffer, self._segments)
@@ -250,6 +250,7 @@ class PrefillGraphs:
             host[name][:len(values)] = host_tensor(values, host[name].dtype)
         self._chunks = chunks
         self._static.copy_(buffer, non_blocking=True)
+        return starts
 
     def run(self, chunks: list[ScheduledChunk], previous_draws: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [rows wanting one, vocab] of a step that `fits` (the tables already updated), in row order. A row
@@ -258,8 +259,7 @@ class PrefillGraphs:
         size = self.size_for(tokens)
         if size is None:
             raise ValueError(f"{tokens} tokens exceed the largest prefill graph's {self.sizes[-1]}")
-        self._fill(chunks, size)
-        rows, sources = future_inputs(chunks, _starts(chunks))
+        rows, sources = future_inputs(chunks, self._fill(chunks, size))
         if rows:
             index = upload([rows, sources], self.device, torch.long)
             resolve_future_inputs(self._inputs["input_ids"], index[0], index[1], previous_draws)

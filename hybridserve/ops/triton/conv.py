@@ -398,13 +398,13 @@ def cca_conv(proj: torch.Tensor, weight0: torch.Tensor, bias0: torch.Tensor, wei
     if block_tokens is not None and (block_tokens < 16 or block_tokens & (block_tokens - 1)):
         raise ValueError(f"block_tokens must be a power of two of at least 16, not {block_tokens}")
     qk = torch.empty(tokens, q_heads + k_heads, d, device=proj.device, dtype=torch.float32)
-    if to_cache is None:
+    if to_cache is None:  # the epilogue's pointers are unused: any tensor will do
         value = torch.empty(tokens, k_heads, d, device=proj.device, dtype=proj.dtype)
-        v_dst, query, k_cache, kv_slots, half = value, qk, qk, batch.positions, 0
+        v_dst, query, k_cache, kv_slots, temp, inv_freq, half = value, qk, qk, batch.positions, qk, qk, 0
     else:
         query = torch.empty(tokens, q_heads, d, device=proj.device, dtype=to_cache.out_dtype)
         v_dst, k_cache, kv_slots = to_cache.v_cache, to_cache.k_cache, to_cache.slot_mapping
-        half = to_cache.inv_freq.shape[0]
+        temp, inv_freq, half = to_cache.temp, to_cache.inv_freq, to_cache.inv_freq.shape[0]
         if k_cache.stride(-1) != 1 or v_dst.stride(-1) != 1 or 2 * half > d:
             raise ValueError("the caches need a unit stride over D, and the rotary dims must fit in D")
     if tokens == 0:
@@ -438,8 +438,7 @@ def cca_conv(proj: torch.Tensor, weight0: torch.Tensor, bias0: torch.Tensor, wei
         lag_state.stride(0), cfoot, *cfoot.stride(), lfoot, lfoot.stride(0), batch.seq_ids, batch.query_start_loc,
         batch.state_slots, batch.has_initial_state, batch.positions, batch.page_table, batch.page_table.stride(0),
         batch.page_size, batch.verify.token_slots if batch.verify is not None else batch.positions, tokens,
-        kv_head_offset, _arrival_counters(proj.device) if columns else qk, kv_slots,
-        to_cache.temp if to_cache is not None else qk, to_cache.inv_freq if to_cache is not None else qk, query,
+        kv_head_offset, _arrival_counters(proj.device) if columns else qk, kv_slots, temp, inv_freq, query,
         k_cache, k_cache.stride(0), k_cache.stride(1), math.sqrt(d), torch.finfo(torch.float32).eps,
         HQ=q_heads, HK=k_heads, D=d, VH=lag_width, K0=k0, K1=k1, P=history, OVERLAP=overlap, BLOCK_T=block_t,
         BLOCK_D=block_d, BLOCK_P=next_power_of_2(max(history, 1)), HAS_LAG_BIAS=lag_bias is not None,
