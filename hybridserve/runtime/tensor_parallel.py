@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import os
 import socket
 
 import torch
@@ -25,6 +26,10 @@ from hybridserve.core.parallel import set_tensor_parallel_group
 logger = logging.getLogger(__name__)
 
 TIMEOUT = datetime.timedelta(minutes=10)  # a collective waiting this long means a rank is gone
+# NCCL settings a rank starts with unless its environment says otherwise. NVLink multicast (NVLS) is off, as in
+# SGLang (`--enable-nccl-nvls` turns it on there; NCCL_NVLS_ENABLE=1 does here): its buffers cost GPU memory the
+# planner does not count, and on shared hosts it can leave GPUs unusable after a crash.
+NCCL_DEFAULTS = {"NCCL_NVLS_ENABLE": "0"}
 
 
 def free_local_port() -> int:
@@ -73,10 +78,17 @@ class ControlChannel:
         return int(tensor.item())
 
 
+def set_nccl_defaults() -> None:
+    """Apply NCCL_DEFAULTS where the environment leaves them unset (before NCCL reads them at its first use)."""
+    for name, value in NCCL_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+
+
 def init_group(rank: int, size: int, address: str, device: torch.device) -> ControlChannel:
     """Join the TP group (NCCL on CUDA, gloo on CPU), install it for the layers, and open the control channel."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        set_nccl_defaults()
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=address, world_size=size,
                             rank=rank, timeout=TIMEOUT)
     set_tensor_parallel_group(rank, size, dist.group.WORLD)

@@ -3,13 +3,15 @@ tiny ZAYA1 and Ling checkpoints with prefix caching and chunked prefill on — t
 over 32 steps, logprobs within fp32 rounding; shapes that cannot be sharded are refused before any rank starts."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from hybridserve import SamplingParams
 from hybridserve.config import EngineConfig
 from hybridserve.engine.engine import LLMEngine
-from hybridserve.runtime.tensor_parallel import free_local_port
+from hybridserve.runtime.tensor_parallel import free_local_port, set_nccl_defaults
 from tests.helpers import add_tokenizer
 
 LOGPROB_TOL = 1e-5  # fp32: the shards' partial sums are added in another order than TP=1's full products
@@ -92,7 +94,6 @@ def test_unshardable_sizes_are_refused_before_any_rank_starts(zaya_dir):
 def test_two_nodes_tp2_equals_tp1(ling_dir):
     """TP=2 over two "nodes" on this host: node 1 is a separate `hybridserve serve --node-rank 1` process tree that
     only runs its rank; node 0 is this process's engine. The same tokens as TP=1."""
-    import os
     import subprocess
     import sys
 
@@ -125,3 +126,12 @@ def test_two_nodes_tp2_equals_tp1(ling_dir):
     while single.has_unfinished_requests():
         want.update((o.request_id, o.outputs[0].token_ids) for o in single.step() if o.finished)
     assert done == want
+
+
+def test_nccl_multicast_is_off_unless_the_environment_turns_it_on(monkeypatch):
+    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
+    set_nccl_defaults()
+    assert os.environ["NCCL_NVLS_ENABLE"] == "0"
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    set_nccl_defaults()
+    assert os.environ["NCCL_NVLS_ENABLE"] == "1"
