@@ -1,6 +1,9 @@
 """Paged attention cases: ZAYA1-8B decode (8 q / 2 kv heads x 128, page 16) at batch 1, 64, 256 and contexts 512 and
 4096, its prefill of 8 x 1024 fresh tokens, and Ling-2.6-flash MLA absorbed decode (32 heads over one 576-wide
-latent head, V = its first 512 channels) at batch 64 and context 2048. bf16.
+latent head, V = its first 512 channels) at batch 64 and context 2048. bf16. A lone 512-token prompt's prefill
+(the first token of batch 1, whose attention took 53 us a layer in a step profile) is timed from a CUDA graph, so
+that the device's time is measured rather than the launch, with the split-K heuristic's count and with 1, 2 and 9
+splits (9: what the prefill graphs, sized for max_model_len keys, choose).
 
 Bytes: the K/V rows the batch needs (each once; MLA's V is part of its K row) plus q and the output. FLOPs:
 2 * Hq * (Dk + Dv) per attended query-key pair (= 4 * Hq * D when Dv = D), causal pairs for prefill.
@@ -9,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.op_microbench import OpCase
+from benchmarks.op_microbench import OpCase, graphed
 from hybridserve.core.batch import ScheduledChunk, build_forward_batch
 from hybridserve.ops.reference import attention as reference
 from hybridserve.ops.triton import attention as kernel
@@ -18,7 +21,8 @@ PAGE = 16
 
 
 def _case(name: str, rows: list[tuple[int, int]], heads: tuple[int, int], head_dim: int, v_dim: int,
-          device: torch.device, v_in_k: bool = False) -> OpCase:
+          device: torch.device, v_in_k: bool = False, num_splits: int | None = None,
+          graph: bool = False) -> OpCase:
     num_q_heads, num_kv_heads = heads
     chunks, next_page = [], 1
     for prefix, length in rows:
@@ -35,9 +39,12 @@ def _case(name: str, rows: list[tuple[int, int]], heads: tuple[int, int], head_d
     scale = head_dim ** -0.5
     keys = sum(p + n for p, n in rows)
     pairs = sum(n * p + n * (n + 1) // 2 for p, n in rows)
+    def run() -> torch.Tensor:
+        return kernel.paged_attention(q, k, v, batch, scale, num_splits=num_splits)
+
     return OpCase(
         op="attention", name=name,
-        kernel=lambda: kernel.paged_attention(q, k, v, batch, scale),
+        kernel=graphed([run]) if graph else run,
         reference=lambda: reference.paged_attention(q, k, v, batch, scale),
         bytes=2 * (keys * num_kv_heads * width + tokens * num_q_heads * (head_dim + v_dim)),
         flops=2 * num_q_heads * (head_dim + v_dim) * pairs,
@@ -49,6 +56,8 @@ def cases(device: torch.device) -> list[OpCase]:
     out = [_case(f"zaya1 decode B={b} ctx={ctx}", [(ctx - 1, 1)] * b, **zaya)
            for ctx in (512, 4096) for b in (1, 64, 256)]
     out.append(_case("zaya1 prefill 8x1024", [(0, 1024)] * 8, **zaya))
+    out.extend(_case(f"zaya1 prefill 1x512 graphed, splits {splits or 'auto'}", [(0, 512)], **zaya,
+                     num_splits=splits, graph=True) for splits in (None, 1, 2, 9))
     out.append(_case("ling mla absorbed decode B=64 ctx=2048", [(2047, 1)] * 64, heads=(32, 1), head_dim=576,
                      v_dim=512, device=device, v_in_k=True))
     return out
