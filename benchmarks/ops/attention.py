@@ -39,6 +39,7 @@ def _case(name: str, rows: list[tuple[int, int]], heads: tuple[int, int], head_d
     scale = head_dim ** -0.5
     keys = sum(p + n for p, n in rows)
     pairs = sum(n * p + n * (n + 1) // 2 for p, n in rows)
+
     def run() -> torch.Tensor:
         return kernel.paged_attention(q, k, v, batch, scale, num_splits=num_splits)
 
