@@ -5,10 +5,11 @@ A step of B rows runs the graph captured for the smallest size >= B; rows B.. ar
 dummies (page 0 through the page tables' dummy row, state slot 0, position 0, one key), so they touch nothing a
 request owns. Every input the graph reads lives in static device buffers: the per-step values (per token: id,
 position, KV row, the window group's KV row for sliding-window layers, and for verify graphs the state slot; per
-row: key count, table row, initial-state flag) are written into a pinned host twin and moved with one copy before
-the replay; the page tables (both KV groups) and the state slots are gathered from the persistent `PageTables`
-inside the graph. Shapes come from the size alone: the attention kernel plans its key splits for `max_model_len`
-keys (splits beyond a row's keys are empty), so one graph serves any context length.
+row: key count, table row, initial-state flag) are written into a pinned staging buffer (core/staging.py: reused
+only once its last copy has run) and moved with one copy before the replay; the page tables (both KV groups) and
+the state slots are gathered from the persistent `PageTables` inside the graph. Shapes come from the size alone:
+the attention kernel plans its key splits for `max_model_len` keys (splits beyond a row's keys are empty), so one
+graph serves any context length.
 
 Verify graphs (speculative decoding, `row_tokens` = 1 + k): every row runs 1 + k tokens, its last drawn token and
 its drafts, padded with token 0 up to k drafts. The padding positions write KV into the row's own pages (the
@@ -45,6 +46,7 @@ from hybridserve.core.batch import (
     kv_row,
     resolve_future_inputs,
 )
+from hybridserve.core.staging import StagingBuffers
 from hybridserve.core.upload import upload
 from hybridserve.runtime.warmup import DUMMY_PAGE, DUMMY_SLOT
 from hybridserve.spec.mtp import DraftInputs, MtpDrafter
@@ -97,10 +99,7 @@ class DecodeGraphs:
         rows = sizes[-1]
         tokens = rows * row_tokens
         self._longs = len(self._token_fields) * tokens + len(self._row_fields) * rows
-        # Two pinned host twins, used in turn: a step's copy may still be queued while the next step is filled.
-        self._host = [torch.zeros(self._longs * 8 + rows, dtype=torch.uint8, pin_memory=device.type == "cuda")
-                      for _ in range(2)]
-        self._turn = 0
+        self.staging = StagingBuffers(self._longs * 8 + rows, device)  # the host side of the static inputs
         self._static = torch.zeros(self._longs * 8 + rows, dtype=torch.uint8, device=device)
         self._token_values, self._row_values, self._flags = self._views(self._static)
         self._query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=device) * row_tokens
@@ -220,9 +219,7 @@ class DecodeGraphs:
 
     def _fill(self, chunks: list[ScheduledChunk], size: int) -> None:
         """Write the step's per-token and per-row values, then padding up to `size` rows, into the static buffers."""
-        host = self._host[self._turn]
-        self._turn ^= 1
-        token_values, row_values, flags = self._views(host)
+        token_values, row_values, flags = self._views(self.staging.take())
         n, page = self.row_tokens, self.page_size
         tok = {name: [] for name in self._token_fields}
         row = {name: [] for name in self._row_fields}
@@ -256,7 +253,7 @@ class DecodeGraphs:
         row_values[:, :size] = torch.tensor([row[name] for name in self._row_fields], dtype=torch.long)
         flags[:size] = torch.tensor([c.has_initial_state for c in chunks] + [False] * pad)
         self._prefix_lens = [c.prefix_len for c in chunks] + [0] * pad
-        self._static.copy_(host, non_blocking=True)
+        self.staging.copy_to(self._static)
 
     def run(self, chunks: list[ScheduledChunk], previous_draws: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [len(chunks) * row_tokens, vocab] of a step (the tables already updated): row i's token j at

@@ -14,8 +14,9 @@ tiles; programs past a row's tokens exit), and max_model_len keys (the attention
 graphs: splits past a row's keys are empty). Everything else is read from static device buffers written by one
 host-to-device copy before the replay: tokens, positions, KV rows, the row boundaries, key counts, initial-state
 flags, the wanted logits positions; the page tables and state slots are gathered inside the graph from the
-persistent `PageTables`. Only models whose prefill forward reads no other host value take part
-(`model.prefill_graphs`).
+persistent `PageTables`. The copy's pinned source is reused only once that copy has run (core/staging.py): the
+chunks of a long prompt draw nothing, so the host queues them far ahead of the device. Only models whose prefill
+forward reads no other host value take part (`model.prefill_graphs`).
 
 Sizes double from 16 to 1024 tokens, then grow by 1024, so a large step pads by at most 1024 tokens.
 
@@ -43,6 +44,7 @@ from hybridserve.core.batch import (
     resolve_future_inputs,
     token_history,
 )
+from hybridserve.core.staging import StagingBuffers
 from hybridserve.core.upload import upload
 from hybridserve.ops.backends import all_triton
 from hybridserve.runtime.cuda_graphs import capture_logits
@@ -121,9 +123,7 @@ class PrefillGraphs:
         self.placeholders = capture or all_triton() if placeholders is None else placeholders
         self._segments = _segments(sizes[-1], max_rows, tables.window is not None)
         nbytes = _nbytes(self._segments)
-        # Two pinned host twins, used in turn: a step's copy may still be queued while the next step is filled.
-        self._host = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda") for _ in range(2)]
-        self._turn = 0
+        self.staging = StagingBuffers(nbytes, device)  # the host side of the static inputs
         self._static = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         self._inputs = _views(self._static, self._segments)
         self._page_offsets = torch.arange(page_size, device=device)
@@ -201,9 +201,6 @@ class PrefillGraphs:
             row.window_page_ids = list(row.page_ids) if self.tables.window is not None else None
             self._fill([row], size)
             self._forward(size)
-            # The fill after next reuses this fill's host twin: its queued copy must have run by then (engine
-            # steps are collected before that; these forwards are not).
-            torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(self.device)
         shared = None
@@ -219,9 +216,7 @@ class PrefillGraphs:
     def _fill(self, chunks: list[ScheduledChunk], size: int) -> list[int]:
         """Write the step's rows, then the padding row up to `size` tokens and the empty row slots, into the static
         buffers; -> each row's first packed token, then the total."""
-        buffer = self._host[self._turn]
-        self._turn ^= 1
-        host = _views(buffer, self._segments)
+        host = _views(self.staging.take(), self._segments)
         page, dummy = self.page_size, self.tables.dummy_row
         window = "window_slot_mapping" in host
         starts = _starts(chunks)
@@ -249,7 +244,7 @@ class PrefillGraphs:
         for name, values in fields.items():
             host[name][:len(values)] = host_tensor(values, host[name].dtype)
         self._chunks = chunks
-        self._static.copy_(buffer, non_blocking=True)
+        self.staging.copy_to(self._static)
         return starts
 
     def run(self, chunks: list[ScheduledChunk], previous_draws: torch.Tensor | None = None) -> torch.Tensor:
