@@ -84,6 +84,12 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                         help="auto / safetensors: the checkpoint's *.safetensors; dummy: random weights from "
                              "config.json alone, no weight files read (benchmarks of full-size models)")
+    parser.add_argument("--quantization", "-q", default=None, choices=["fp8"],
+                        help="fp8: quantize a 16-bit checkpoint's projections and experts to FP8 e4m3 as they load "
+                             "(per-channel weight scales, per-token activation scales); FP8 checkpoints "
+                             "(compressed-tensors, block FP8) need nothing: their config.json says so")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto"],
+                        help="the KV cache's dtype: auto = the model's (FP8 KV caches are not served yet)")
     parser.add_argument("--kernel-backend", default="auto", choices=["auto", "triton", "torch"],
                         help="auto: Triton kernels on CUDA, the pure-torch references elsewhere; torch: references "
                              "everywhere (debugging); triton: fail unless the kernels can run")
@@ -149,6 +155,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 kernel_backend=args.kernel_backend, skip_warmup=args.skip_warmup, enforce_eager=args.enforce_eager,
                 cuda_graph_max_bs=args.cuda_graph_max_bs,
                 prefill_graph_max_tokens=args.prefill_graph_max_tokens, load_format=args.load_format,
+                quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                 disable_overlap_schedule=args.disable_overlap_schedule, tensor_parallel_size=args.tp,
                 nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr,
                 speculative_config=_speculative_config(args))

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+QUANTIZATIONS = (None, "fp8")
 SPECULATIVE_METHODS = ("ngram", "mtp")
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -114,6 +115,10 @@ class EngineConfig:
     skip_warmup: bool = False  # skip compiling every kernel variant at start-up (they then compile in the first steps)
     use_tqdm: bool = True  # a progress bar while the weights load
     load_format: str = "auto"  # auto = safetensors (the checkpoint's weights) | dummy (random, from config.json alone)
+    # None: as the checkpoint is (16-bit, or FP8 by its quantization_config); "fp8": quantize a 16-bit checkpoint's
+    # projections and experts to FP8 e4m3 while loading (per-channel weight scales, per-token activation scales).
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # the KV cache's dtype: auto = the model's dtype (the only value served so far)
 
     def __post_init__(self) -> None:
         def fail(name: str, why: str) -> None:
@@ -159,6 +164,10 @@ class EngineConfig:
             fail("kernel_backend", "must be auto, triton or torch")
         if self.load_format not in LOAD_FORMATS:
             fail("load_format", f"must be one of {', '.join(LOAD_FORMATS)}")
+        if self.quantization not in QUANTIZATIONS:
+            fail("quantization", f"must be one of {', '.join(map(str, QUANTIZATIONS))}")
+        if self.kv_cache_dtype != "auto":
+            fail("kv_cache_dtype", "must be auto (the model's dtype): FP8 KV caches are not served yet")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             fail("device", "must be auto, cpu, cuda or cuda:N")
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from hybridserve.core.batch import ForwardBatch
 from hybridserve.core.parallel import divide, tp_size
+from hybridserve.core.quant import QuantScope
 from hybridserve.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -42,7 +43,9 @@ from hybridserve.ops.ling_norm import mla_latent_rope
 class MultiLatentAttention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rope_theta: float,
-                 rope_interleave: bool, eps: float):
+                 rope_interleave: bool, eps: float, quant: QuantScope = QuantScope()):
+        """`quant`: the scope of the checkpoint's attention module (FP8 projections); kv_b_proj stays 16-bit, as
+        the absorbed form folds its weights into the query and output."""
         super().__init__()
         self.num_heads = divide(num_heads, tp_size(), "num_attention_heads")
         self.q_lora_rank = q_lora_rank
@@ -50,18 +53,21 @@ class MultiLatentAttention(nn.Module):
         self.nope_dim, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         q_width = num_heads * (qk_nope_head_dim + qk_rope_head_dim)
         if q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(hidden_size, q_width)
-            self.kv_a_proj_with_mqa = ReplicatedLinear(hidden_size, kv_lora_rank + qk_rope_head_dim)
+            self.q_proj = ColumnParallelLinear(hidden_size, q_width, quant=quant.scheme("q_proj"))
+            self.kv_a_proj_with_mqa = ReplicatedLinear(hidden_size, kv_lora_rank + qk_rope_head_dim,
+                                                       quant=quant.scheme("kv_a_proj_with_mqa"))
         else:
             # q_a_proj and kv_a_proj_with_mqa read the same input: one GEMM of both (checkpoints keep them apart,
             # loaded as shards 0 and 1).
-            self.fused_qkv_a_proj = MergedColumnParallelLinear(hidden_size, [q_lora_rank, kv_lora_rank +
-                                                                             qk_rope_head_dim], replicated=[True, True])
+            self.fused_qkv_a_proj = MergedColumnParallelLinear(
+                hidden_size, [q_lora_rank, kv_lora_rank + qk_rope_head_dim], replicated=[True, True],
+                quant=quant.scheme("q_a_proj", "kv_a_proj_with_mqa"))
             self.q_a_layernorm = RMSNorm(q_lora_rank, eps)
-            self.q_b_proj = ColumnParallelLinear(q_lora_rank, q_width)
+            self.q_b_proj = ColumnParallelLinear(q_lora_rank, q_width, quant=quant.scheme("q_b_proj"))
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps)
         self.kv_b_proj = ColumnParallelLinear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))
-        self.dense = RowParallelLinear(num_heads * v_head_dim, hidden_size)  # o_proj; Ling's checkpoint name
+        self.dense = RowParallelLinear(num_heads * v_head_dim, hidden_size,  # o_proj; Ling's checkpoint name
+                                       quant=quant.scheme("dense"))
         self.rotary = RotaryEmbedding(qk_rope_head_dim, rope_theta, interleaved=rope_interleave)
         self.scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
         self.kv: dict[str, torch.Tensor] = {}

@@ -22,6 +22,7 @@ from hybridserve.cache.kv_pool import KVCacheSpec
 from hybridserve.cache.state_pool import StateField, StateSpec
 from hybridserve.core.batch import ForwardBatch
 from hybridserve.core.parallel import all_reduce, divide, tp_rank, tp_size
+from hybridserve.core.quant import QuantConfig, QuantScope
 from hybridserve.core.streams import run_beside
 from hybridserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from hybridserve.layers.linear import (
@@ -78,7 +79,7 @@ class LightningAttention(nn.Module):
     kernel), the decayed linear recurrence, GroupRMSNorm fused with the sigmoid output gate (norm first, gate
     second), then `dense` (spec §2.1)."""
 
-    def __init__(self, config: LingConfig, layer_idx: int):
+    def __init__(self, config: LingConfig, layer_idx: int, quant: QuantScope):
         super().__init__()
         hidden, d = config.hidden_size, config.head_dim
         width = config.num_heads * d
@@ -86,7 +87,8 @@ class LightningAttention(nn.Module):
         self.head_dim = d
         # Row blocks [Q | K | V | G] (head-major each), each split per rank so a rank holds its heads of all four.
         # Checkpoints keep Q|K|V in `query_key_value` and G in `g_proj` (LingForCausalLM.checkpoint_target).
-        self.query_key_value = MergedColumnParallelLinear(hidden, [width] * 4, pieces=[(0, 1, 2), (3,)])
+        self.query_key_value = MergedColumnParallelLinear(hidden, [width] * 4, pieces=[(0, 1, 2), (3,)],
+                                                          quant=quant.scheme("query_key_value", "g_proj"))
         self.eps = config.rms_norm_eps
         self.use_qk_norm = config.use_qk_norm
         if config.use_qk_norm:
@@ -94,7 +96,7 @@ class LightningAttention(nn.Module):
             self.key_layernorm = RMSNorm(d, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(int(d * config.partial_rotary_factor), config.rope_theta)
         self.g_norm = GroupRMSNorm(width, config.group_norm_size, config.rms_norm_eps)
-        self.dense = RowParallelLinear(width, hidden)
+        self.dense = RowParallelLinear(width, hidden, quant=quant.scheme("dense"))
         heads = slice(tp_rank() * self.num_heads, (tp_rank() + 1) * self.num_heads)
         self.register_buffer("log_decay", lightning_log_decay(config, layer_idx)[heads], persistent=False)
         self.state: dict[str, torch.Tensor] = {}
@@ -115,10 +117,12 @@ class LightningAttention(nn.Module):
 class LingMLP(nn.Module):
     """SwiGLU: the dense FFN of the first layers, and the shared expert."""
 
-    def __init__(self, hidden_size: int, width: int, reduce_results: bool = True):
+    def __init__(self, hidden_size: int, width: int, quant: QuantScope, reduce_results: bool = True):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [width, width])
-        self.down_proj = RowParallelLinear(width, hidden_size, reduce_results=reduce_results)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [width, width],
+                                                       quant=quant.scheme("gate_proj", "up_proj"))
+        self.down_proj = RowParallelLinear(width, hidden_size, reduce_results=reduce_results,
+                                           quant=quant.scheme("down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -150,13 +154,15 @@ class LingMoE(nn.Module):
     # experts: at decode sizes both are short, latency-bound GEMM chains; beyond, either alone fills the GPU.
     overlap_max_tokens = 1024
 
-    def __init__(self, config: LingConfig):
+    def __init__(self, config: LingConfig, quant: QuantScope = QuantScope()):
         super().__init__()
         self.gate = LingRouter(config)
+        experts = quant.child("experts")  # checkpoints keep one tensor per expert: expert 0's names stand for all
         self.experts = StackedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size,
-                                      split_gate_up=True)
-        self.shared_experts = LingMLP(config.hidden_size, config.shared_expert_width, reduce_results=False) \
-            if config.shared_expert_width else None
+                                      split_gate_up=True,
+                                      quant=experts.scheme("0.gate_proj", "0.up_proj", "0.down_proj"))
+        self.shared_experts = LingMLP(config.hidden_size, config.shared_expert_width, quant.child("shared_experts"),
+                                      reduce_results=False) if config.shared_expert_width else None
 
     def _routed(self, x: torch.Tensor, x32: torch.Tensor | None, reduce: bool) -> torch.Tensor:
         ids, weights = self.gate(x if x32 is None else x32)
@@ -187,10 +193,10 @@ class LingMoE(nn.Module):
         return out if shared is None else out + shared
 
 
-def _mla(config: LingConfig) -> MultiLatentAttention:
+def _mla(config: LingConfig, quant: QuantScope) -> MultiLatentAttention:
     return MultiLatentAttention(config.hidden_size, config.num_heads, config.q_lora_rank, config.kv_lora_rank,
                                 config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim,
-                                config.rope_theta, config.rope_interleave, config.rms_norm_eps)
+                                config.rope_theta, config.rope_interleave, config.rms_norm_eps, quant)
 
 
 class LingDecoderLayer(nn.Module):
@@ -203,12 +209,14 @@ class LingDecoderLayer(nn.Module):
     form.
     """
 
-    def __init__(self, config: LingConfig, layer_idx: int, mla: bool, dense: bool):
+    def __init__(self, config: LingConfig, layer_idx: int, mla: bool, dense: bool, quant: QuantScope):
+        """`quant`: the scope of the checkpoint's `model.layers.{layer_idx}`."""
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attention = _mla(config) if mla else LightningAttention(config, layer_idx)
+        attention, mlp = quant.child("attention"), quant.child("mlp")
+        self.attention = _mla(config, attention) if mla else LightningAttention(config, layer_idx, attention)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LingMLP(config.hidden_size, config.intermediate_size) if dense else LingMoE(config)
+        self.mlp = LingMLP(config.hidden_size, config.intermediate_size, mlp) if dense else LingMoE(config, mlp)
 
     def forward(self, x: torch.Tensor, addend: torch.Tensor | None, residual: torch.Tensor | None,
                 batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -227,11 +235,11 @@ class LingMTPLayer(LingDecoderLayer):
     """The next-token draft block (spec §6): MLA + MoE plus the norms and projection that mix the next token's
     embedding with the target's final hidden state. Drafts for speculative decoding; the main forward skips it."""
 
-    def __init__(self, config: LingConfig, layer_idx: int):
-        super().__init__(config, layer_idx, mla=True, dense=False)
+    def __init__(self, config: LingConfig, layer_idx: int, quant: QuantScope):
+        super().__init__(config, layer_idx, mla=True, dense=False, quant=quant)
         self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.eh_proj = ReplicatedLinear(2 * config.hidden_size, config.hidden_size)
+        self.eh_proj = ReplicatedLinear(2 * config.hidden_size, config.hidden_size, quant=quant.scheme("eh_proj"))
         self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def draft(self, embeds: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -244,13 +252,14 @@ class LingMTPLayer(LingDecoderLayer):
 
 
 class LingModel(nn.Module):
-    def __init__(self, config: LingConfig):
+    def __init__(self, config: LingConfig, quant: QuantScope):
         super().__init__()
         self.word_embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LingDecoderLayer(config, i, config.is_mla(i), config.is_dense(i))
-                                    for i in range(config.num_layers))
+        self.layers = nn.ModuleList(LingDecoderLayer(config, i, config.is_mla(i), config.is_dense(i),
+                                                     quant.child(f"layers.{i}")) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mtp = nn.ModuleList(LingMTPLayer(config, config.num_layers + k)
+        self.mtp = nn.ModuleList(LingMTPLayer(config, config.num_layers + k,
+                                              quant.child(f"layers.{config.num_layers + k}"))
                                  for k in range(config.num_nextn_predict_layers))
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -272,10 +281,13 @@ _QKV_A_PIECE = {"q_a_proj": 0, "kv_a_proj_with_mqa": 1}
 
 
 class LingForCausalLM(nn.Module):
-    def __init__(self, config: LingConfig):
+    def __init__(self, config: LingConfig, quant: QuantConfig | None = None):
+        """`quant`: FP8 for the projections, the dense FFN, the shared and routed experts and the MTP projection
+        (core/quant.py); the embeddings, LM head, router and MLA's kv_b_proj (its weights fold into the absorbed
+        attention) stay 16-bit."""
         super().__init__()
         self.config = config
-        self.model = LingModel(config)
+        self.model = LingModel(config, QuantScope(quant).child("model"))
         tied = self.model.word_embeddings if config.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tied_to=tied)
 

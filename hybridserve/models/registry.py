@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from hybridserve.config import SpeculativeConfig
+from hybridserve.core.quant import QuantConfig
 
 from hybridserve.models.ling import LingForCausalLM
 from hybridserve.models.ling_config import parse_ling_config
@@ -18,7 +19,7 @@ from hybridserve.models.zaya_config import parse_zaya_config
 @dataclass(frozen=True)
 class ModelFamily:
     parse_config: Callable[[dict], object]
-    model_class: Callable[[object], nn.Module]
+    model_class: Callable[[object, QuantConfig | None], nn.Module]
     # The config dimensions every tensor-parallel size must divide (heads are split, never replicated).
     tp_split: Callable[[object], dict[str, int]]
     # Multi-token-prediction (draft) layers the checkpoint ships: speculative decoding with method "mtp" needs one.

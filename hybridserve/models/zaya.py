@@ -18,6 +18,7 @@ from hybridserve.cache.kv_pool import KVCacheSpec
 from hybridserve.cache.state_pool import StateField, StateSpec
 from hybridserve.core.batch import ForwardBatch
 from hybridserve.core.parallel import divide, tp_rank, tp_size
+from hybridserve.core.quant import QuantConfig, QuantScope
 from hybridserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from hybridserve.layers.linear import (
     MergedColumnParallelLinear,
@@ -58,7 +59,7 @@ class CCAProjection(nn.Module):
     v_proj_delayed), so both value projections stay replicated and each rank keeps its heads of the full V.
     """
 
-    def __init__(self, config: ZayaConfig):
+    def __init__(self, config: ZayaConfig, quant: QuantScope):
         super().__init__()
         hq, hk, d, h = config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size
         self.q_heads = divide(hq, tp_size(), "num_attention_heads")
@@ -66,7 +67,8 @@ class CCAProjection(nn.Module):
         self.lag_width = hk * d // 2
         channels = (self.q_heads + self.k_heads) * d
         self.qkvv_proj = MergedColumnParallelLinear(h, [hq * d, hk * d, self.lag_width, self.lag_width],
-                                                    bias=config.attention_bias, replicated=[False, False, True, True])
+                                                    bias=config.attention_bias, replicated=[False, False, True, True],
+                                                    quant=quant.scheme(*PROJECTIONS))
         rows = _head_rows(hq, hk, d)
         self.conv_qk_depthwise = ConvWeights(channels, 1, config.cca_time0, rows)
         self.conv_qk_grouped = ConvWeights(channels, d, config.cca_time1, rows)
@@ -116,12 +118,12 @@ class QKNorm(nn.Module):
 
 
 class CCAAttention(nn.Module):
-    def __init__(self, config: ZayaConfig, layer_type: str):
+    def __init__(self, config: ZayaConfig, layer_type: str, quant: QuantScope):
         super().__init__()
-        self.qkv_proj = CCAProjection(config)
+        self.qkv_proj = CCAProjection(config, quant.child("qkv_proj"))
         self.qk_norm = QKNorm(self.qkv_proj.k_heads)
         self.o_proj = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size,
-                                        bias=config.attention_bias)
+                                        bias=config.attention_bias, quant=quant.scheme("o_proj"))
         rope = config.rope[layer_type]
         self.rotary = RotaryEmbedding(int(config.head_dim * rope.partial_rotary_factor), rope.theta)
         self.sliding_window = config.sliding_window if layer_type == "hybrid_sliding" else None
@@ -194,11 +196,12 @@ class EDARouter(nn.Module):
 
 
 class ZayaMoE(nn.Module):
-    def __init__(self, config: ZayaConfig, layer_idx: int):
+    def __init__(self, config: ZayaConfig, layer_idx: int, quant: QuantScope):
         super().__init__()
         self.scaled_identity = config.mod_skip_mode == "scaled_identity"
         self.gate = EDARouter(config, use_eda=layer_idx != 0)
-        self.experts = StackedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.experts = StackedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size,
+                                      quant=quant.child("experts").scheme("gate_up_proj", "down_proj"))
 
     def forward(self, x: torch.Tensor, x32: torch.Tensor, carry: torch.Tensor | None, norm: ResidualNorm):
         """-> (`norm`'s x and h of the routed output reduced over ranks, the router carry).
@@ -214,13 +217,13 @@ class ZayaMoE(nn.Module):
 
 
 class ZayaDecoderLayer(nn.Module):
-    def __init__(self, config: ZayaConfig, layer_idx: int):
+    def __init__(self, config: ZayaConfig, layer_idx: int, quant: QuantScope):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = CCAAttention(config, config.layer_types[layer_idx])
+        self.self_attn = CCAAttention(config, config.layer_types[layer_idx], quant.child("self_attn"))
         self.post_attention_residual_scale = ResidualScaling(config.hidden_size)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = ZayaMoE(config, layer_idx)
+        self.mlp = ZayaMoE(config, layer_idx, quant.child("mlp"))
         self.post_mlp_residual_scale = ResidualScaling(config.hidden_size)
 
     def forward(self, x: torch.Tensor, h: torch.Tensor, carry: torch.Tensor | None, batch: ForwardBatch,
@@ -233,12 +236,13 @@ class ZayaDecoderLayer(nn.Module):
 
 
 class ZayaModel(nn.Module):
-    def __init__(self, config: ZayaConfig):
+    def __init__(self, config: ZayaConfig, quant: QuantScope):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.input_hidden_states_scale = new_parameter(config.hidden_size)
         self.input_hidden_states_bias = new_parameter(config.hidden_size)
-        self.layers = nn.ModuleList(ZayaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(ZayaDecoderLayer(config, i, quant.child(f"layers.{i}"))
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -287,10 +291,12 @@ _LEGACY_EXPERT = re.compile(r"zaya_block\.experts\.local_experts\.(\d+)\.linear_
 
 
 class ZayaForCausalLM(nn.Module):
-    def __init__(self, config: ZayaConfig):
+    def __init__(self, config: ZayaConfig, quant: QuantConfig | None = None):
+        """`quant`: FP8 for the projections and experts (core/quant.py; its ignore rules match native checkpoint
+        names); the embeddings, LM head, routers and convs stay as they are."""
         super().__init__()
         self.config = config
-        self.model = ZayaModel(config)
+        self.model = ZayaModel(config, QuantScope(quant).child("model"))
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, config.lm_head_bias, tied_to=tied)
 

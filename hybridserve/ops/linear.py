@@ -5,14 +5,19 @@ On CUDA, decode-sized inputs (at most `ops.triton.linear.FASTER_UP_TO_TOKENS` ro
 everything else, and the reference the kernel is tested against, is torch's F.linear (cuBLAS on CUDA). fp32 weights
 (ZAYA1's router) always take F.linear. `linear_residual_norm` hands the GEMV kernel the residual norm that follows
 the projection, so that it runs in the same launch.
+
+FP8 weights (`fp8` given: e4m3 weight, its scales and scheme) run W8A8 as `ops.reference.fp8.fp8_linear` defines:
+for now that reference on every device. The residual norm after an FP8 projection runs on its own.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from hybridserve.core.quant import Fp8Scales
 from hybridserve.ops import backends
 from hybridserve.ops.norm import ResidualNorm
+from hybridserve.ops.reference import fp8 as fp8_reference
 
 
 def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -25,18 +30,26 @@ def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.numel() * weight.element_size() <= kernel.FASTER_UP_TO_WEIGHT_BYTES
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N]."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           fp8: Fp8Scales | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N] (`fp8`: the e4m3 weight's scales and scheme)."""
+    if fp8 is not None:
+        return _fp8_linear(x, weight, bias, fp8)
     if _takes_gemv(x, weight):
         from hybridserve.ops.triton import linear as kernel
         return kernel.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
-def linear_residual_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: ResidualNorm):
+def _fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: Fp8Scales) -> torch.Tensor:
+    return fp8_reference.fp8_linear(x, weight, fp8.scale, fp8.scheme, bias, fp8.input_scale)
+
+
+def linear_residual_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: ResidualNorm,
+                         fp8: Fp8Scales | None = None):
     """`norm`(linear(x, weight, bias)) for x [T, K]: in the GEMV kernel's launch where that kernel runs.
     -> `norm`'s (x, h, h32)."""
-    if _takes_gemv(x, weight) and x.dim() == 2:
+    if fp8 is None and _takes_gemv(x, weight) and x.dim() == 2:
         from hybridserve.ops.triton import linear as kernel
         return kernel.linear(x, weight, bias, norm=norm)
-    return norm(linear(x, weight, bias))
+    return norm(linear(x, weight, bias, fp8))

@@ -1,11 +1,19 @@
-"""Routed SwiGLU experts: each token's weighted sum over its chosen experts."""
+"""Routed SwiGLU experts: each token's weighted sum over its chosen experts.
+
+FP8 experts (`fp8` given: the gate_up and down stacks' scales) run W8A8 as `ops.reference.fp8.fp8_fused_experts`
+defines: for now that reference on every device.
+"""
 from __future__ import annotations
 
 import torch
 
+from hybridserve.core.quant import Fp8Scales
 from hybridserve.ops import backends
 from hybridserve.ops.norm import ResidualNorm
+from hybridserve.ops.reference import fp8 as fp8_reference
 from hybridserve.ops.reference import moe as reference
+
+ExpertScales = tuple[Fp8Scales, Fp8Scales]  # (gate_up's, down's)
 
 
 def _takes_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor) -> bool:
@@ -16,7 +24,7 @@ def _takes_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: 
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-                  topk_weights: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+                  topk_weights: torch.Tensor, reduce: bool = True, fp8: ExpertScales | None = None) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] (gate rows first); w2 [E, H, I]; topk_ids/weights [T, K] -> [T, H] in x's dtype.
 
     `reduce=False`: [T, P, H] rows whose sum over P (in fp32, rounded once) is that output, for a consumer that
@@ -25,6 +33,11 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
 
     On CUDA up to `ops.triton.moe_gemv.MAX_PAIRS` (token, choice) pairs (decode) take the GEMV form, more the
     grouped-GEMM form (`ops.triton.moe`); the switch depends on host-known sizes only."""
+    if fp8 is not None:
+        gate_up, down = fp8
+        out = fp8_reference.fp8_fused_experts(x, w13, gate_up.scale, w2, down.scale, topk_ids, topk_weights,
+                                              gate_up.scheme, (gate_up.input_scale, down.input_scale))
+        return out if reduce else out[:, None]
     if backends.use_triton("moe", x.device):
         if _takes_gemv(x, w13, w2, topk_ids):
             from hybridserve.ops.triton import moe_gemv
@@ -36,9 +49,9 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
 
 
 def fused_experts_residual_norm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-                                topk_weights: torch.Tensor, norm: ResidualNorm):
+                                topk_weights: torch.Tensor, norm: ResidualNorm, fp8: ExpertScales | None = None):
     """`norm`(fused_experts(...)): in the GEMV form's down launch where that form runs. -> `norm`'s (x, h, h32)."""
-    if backends.use_triton("moe", x.device) and _takes_gemv(x, w13, w2, topk_ids):
+    if fp8 is None and backends.use_triton("moe", x.device) and _takes_gemv(x, w13, w2, topk_ids):
         from hybridserve.ops.triton import moe_gemv
         return moe_gemv.fused_experts(x, w13, w2, topk_ids, topk_weights, norm=norm)
-    return norm(fused_experts(x, w13, w2, topk_ids, topk_weights))
+    return norm(fused_experts(x, w13, w2, topk_ids, topk_weights, fp8=fp8))

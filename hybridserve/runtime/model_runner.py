@@ -84,7 +84,8 @@ class ModelRunner:
         raw = read_config(model_dir, config.hf_overrides)
         self.dtype = resolve_dtype(config.dtype, raw.get("torch_dtype") or raw.get("dtype"))
         self.model, self.model_config = build_model(model_dir, self.dtype, self.device, config.hf_overrides,
-                                                    config.use_tqdm, config.load_format, config.seed)
+                                                    config.use_tqdm, config.load_format, config.seed,
+                                                    config.quantization)
         caching = config.enable_prefix_caching
         self.page_footers = caching and self.model.state_checkpoints == "per_page"
         self.sparse_checkpoints = caching and self.model.state_checkpoints == "sparse"
