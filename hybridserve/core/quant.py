@@ -217,17 +217,17 @@ def parse_quantization(config: dict, method: str | None) -> QuantConfig | None:
         return QuantConfig(Fp8Scheme("channel", "token", online=True))
     if not isinstance(hf, dict):
         raise ValueError(f"quantization_config must be an object, not {type(hf).__name__}")
-    method = hf.get("quant_method")
-    if method == "compressed-tensors":
+    quant_method = hf.get("quant_method")
+    if quant_method == "compressed-tensors":
         parsed = _compressed_tensors(hf)
-    elif method == "fp8":
+    elif quant_method == "fp8":
         parsed = _block_fp8(hf)
     else:
-        raise ValueError(f"quantization_config.quant_method={method!r} is not supported (supported: "
+        raise ValueError(f"quantization_config.quant_method={quant_method!r} is not supported (supported: "
                          "'compressed-tensors' float-quantized FP8, 'fp8' with weight_block_size [128, 128])")
     if method is not None:
         raise ValueError(f"quantization={method!r} quantizes a 16-bit checkpoint, but this checkpoint is already "
-                         f"quantized (quantization_config.quant_method={method!r}): leave quantization unset")
+                         f"quantized (quantization_config.quant_method={quant_method!r}): leave quantization unset")
     return parsed
 
 

@@ -104,7 +104,7 @@ def weight_parameter(module: nn.Module, name: str, shape: tuple[int, ...], schem
 
 def _companion(*shape: int) -> nn.Parameter:
     """A scale parameter, filled by its weight's loader (never by a checkpoint tensor of its own name)."""
-    param = nn.Parameter(torch.empty(*shape, dtype=torch.float32), requires_grad=False)
+    param = nn.Parameter(torch.empty(shape, dtype=torch.float32), requires_grad=False)
     param.fp8_companion = True
     return param
 
