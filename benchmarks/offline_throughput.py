@@ -24,6 +24,12 @@ class here (n/a). Results also go to --out as JSON. `--json-grammar` runs each o
 a JSON schema on every request (an array of at least 100000 short strings, so every draw stays masked to its last
 token) and reports both rates: with no grammar, structured output must cost nothing.
 
+FP8 (e4m3 weights, W8A8): `--quantization fp8` has our engine quantize the model's projections and experts as they
+load (per-channel scales; with dummy weights, random FP8 ones); `--fp8-checkpoint channel|block` writes the random
+model's config.json with the quantization_config of a compressed-tensors per-channel or a block-FP8 checkpoint
+(load format dummy: Ling-2.6-flash FP8 at full size without its 108 GB). The floors then count one byte per FP8
+weight. `--compare-bf16` runs our engine on the 16-bit weights too, in the same run, and reports FP8 / bf16.
+
 Speculative decoding (`--speculative-algorithm NGRAM|NEXTN --speculative-num-draft-tokens K`, K defaults to 4; NEXTN
 gives the random Ling model its MTP layer): every decode scenario runs three engines on the same prompts, plain
 (overlap and CUDA graphs as usual), speculative (its acceptance rate and accepted length from the same run) and
@@ -39,6 +45,8 @@ draft rejected (Ling-2.6-flash at batch 16 accepted 12% of the plain run's own t
     python benchmarks/offline_throughput.py --layers 40 --scenarios b1 b64 --json-grammar --skip-hf
     python benchmarks/offline_throughput.py --layers 40 --scenarios b1 b16 --temperature 0 --skip-hf \\
         --speculative-algorithm NGRAM --speculative-num-draft-tokens 4
+    python benchmarks/offline_throughput.py --layers 40 --scenarios b1 b64 --quantization fp8 --compare-bf16 --skip-hf
+    python benchmarks/offline_throughput.py --model-type ling --mtp-layer --fp8-checkpoint block --scenarios b1 b64 prefill
 """
 from __future__ import annotations
 
@@ -127,11 +135,26 @@ def model_config(model_type: str, width: str, layers: int | None, mtp: bool = Fa
     return demo_ling_config(DEMO_VOCAB, DEMO_EOS) | {"num_hidden_layers": layers, "num_nextn_predict_layers": int(mtp)}
 
 
-def make_random_model(model_type: str, width: str, layers: int | None, load_format: str, mtp: bool = False) -> str:
+FP8_CHECKPOINTS = {  # --fp8-checkpoint -> the quantization_config a checkpoint of that layout carries
+    "channel": {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+                "config_groups": {"group_0": {
+                    "targets": ["Linear"], "weights": {"type": "float", "num_bits": 8, "symmetric": True,
+                                                       "dynamic": False, "strategy": "channel"},
+                    "input_activations": {"type": "float", "num_bits": 8, "symmetric": True, "dynamic": True,
+                                          "strategy": "token"}}}},
+    "block": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+}
+
+
+def make_random_model(model_type: str, width: str, layers: int | None, load_format: str, mtp: bool = False,
+                      fp8_checkpoint: str | None = None) -> str:
     """A temporary directory (the caller deletes it) with the random model of `model_config` and the bundled
-    tokenizer: config.json alone for load_format dummy (the engine draws the weights), else a random checkpoint."""
+    tokenizer: config.json alone for load_format dummy (the engine draws the weights), else a random checkpoint.
+    `fp8_checkpoint` (dummy only): config.json says the weights are FP8 in that layout."""
     model_dir = tempfile.mkdtemp(prefix=f"{model_type}-bench-")
     config = model_config(model_type, width, layers, mtp)
+    if fp8_checkpoint is not None:
+        config["quantization_config"] = FP8_CHECKPOINTS[fp8_checkpoint]
     if load_format == "dummy":
         (Path(model_dir) / "config.json").write_text(json.dumps(config, indent=2))
     else:
@@ -151,11 +174,13 @@ SPEC_STATS = ("spec_verify_rows", "spec_draft_tokens", "spec_accepted_tokens")
 
 
 def run_ours(model_dir: str, workloads: dict, args, speculative: dict | None = None,
-             forced: dict[str, list[list[int]]] | None = None) -> dict[str, dict]:
+             forced: dict[str, list[list[int]]] | None = None, quantization: str | None = None) -> dict[str, dict]:
     """Per scenario (and per `name+json` with --json-grammar, without speculation): tok/s, the generated tokens,
     and with `speculative` the acceptance measured on the timed run. `forced` (per scenario, the outputs of a plain
-    run): drafts replayed from them, keyed by prompt, and every one accepted."""
+    run): drafts replayed from them, keyed by prompt, and every one accepted. `quantization`: the engine's option
+    (online FP8)."""
     llm = LLM(model_dir, use_tqdm=False, dtype=args.dtype, device=args.device, load_format=args.load_format,
+              quantization=quantization,
               max_running_requests=args.max_running_requests, enforce_eager=args.enforce_eager, seed=args.seed,
               prefill_graph_max_tokens=args.prefill_graph_max_tokens,
               tensor_parallel_size=args.tp, speculative_config=speculative,
@@ -265,38 +290,42 @@ def _hf_generate(model, prompts, new_tokens: int, args) -> None:
                        do_sample=True, temperature=args.temperature, top_p=1.0, top_k=0, pad_token_id=0)
 
 
-def zaya_decode_floor(config: dict, batch: int, context: int) -> float:
-    """Tokens/s if one decode step only had to move its bytes at HBM speed (users_and_perf.md §3.4)."""
+def zaya_decode_floor(config: dict, batch: int, context: int, fp8: bool = False) -> float:
+    """Tokens/s if one decode step only had to move its bytes at HBM speed (users_and_perf.md §3.4). `fp8`: the
+    projections and experts take one byte a weight (the router and the LM head stay as they are)."""
     h, layers, e = config["hidden_size"], config["num_hidden_layers"], config["num_experts"]
     cca = h * 1024 + h * 256 + 2 * h * 128 + 1024 * h
     router = h * 256 + 2 * 256 * 256 + 256 * (e + 1)
     expert = 3 * h * config["moe_intermediate_size"]
     touched = e * (1 - (1 - 1 / e) ** batch)
-    weights = 2 * (layers * (cca + router + touched * expert) + config["vocab_size"] * h)
+    quantized = (1 if fp8 else 2) * layers * (cca + touched * expert)
+    weights = quantized + 2 * (layers * router + config["vocab_size"] * h)
     kv = batch * context * layers * 512 * 2
     return batch / ((weights + kv) / HBM_BYTES_PER_S)
 
 
-def ling_decode_floor(config: dict, batch: int, context: int) -> float:
+def ling_decode_floor(config: dict, batch: int, context: int, fp8: bool = False) -> float:
     """Tokens/s if one decode step only had to move its bytes (`ling_decode_bytes`) at HBM speed."""
-    return batch / (sum(ling_decode_bytes(config, batch, context).values()) / HBM_BYTES_PER_S)
+    return batch / (sum(ling_decode_bytes(config, batch, context, fp8).values()) / HBM_BYTES_PER_S)
 
 
-def ling_decode_bytes(config: dict, batch: int, context: int) -> dict[str, float]:
-    """Bytes one Ling decode step moves: the weights it touches (bf16; routers fp32; routed experts as the expected
-    number of distinct ones the batch picks; norms left out), every MLA layer's latent KV of the context (bf16) and
-    every lightning layer's fp32 state (read and written)."""
+def ling_decode_bytes(config: dict, batch: int, context: int, fp8: bool = False) -> dict[str, float]:
+    """Bytes one Ling decode step moves: the weights it touches (bf16, or with `fp8` one byte for the projections
+    and experts but MLA's kv_b_proj; routers fp32; routed experts as the expected number of distinct ones the batch
+    picks; norms left out), every MLA layer's latent KV of the context (bf16) and every lightning layer's fp32
+    state (read and written)."""
     c = parse_ling_config(config)
     h, heads, qk = c.hidden_size, c.num_heads, c.qk_nope_head_dim + c.qk_rope_head_dim
     lightning = 5 * heads * c.head_dim * h  # Q|K|V|G in, dense out
     q = c.q_lora_rank * h + heads * qk * c.q_lora_rank if c.q_lora_rank else heads * qk * h
-    mla = (q + (c.kv_lora_rank + c.qk_rope_head_dim) * h + heads * (c.qk_nope_head_dim + c.v_head_dim) * c.kv_lora_rank
-           + heads * c.v_head_dim * h)
+    w = 1 if fp8 else 2  # bytes per projection or expert weight
+    kv_b = 2 * heads * (c.qk_nope_head_dim + c.v_head_dim) * c.kv_lora_rank
+    mla = w * (q + (c.kv_lora_rank + c.qk_rope_head_dim) * h + heads * c.v_head_dim * h) + kv_b
     touched = c.num_experts * (1 - (1 - c.num_experts_per_tok / c.num_experts) ** batch)
-    moe = (touched * 3 * c.moe_intermediate_size + 3 * c.shared_expert_width + 2 * c.num_experts) * h
-    dense = 3 * c.intermediate_size * h
-    weights = 2 * (sum((mla if c.is_mla(i) else lightning) + (dense if c.is_dense(i) else moe)
-                       for i in range(c.num_layers)) + c.vocab_size * h)  # + the LM head
+    moe = w * (touched * 3 * c.moe_intermediate_size + 3 * c.shared_expert_width) * h + 4 * c.num_experts * h
+    dense = w * 3 * c.intermediate_size * h
+    weights = sum((mla if c.is_mla(i) else w * lightning) + (dense if c.is_dense(i) else moe)
+                  for i in range(c.num_layers)) + 2 * c.vocab_size * h  # + the LM head
     kv = batch * context * len(c.mla_layers) * (c.kv_lora_rank + c.qk_rope_head_dim) * 2
     states = batch * len(c.lightning_layers) * heads * c.head_dim ** 2 * 4 * 2
     return {"weights": weights, "kv": kv, "states": states}
@@ -395,9 +424,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5,
                         help="timed runs per scenario of our engine; the median is reported (and every run's rate). "
                              "Five: on the H200 pool one call of three gave 91k, 132k and 146k tok/s of prefill")
+    parser.add_argument("--quantization", default=None, choices=["fp8"],
+                        help="our engine quantizes the projections and experts to FP8 as they load (online)")
+    parser.add_argument("--fp8-checkpoint", default=None, choices=sorted(FP8_CHECKPOINTS),
+                        help="the random model is an FP8 checkpoint of this layout (needs --load-format dummy)")
+    parser.add_argument("--compare-bf16", action="store_true",
+                        help="with FP8: also run our engine on the 16-bit weights and report FP8 / bf16")
     parser.add_argument("--out", default=None, help="write the results here as JSON")
     args = parser.parse_args()
     args.load_format = args.load_format or ("dummy" if args.model_type == "ling" else "auto")
+    fp8 = args.quantization is not None or args.fp8_checkpoint is not None
+    if args.fp8_checkpoint is not None and (args.load_format != "dummy" or args.model is not None):
+        parser.error("--fp8-checkpoint describes the random model's dummy weights: it needs --load-format dummy")
+    if args.compare_bf16 and (not fp8 or args.fp8_checkpoint is not None):
+        parser.error("--compare-bf16 compares --quantization fp8 with the same 16-bit weights")
     if args.mtp_layer and (args.model_type != "ling" or args.model is not None):
         parser.error("--mtp-layer applies to the random Ling model only")
     speculative = None
@@ -410,7 +450,8 @@ def main() -> None:
 
     temporary = args.model is None
     model_dir = make_random_model(args.model_type, args.width, args.layers, args.load_format,
-                                  mtp=args.mtp_layer or args.speculative_algorithm == "NEXTN") \
+                                  mtp=args.mtp_layer or args.speculative_algorithm == "NEXTN",
+                                  fp8_checkpoint=args.fp8_checkpoint) \
         if temporary else args.model
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -420,16 +461,24 @@ def main() -> None:
                   "layers": config["num_hidden_layers"], "device": args.device, "load_format": args.load_format,
                   "cuda_graphs": not args.enforce_eager,
                   "prefill_graph_max_tokens": 0 if args.enforce_eager else args.prefill_graph_max_tokens,
-                  "tensor_parallel_size": args.tp,
+                  "tensor_parallel_size": args.tp, "quantization": args.quantization,
+                  "quantization_config": config.get("quantization_config"),
                   "scenarios": {name: {"requests": len(p), "input_tokens": sum(map(len, p)),
                                        "output_tokens": sum(o), "unit": _unit(name)}
                                 for name, (p, o) in workloads.items()}}
-        plain = run_ours(model_dir, workloads, args)
+        plain = run_ours(model_dir, workloads, args, quantization=args.quantization)
+        if args.compare_bf16:
+            for name, run in run_ours(model_dir, workloads, args).items():
+                if "+" in name:  # --json-grammar's runs: compared without FP8 only
+                    continue
+                entry = result["scenarios"][name]
+                entry["bf16_tok_s"], entry["fp8_over_bf16"] = run["tok_s"], plain[name]["tok_s"] / run["tok_s"]
         if speculative is not None:
             result["speculative"] = speculative
             decode = {name: w for name, w in workloads.items() if not SCENARIOS[name].prefill}
-            spec = run_ours(model_dir, decode, args, speculative)
-            forced = run_ours(model_dir, decode, args, speculative, {n: plain[n]["tokens"] for n in decode})
+            spec = run_ours(model_dir, decode, args, speculative, quantization=args.quantization)
+            forced = run_ours(model_dir, decode, args, speculative, {n: plain[n]["tokens"] for n in decode},
+                              args.quantization)
             for name in decode:
                 result["scenarios"][name].update(
                     spec_tok_s=spec[name]["tok_s"], spec_acceptance_rate=spec[name]["acceptance_rate"],
@@ -451,7 +500,8 @@ def main() -> None:
                 context = (sc.min_input + sc.max_input) // 2 + (sc.min_output + sc.max_output) // 4
                 floor = zaya_decode_floor if zaya else ling_decode_floor
                 # Each of the --tp GPUs streams its shard: the bytes per step are split, the bandwidth multiplied.
-                entry["floor_tok_s"] = args.tp * floor(config, min(sc.requests, args.max_running_requests), context)
+                entry["floor_tok_s"] = args.tp * floor(config, min(sc.requests, args.max_running_requests), context,
+                                                       fp8)
         if not zaya:
             for entry in result["scenarios"].values():
                 entry["hf_tok_s"] = "n/a"  # no Ling-2.6 model class in transformers here
@@ -466,6 +516,8 @@ def main() -> None:
             floor = f"{e['floor_tok_s']:>12.0f} {e['ours_tok_s'] / e['floor_tok_s']:>8.1%}" if "floor_tok_s" in e \
                 else f"{'-':>12} {'-':>9}"
             print(f"{name:<9} {e['ours_tok_s']:>11.1f} {hf_text} {floor}  ({e['unit']})")
+            if "bf16_tok_s" in e:
+                print(f"{name + ' bf16':<9} {e['bf16_tok_s']:>11.1f}  (FP8 / bf16: {e['fp8_over_bf16']:.2f}x)")
             if "ours_json_tok_s" in e:
                 print(f"{name + '+json':<9} {e['ours_json_tok_s']:>11.1f}  (every request under a JSON grammar: "
                       f"{e['json_cost']:.1%} slower)")
