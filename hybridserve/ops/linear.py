@@ -6,8 +6,10 @@ everything else, and the reference the kernel is tested against, is torch's F.li
 (ZAYA1's router) always take F.linear. `linear_residual_norm` hands the GEMV kernel the residual norm that follows
 the projection, so that it runs in the same launch.
 
-FP8 weights (`fp8` given: e4m3 weight, its scales and scheme) run W8A8 as `ops.reference.fp8.fp8_linear` defines:
-for now that reference on every device. The residual norm after an FP8 projection runs on its own.
+FP8 weights (`fp8` given: e4m3 weight, its scales and scheme) run W8A8 as `ops.reference.fp8.fp8_linear` defines
+(backend op "fp8_linear"): on CUDA `ops.triton.fp8_linear` (the GEMV kernel up to its GEMV_MAX_TOKENS rows, with a
+residual norm in its launch as for 16-bit weights; a quantization launch and an FP8 GEMM beyond), elsewhere that
+reference.
 """
 from __future__ import annotations
 
@@ -42,14 +44,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def _fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: Fp8Scales) -> torch.Tensor:
+    if backends.use_triton("fp8_linear", x.device):
+        from hybridserve.ops.triton import fp8_linear as kernel
+        return kernel.fp8_linear(x, weight, fp8.scale, fp8.scheme, bias, fp8.input_scale)
     return fp8_reference.fp8_linear(x, weight, fp8.scale, fp8.scheme, bias, fp8.input_scale)
+
+
+def _fp8_takes_gemv(x: torch.Tensor) -> bool:
+    """Whether the GEMV kernel runs this FP8 product (on CUDA, decode-sized x)."""
+    if not backends.use_triton("fp8_linear", x.device):
+        return False
+    from hybridserve.ops.triton import fp8_linear as kernel
+    return kernel.takes_gemv(x)
 
 
 def linear_residual_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: ResidualNorm,
                          fp8: Fp8Scales | None = None):
     """`norm`(linear(x, weight, bias)) for x [T, K]: in the GEMV kernel's launch where that kernel runs.
     -> `norm`'s (x, h, h32)."""
-    if fp8 is None and _takes_gemv(x, weight) and x.dim() == 2:
+    if x.dim() == 2 and (_takes_gemv(x, weight) if fp8 is None else _fp8_takes_gemv(x)):
         from hybridserve.ops.triton import linear as kernel
-        return kernel.linear(x, weight, bias, norm=norm)
+        return kernel.linear(x, weight, bias, norm=norm, fp8=fp8)
     return norm(linear(x, weight, bias, fp8))

@@ -1,7 +1,8 @@
 """Routed SwiGLU experts: each token's weighted sum over its chosen experts.
 
 FP8 experts (`fp8` given: the gate_up and down stacks' scales) run W8A8 as `ops.reference.fp8.fp8_fused_experts`
-defines: for now that reference on every device.
+defines (backend op "fp8_moe"): on CUDA `ops.triton.fp8_moe` (the same two forms and switch as the 16-bit
+kernels, the residual-norm epilogue of the GEMV form included), elsewhere that reference.
 """
 from __future__ import annotations
 
@@ -16,13 +17,6 @@ from hybridserve.ops.reference import moe as reference
 ExpertScales = tuple[Fp8Scales, Fp8Scales]  # (gate_up's, down's)
 
 
-def _takes_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor) -> bool:
-    """Whether the decode (GEMV) form of the Triton kernels runs these pairs (on CUDA, at most MAX_PAIRS)."""
-    from hybridserve.ops.triton import moe_gemv
-    return topk_ids.numel() <= moe_gemv.MAX_PAIRS and x.stride(1) == 1 and w13.is_contiguous() \
-        and w2.is_contiguous()
-
-
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                   topk_weights: torch.Tensor, reduce: bool = True, fp8: ExpertScales | None = None) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] (gate rows first); w2 [E, H, I]; topk_ids/weights [T, K] -> [T, H] in x's dtype.
@@ -34,13 +28,10 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     On CUDA up to `ops.triton.moe_gemv.MAX_PAIRS` (token, choice) pairs (decode) take the GEMV form, more the
     grouped-GEMM form (`ops.triton.moe`); the switch depends on host-known sizes only."""
     if fp8 is not None:
-        gate_up, down = fp8
-        out = fp8_reference.fp8_fused_experts(x, w13, gate_up.scale, w2, down.scale, topk_ids, topk_weights,
-                                              gate_up.scheme, (gate_up.input_scale, down.input_scale))
-        return out if reduce else out[:, None]
+        return _fp8_experts(x, w13, w2, topk_ids, topk_weights, reduce, fp8)
     if backends.use_triton("moe", x.device):
-        if _takes_gemv(x, w13, w2, topk_ids):
-            from hybridserve.ops.triton import moe_gemv
+        from hybridserve.ops.triton import moe_gemv
+        if moe_gemv.takes(x, w13, w2, topk_ids):
             return moe_gemv.fused_experts(x, w13, w2, topk_ids, topk_weights, reduce=reduce)
         from hybridserve.ops.triton import moe as kernel
         return kernel.fused_experts(x, w13, w2, topk_ids, topk_weights, reduce=reduce)
@@ -48,10 +39,24 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     return out if reduce else out[:, None]
 
 
+def _fp8_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor, reduce: bool, fp8: ExpertScales) -> torch.Tensor:
+    gate_up, down = fp8
+    input_scales = (gate_up.input_scale, down.input_scale)
+    if backends.use_triton("fp8_moe", x.device):
+        from hybridserve.ops.triton import fp8_moe
+        return fp8_moe.fused_experts(x, w13, gate_up.scale, w2, down.scale, topk_ids, topk_weights, gate_up.scheme,
+                                     input_scales, reduce=reduce)
+    out = fp8_reference.fp8_fused_experts(x, w13, gate_up.scale, w2, down.scale, topk_ids, topk_weights,
+                                          gate_up.scheme, input_scales)
+    return out if reduce else out[:, None]
+
+
 def fused_experts_residual_norm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                                 topk_weights: torch.Tensor, norm: ResidualNorm, fp8: ExpertScales | None = None):
     """`norm`(fused_experts(...)): in the GEMV form's down launch where that form runs. -> `norm`'s (x, h, h32)."""
-    if fp8 is None and backends.use_triton("moe", x.device) and _takes_gemv(x, w13, w2, topk_ids):
+    if backends.use_triton("moe" if fp8 is None else "fp8_moe", x.device):
         from hybridserve.ops.triton import moe_gemv
-        return moe_gemv.fused_experts(x, w13, w2, topk_ids, topk_weights, norm=norm)
+        if moe_gemv.takes(x, w13, w2, topk_ids):
+            return moe_gemv.fused_experts(x, w13, w2, topk_ids, topk_weights, norm=norm, fp8=fp8)
     return norm(fused_experts(x, w13, w2, topk_ids, topk_weights, fp8=fp8))

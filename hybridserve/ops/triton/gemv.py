@@ -11,14 +11,24 @@ fp32), so results differ from an fp32 reference only by the order of the sum, an
 A loop of several chunks pipelines their loads (cp.async, `PIPELINE_STAGES` deep); one chunk (K small against the
 tile) has every load in flight at once. Every choice is a pure function of host-known sizes: the same tiles at
 every CUDA-graph replay, one compiled variant per token-count bucket.
+
+e4m3 weights (`ACT` set, `fp8_args`): the same loop reads a byte a weight element and quantizes x itself as
+`ops.reference.fp8` does (`ops.triton.fp8_quant`), so a projection stays one launch: each program takes the amax
+of every token over K first (per-token scales; x is small and read from L2), or of each 128-column group as its
+chunk comes in; the products of e4m3 values are exact in fp32 and scaled as the scales change: per-row and
+per-token scales on the sum, block and group scales (128 lanes each) on their chunk's operands.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import triton
 import triton.language as tl
 
+from hybridserve.core.quant import Fp8Scales
+from hybridserve.ops.triton.fp8_quant import JIT_SCALE_BLOCK, SCALE_BLOCK, block_stride, check_scales, check_scheme, \
+    constexprs, quantize_chunk, row_scales
 from hybridserve.ops.triton.sizes import cdiv, next_power_of_2
 
 PROGRAMS = 256  # programs per launch to aim for: about two per SM of an H200
@@ -26,6 +36,7 @@ TILE_ELEMENTS = 8192  # a program's [tokens, columns, K chunk] fp32 product tile
 PIPELINE_STAGES = 4  # K chunks in flight per program when its loop has several
 MAX_COLUMNS = 64  # output columns (weight rows) per program at most: wider tiles give too few programs anyway
 MIN_CHUNK = 64  # K lanes of a chunk at least (128 bytes of a 16-bit row): fewer tokens*columns where it would not fit
+FP8_MIN_CHUNK = 128  # the same for e4m3 rows (128 bytes), and whole 128-column scale blocks per chunk
 MIN_PROGRAM_ELEMENTS = 8192  # weight elements a program streams at least (16 KB of bf16): no finer split pays
 NUM_WARPS = 4
 
@@ -49,34 +60,70 @@ class Tiles:
             raise ValueError(f"GEMV STAGES and num_warps must be positive; got {self}")
 
 
-def tiles(tokens: int, rows: int, depth: int, min_rows: int = 1) -> Tiles:
+def tiles(tokens: int, rows: int, depth: int, min_rows: int = 1, min_chunk: int = MIN_CHUNK) -> Tiles:
     """Tiles for `tokens` tokens against `rows` weight rows of length `depth`: the widest power-of-two BN up to
-    MAX_COLUMNS (and keeping a K chunk of MIN_CHUNK) that still gives cdiv(rows, BN) >= PROGRAMS, but at least
+    MAX_COLUMNS (and keeping a K chunk of `min_chunk`) that still gives cdiv(rows, BN) >= PROGRAMS, but at least
     `min_rows` and the rows of MIN_PROGRAM_ELEMENTS (short rows: fewer, fuller programs); a K chunk filling
     TILE_ELEMENTS. Tokens count by the next power of two (BT), so the warm-up's power-of-two ladder compiles every
     variant a run needs, and a decode batch padded to its CUDA-graph size keeps the tiles, hence the sums, of the
     eager step."""
     bt = next_power_of_2(max(tokens, 1))
-    widest = min(MAX_COLUMNS, TILE_ELEMENTS // (bt * MIN_CHUNK))
+    widest = min(MAX_COLUMNS, TILE_ELEMENTS // (bt * min_chunk))
     bn = max(min_rows, min(widest, next_power_of_2(cdiv(MIN_PROGRAM_ELEMENTS, depth))))
     while 2 * bn <= widest and cdiv(rows, 2 * bn) >= PROGRAMS:
         bn *= 2
-    bk = min(max(MIN_CHUNK, TILE_ELEMENTS // (bt * bn)), next_power_of_2(depth))
+    bk = min(max(min_chunk, TILE_ELEMENTS // (bt * bn)), next_power_of_2(depth))
     return Tiles(bt, bn, bk, PIPELINE_STAGES if bk < depth else 1)
 
 
 @triton.jit
-def dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, stride_w, rows, row_ok, K: tl.constexpr, BT: tl.constexpr,
-             BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+def dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, stride_w, rows, row_ok, xs_ptr, ws_ptr, stride_ws,
+             K: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+             ACT: tl.constexpr, W_BLOCK: tl.constexpr):
     """[BT, BN] fp32: sum over k < K of x[tokens, k] * w[rows, k] (rows `stride_x` / `stride_w` apart, unit K
-    stride; masked tokens and rows give 0), products in fp32 accumulated per K lane and summed once at the end."""
-    acc = tl.zeros((BT, BN, BK), dtype=tl.float32)
+    stride; masked tokens and rows give 0), products in fp32 accumulated per K lane and summed once at the end.
+
+    With ACT (e4m3 w, `fp8_args`), x quantized as ACT says (`fp8_quant.row_scales`; "static": the scale at xs_ptr)
+    times w, scaled by the weight's scales: per row (ws_ptr[row]) or per 128x128 block
+    (ws_ptr[row // 128 * stride_ws + k // 128]; each chunk then runs in 128-lane pieces, one block each)."""
+    SUB: tl.constexpr = JIT_SCALE_BLOCK if W_BLOCK and BK > JIT_SCALE_BLOCK else BK
+    acc = tl.zeros((BT, BN, SUB), dtype=tl.float32)
     x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_x
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    if ACT != "":
+        x_scale = row_scales(x_rows, token_ok, xs_ptr, K, BT, BK, STAGES, ACT)
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
-        k = k0 + tl.arange(0, BK)
-        k_ok = k < K
-        x = tl.load(x_rows + k[None, :], mask=token_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc += x[:, None, :] * w[None, :, :]
-    return tl.sum(acc, axis=2)
+        for sub in tl.static_range(0, BK, SUB):
+            k = k0 + sub + tl.arange(0, SUB)
+            k_ok = k < K
+            x = tl.load(x_rows + k[None, :], mask=token_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            if ACT != "":
+                x, x_scale = quantize_chunk(x, x_scale, ACT)
+                if ACT == "group":
+                    x = x * x_scale[:, None]
+                if W_BLOCK:
+                    w = w * tl.load(ws_ptr + (rows // JIT_SCALE_BLOCK) * stride_ws + (k0 + sub) // JIT_SCALE_BLOCK,
+                                    mask=row_ok, other=0.0)[:, None]
+            acc += x[:, None, :] * w[None, :, :]
+    out = tl.sum(acc, axis=2)
+    if ACT != "":
+        if ACT != "group":
+            out = out * x_scale[:, None]
+        if not W_BLOCK:
+            out = out * tl.load(ws_ptr + rows, mask=row_ok, other=0.0)[None, :]
+    return out
+
+
+def fp8_args(fp8: Fp8Scales | None, weight: torch.Tensor, tiles: Tiles) -> tuple[tuple, dict]:
+    """`dot_rows`' FP8 arguments for `weight` ([..., N, K]) launched with `tiles`: (static activation scale,
+    weight scales, their stride between 128-row blocks) and the ACT / W_BLOCK constexprs; for a 16-bit weight
+    (`fp8` None) unread placeholders and ACT = ''."""
+    if fp8 is None:
+        return (weight, weight, 0), constexprs(None)
+    check_scheme(fp8.scheme, fp8.input_scale)
+    check_scales(weight, fp8.scale, fp8.scheme)
+    if fp8.scheme.weight == "block" and tiles.BK < min(SCALE_BLOCK, weight.shape[-1]):
+        raise ValueError(f"GEMV tiles {tiles} split the {SCALE_BLOCK}-column scale blocks of an FP8 weight")
+    static = fp8.input_scale if fp8.scheme.activation == "static" else weight
+    return (static, fp8.scale, block_stride(fp8.scale, fp8.scheme)), constexprs(fp8.scheme)

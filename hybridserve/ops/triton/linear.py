@@ -1,4 +1,5 @@
-"""Dense linear layers at decode sizes: out = x @ W^T (+ bias) for at most `MAX_TOKENS` tokens, 16-bit weights.
+"""Dense linear layers at decode sizes: out = x @ W^T (+ bias) for at most `MAX_TOKENS` tokens, 16-bit or e4m3
+weights.
 
 cuBLAS picks GEMM tiles for a 1-16 row problem that leave most of the H200's memory system idle (ZAYA1's fused
 q|k|v|v projection, 6.3 MB of bf16, streamed at ~1 TB/s). Here every program takes all the tokens and a few weight
@@ -6,6 +7,9 @@ rows (`gemv.tiles`: about `gemv.PROGRAMS` programs), so each weight byte is read
 in flight together (`gemv.dot_rows`). fp32 accumulation; bias added in fp32; the result rounded once to x's dtype.
 No split-K: the shapes served (ZAYA1 and Ling-2.6 projections, 1536 to 16384 columns) give enough programs by
 columns alone, and a sum never leaves its program (deterministic, no second launch).
+
+e4m3 weights (`fp8`: W8A8 as `ops.reference.fp8.fp8_linear`) take the same launch: each program quantizes x itself
+(`gemv.dot_rows`), so the projection stays one launch of half the weight bytes (ops.triton.fp8_linear's decode form).
 
 With a `ResidualNorm` (ZAYA1's o_proj: its residual update and the post-attention norm) the launch also runs the
 norm: each program bumps the launch's arrival counter after storing its columns (acq_rel), and the last to
@@ -18,10 +22,11 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridserve.core.quant import Fp8Scales
 from hybridserve.ops.norm import ResidualNorm
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.counters import arrival_counters
-from hybridserve.ops.triton.gemv import Tiles, dot_rows, tiles
+from hybridserve.ops.triton.gemv import FP8_MIN_CHUNK, MIN_CHUNK, Tiles, dot_rows, fp8_args, tiles
 from hybridserve.ops.triton.norm import epilogue_args, residual_norm_row
 from hybridserve.ops.triton.pdl import wait_for_previous
 from hybridserve.ops.triton.sizes import cdiv
@@ -35,20 +40,23 @@ FASTER_UP_TO_WEIGHT_BYTES = 64 << 20
 
 
 @triton.jit(do_not_specialize=["num_tokens"])  # one variant per token bucket (BT), not per token count
-def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, n, stride_x, stride_o, counter_ptr,
-                   r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0, nw_ptr, x_out_ptr, h_ptr,
-                   h32_ptr, width, eps, K: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   STAGES: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
+def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, n, stride_x, stride_o, counter_ptr, xs_ptr, ws_ptr,
+                   stride_ws, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0, nw_ptr, x_out_ptr,
+                   h_ptr, h32_ptr, width, eps, K: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr, STAGES: tl.constexpr, ACT: tl.constexpr, W_BLOCK: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
                    HAS_RESIDUAL: tl.constexpr, HAS_UB: tl.constexpr, HAS_US: tl.constexpr, HAS_RB: tl.constexpr,
                    HAS_RS: tl.constexpr, HAS_SKIP: tl.constexpr, FP32_COPY: tl.constexpr, USE_PDL: tl.constexpr):
-    """out = x @ w^T (+ b) for this program's BN columns of every token; with NORM, then the residual norm of every
-    row by the last program (module docstring; its arguments are `norm.residual_norm_row`'s)."""
+    """out = x @ w^T (+ b) for this program's BN columns of every token (ACT: w e4m3, `gemv.dot_rows`); with NORM,
+    then the residual norm of every row by the last program (module docstring; its arguments are
+    `norm.residual_norm_row`'s)."""
     wait_for_previous(USE_PDL)
     tokens = tl.arange(0, BT)
     token_ok = tokens < num_tokens
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     row_ok = rows < n
-    acc = dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, K, rows, row_ok, K, BT, BN, BK, STAGES)
+    acc = dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, K, rows, row_ok, xs_ptr, ws_ptr, stride_ws, K, BT, BN,
+                   BK, STAGES, ACT, W_BLOCK)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + tokens[:, None] * stride_o + rows[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -64,15 +72,15 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, n, stride_x, stride
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           config: Tiles | None = None, norm: ResidualNorm | None = None):
+           config: Tiles | None = None, norm: ResidualNorm | None = None, fp8: Fp8Scales | None = None):
     """x [..., K] (at most MAX_TOKENS rows; unit last stride) @ weight [N, K]^T (+ bias [N]) -> [..., N] in x's
     dtype; with `norm`, x [T, K] and `norm` applied to the [T, N] result in the same launch: -> its (x, h, h32).
-    `config` overrides `gemv.tiles`' choice (tests, tuning)."""
+    `fp8`: the e4m3 weight's scales and scheme (W8A8). `config` overrides `gemv.tiles`' choice (tests, tuning)."""
     n, k = weight.shape
     if x.shape[-1] != k or weight.stride(1) != 1 or weight.stride(0) != k:
         raise ValueError(f"linear: x {tuple(x.shape)} and a contiguous weight [N, {x.shape[-1]}] needed; got "
                          f"weight {tuple(weight.shape)} strides {weight.stride()}")
-    if x.dtype != weight.dtype:
+    if fp8 is None and x.dtype != weight.dtype:  # e4m3 weights: checked with their scales (gemv.fp8_args)
         raise ValueError(f"linear: x is {x.dtype}, weight {weight.dtype}")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"linear: bias {tuple(bias.shape)} does not match {n} outputs")
@@ -87,12 +95,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out = torch.empty(tokens, n, device=x.device, dtype=x.dtype)
     epilogue, flags, normed = epilogue_args(norm, tokens, n, out)
     if tokens:
-        t = config or tiles(tokens, n, k)
+        t = config or tiles(tokens, n, k, min_chunk=MIN_CHUNK if fp8 is None else FP8_MIN_CHUNK)
         if t.BT < tokens:
             raise ValueError(f"linear: tiles {t} take fewer than {tokens} tokens")
+        scales, kinds = fp8_args(fp8, weight, t)
         counter = arrival_counters("linear_norm", 1, x.device) if norm is not None else out
         _linear_kernel[(cdiv(n, t.BN),)](
             flat, weight, bias if bias is not None else weight, out, tokens, n, flat.stride(0), out.stride(0),
-            counter, *epilogue, K=k, BT=t.BT, BN=t.BN, BK=t.BK, STAGES=t.STAGES, HAS_BIAS=bias is not None,
-            NORM=norm is not None, **flags, num_warps=t.num_warps, **pdl.launch(x.device))
+            counter, *scales, *epilogue, K=k, BT=t.BT, BN=t.BN, BK=t.BK, STAGES=t.STAGES, **kinds,
+            HAS_BIAS=bias is not None, NORM=norm is not None, **flags, num_warps=t.num_warps, **pdl.launch(x.device))
     return out.view(*x.shape[:-1], n) if norm is None else normed

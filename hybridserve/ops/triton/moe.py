@@ -117,18 +117,24 @@ def _place_kernel(ids, ranks, counts, sorted_pairs, block_expert, num_pairs, chu
 
 
 @triton.jit
-def _tile(pid, block_expert, max_blocks, n_tiles, GROUP_M: tl.constexpr):
-    """(block, column tile, expert or -1) of output tile `pid`, GROUP_M blocks at a time so that neighbours share
-    weight tiles in L2."""
+def grouped_tile(pid, blocks, n_tiles, GROUP_M: tl.constexpr):
+    """(row block, column tile) of output tile `pid` of a blocks x n_tiles grid, GROUP_M row blocks at a time so
+    that neighbours share weight tiles in L2."""
     per_group = GROUP_M * n_tiles
     first = (pid // per_group) * GROUP_M
-    size = tl.minimum(max_blocks - first, GROUP_M)
-    block = first + (pid % per_group) % size
-    return block, (pid % per_group) // size, tl.load(block_expert + block).to(tl.int64)
+    size = tl.minimum(blocks - first, GROUP_M)
+    return first + (pid % per_group) % size, (pid % per_group) // size
 
 
 @triton.jit
-def _block_rows(sorted_pairs, block, num_pairs, BLOCK_M: tl.constexpr):
+def expert_tile(pid, block_expert, max_blocks, n_tiles, GROUP_M: tl.constexpr):
+    """(block, column tile, expert or -1) of output tile `pid` (`grouped_tile` over the expert blocks)."""
+    block, tile = grouped_tile(pid, max_blocks, n_tiles, GROUP_M)
+    return block, tile, tl.load(block_expert + block).to(tl.int64)
+
+
+@triton.jit
+def block_rows(sorted_pairs, block, num_pairs, BLOCK_M: tl.constexpr):
     """The pair index of each row of `block`, and which rows are real (not padding)."""
     pair = tl.load(sorted_pairs + block * BLOCK_M + tl.arange(0, BLOCK_M))
     return pair, pair < num_pairs
@@ -144,12 +150,12 @@ def _k_range(split, depth, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
 
 
 @triton.jit
-def _swiglu(gate, up):
+def swiglu(gate, up):
     return gate / (1.0 + tl.exp(-gate)) * up  # SiLU(gate) * up in fp32
 
 
 @triton.jit
-def _weighted(acc, weight):
+def weighted(acc, weight):
     return tl.where(weight == 0.0, 0.0, acc * weight)  # exact zero even if acc overflowed
 
 
@@ -169,10 +175,10 @@ def _gate_up_kernel(x, w13, out, partial, sorted_pairs, block_expert, num_pairs,
     gate and up partial sums of one K range into `partial` (row: gate columns, then up columns)."""
     HALF: tl.constexpr = BLOCK_N // 2
     pid = tl.program_id(0)
-    block, tile, expert = _tile(pid // SPLIT_K, block_expert, max_blocks, tl.cdiv(inter, HALF), GROUP_M)
+    block, tile, expert = expert_tile(pid // SPLIT_K, block_expert, max_blocks, tl.cdiv(inter, HALF), GROUP_M)
     if expert < 0:
         return
-    pair, row_ok = _block_rows(sorted_pairs, block, num_pairs, BLOCK_M)
+    pair, row_ok = block_rows(sorted_pairs, block, num_pairs, BLOCK_M)
     col = tile * HALF + tl.arange(0, HALF)
     col_ok = col < inter
     k_start, k_end = _k_range(pid % SPLIT_K, hidden, BLOCK_K, SPLIT_K)
@@ -200,7 +206,7 @@ def _gate_up_kernel(x, w13, out, partial, sorted_pairs, block_expert, num_pairs,
     mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT_K == 1:
         tl.store(out + pair[:, None].to(tl.int64) * stride_ot + col[None, :] * stride_on,
-                 _swiglu(gate, up).to(out.dtype.element_ty), mask=mask)
+                 swiglu(gate, up).to(out.dtype.element_ty), mask=mask)
     else:
         _store_partial(partial, pid % SPLIT_K, num_pairs, 2 * inter, pair, col, gate, mask)
         _store_partial(partial, pid % SPLIT_K, num_pairs, 2 * inter, pair, inter + col, up, mask)
@@ -214,10 +220,10 @@ def _down_kernel(act, w2, out, partial, weights, sorted_pairs, block_expert, num
     """A block's rows times w2[e]^T for BLOCK_N hidden columns, weighted, into `out`; with SPLIT_K > 1 the
     unweighted partial sums of one K range into `partial`."""
     pid = tl.program_id(0)
-    block, tile, expert = _tile(pid // SPLIT_K, block_expert, max_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    block, tile, expert = expert_tile(pid // SPLIT_K, block_expert, max_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if expert < 0:
         return
-    pair, row_ok = _block_rows(sorted_pairs, block, num_pairs, BLOCK_M)
+    pair, row_ok = block_rows(sorted_pairs, block, num_pairs, BLOCK_M)
     col = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = col < hidden
     k_start, k_end = _k_range(pid % SPLIT_K, inter, BLOCK_K, SPLIT_K)
@@ -240,7 +246,7 @@ def _down_kernel(act, w2, out, partial, weights, sorted_pairs, block_expert, num
     if SPLIT_K == 1:
         weight = tl.load(weights + pair, mask=row_ok, other=0.0)
         tl.store(out + pair[:, None].to(tl.int64) * stride_ot + col[None, :] * stride_oh,
-                 _weighted(acc, weight[:, None]).to(out.dtype.element_ty), mask=mask)
+                 weighted(acc, weight[:, None]).to(out.dtype.element_ty), mask=mask)
     else:
         _store_partial(partial, pid % SPLIT_K, num_pairs, hidden, pair, col, acc, mask)
 
@@ -263,9 +269,9 @@ def _split_reduce_kernel(partial, out, weights, num_pairs, width, stride_ot, str
         if SWIGLU:
             up += tl.load(row + width, mask=mask, other=0.0)
     if SWIGLU:
-        acc = _swiglu(acc, up)
+        acc = swiglu(acc, up)
     else:
-        acc = _weighted(acc, tl.load(weights + pair, mask=pair < num_pairs, other=0.0)[:, None])
+        acc = weighted(acc, tl.load(weights + pair, mask=pair < num_pairs, other=0.0)[:, None])
     tl.store(out + pair[:, None].to(tl.int64) * stride_ot + col[None, :] * stride_on, acc.to(out.dtype.element_ty),
              mask=mask)
 
@@ -326,6 +332,16 @@ def expert_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     return tokens, hidden, experts, inter, topk_ids.shape[1]
 
 
+def reduce_pairs(out: torch.Tensor, tokens: int, top_k: int, reduce: bool) -> torch.Tensor:
+    """The op's result from the weighted rows by pair [T*K, H]: [T, K, H] unreduced, else each token's sum."""
+    rows = out.view(tokens, top_k, out.shape[1])
+    if not reduce:
+        return rows
+    if top_k == 1:
+        return out
+    return rows.sum(dim=1)  # fp32 accumulation inside torch's reduction, one rounding
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                   topk_weights: torch.Tensor, config: dict[str, int] | None = None,
                   reduce: bool = True) -> torch.Tensor:
@@ -367,8 +383,4 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
         EVEN_K=inter % block_k == 0, SPLIT_K=split_down, **launch)
     if split_down > 1:
         _reduce_splits(partial, out, weights, split_down, swiglu=False)
-    if not reduce:
-        return out.view(tokens, top_k, hidden)
-    if top_k == 1:
-        return out
-    return out.view(tokens, top_k, hidden).sum(dim=1)  # fp32 accumulation inside torch's reduction, one rounding
+    return reduce_pairs(out, tokens, top_k, reduce)

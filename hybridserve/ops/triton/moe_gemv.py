@@ -18,6 +18,10 @@ decode step padded to its CUDA-graph size computes what the eager step does. A p
 skip) or an expert id outside [0, E) reads no weights: its row is an exact zero. Grids come from T, K and the weight
 shapes only: CUDA-graph capturable, no host sync, deterministic.
 
+e4m3 experts (`fp8`: W8A8 as `ops.reference.fp8.fp8_fused_experts`; the decode form of `ops.triton.fp8_moe`) run
+the same two launches: the gate/up programs quantize their token's x row themselves and the down programs their
+pair's SwiGLU row, already rounded to x's dtype (`gemv.dot_rows`).
+
 With a `ResidualNorm` (ZAYA1: the post-MoE residual update and the next layer's input norm) the down launch also
 runs the norm, row by row: a program bumps its row's arrival counter after storing its columns (acq_rel), and the
 last of the row's programs normalises it, read back through L2, and puts the counter back to zero
@@ -29,10 +33,11 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridserve.core.quant import Fp8Scales
 from hybridserve.ops.norm import ResidualNorm
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.counters import arrival_counters
-from hybridserve.ops.triton.gemv import Tiles, dot_rows, tiles
+from hybridserve.ops.triton.gemv import FP8_MIN_CHUNK, MIN_CHUNK, Tiles, dot_rows, fp8_args, tiles
 from hybridserve.ops.triton.moe import expert_shapes
 from hybridserve.ops.triton.norm import epilogue_args, residual_norm_row
 from hybridserve.ops.triton.pdl import wait_for_previous
@@ -53,11 +58,12 @@ def _pair(ids_ptr, weights_ptr, pair, EXPERTS: tl.constexpr):
 
 
 @triton.jit
-def _gemv_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, weights_ptr, act_ptr, stride_x, inter, TOP_K: tl.constexpr,
-                         EXPERTS: tl.constexpr, H: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         STAGES: tl.constexpr, USE_PDL: tl.constexpr):
+def _gemv_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, weights_ptr, act_ptr, stride_x, inter, xs_ptr, ws_ptr, stride_se,
+                         stride_ws, TOP_K: tl.constexpr, EXPERTS: tl.constexpr, H: tl.constexpr, BN: tl.constexpr,
+                         BK: tl.constexpr, STAGES: tl.constexpr, ACT: tl.constexpr, W_BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     """act[pair, cols] = SiLU(gate) * up of BN / 2 intermediate columns; w13 rows 2j (gate) and 2j + 1 (up) of the
-    tile are column j's."""
+    tile are column j's (ACT: e4m3 weights with scales `stride_se` apart per expert, `gemv.dot_rows`)."""
     wait_for_previous(USE_PDL)
     pair = tl.program_id(0)
     expert, _, live = _pair(ids_ptr, weights_ptr, pair, EXPERTS)
@@ -66,8 +72,8 @@ def _gemv_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, weights_ptr, act_ptr, stride_x
         col = tl.program_id(1) * (BN // 2) + lane // 2
         one = tl.arange(0, 1)
         dots = dot_rows(x_ptr + (pair // TOP_K).to(tl.int64) * stride_x, 0, one, one == 0,
-                        w13_ptr + expert * 2 * inter * H, H, col + (lane % 2) * inter, col < inter, H, 1, BN, BK,
-                        STAGES)
+                        w13_ptr + expert * 2 * inter * H, H, col + (lane % 2) * inter, col < inter, xs_ptr,
+                        ws_ptr + expert * stride_se, stride_ws, H, 1, BN, BK, STAGES, ACT, W_BLOCK)
         gate, up = tl.split(tl.reshape(dots, (BN // 2, 2)))
         out = (gate / (1.0 + tl.exp(-gate)) * up).to(act_ptr.dtype.element_ty)  # the grouped form's SiLU(gate)*up
         half = tl.program_id(1) * (BN // 2) + tl.arange(0, BN // 2)
@@ -75,10 +81,11 @@ def _gemv_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, weights_ptr, act_ptr, stride_x
 
 
 @triton.jit
-def _gemv_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, counter_ptr, r_ptr, r_s0, ub_ptr,
-                      us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0, nw_ptr, x_out_ptr, h_ptr, h32_ptr, width, eps,
-                      CHOICES: tl.constexpr, EXPERTS: tl.constexpr, I: tl.constexpr, BN: tl.constexpr,
-                      BK: tl.constexpr, STAGES: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
+def _gemv_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, counter_ptr, xs_ptr, ws_ptr, stride_se,
+                      stride_ws, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0, nw_ptr, x_out_ptr,
+                      h_ptr, h32_ptr, width, eps, CHOICES: tl.constexpr, EXPERTS: tl.constexpr, I: tl.constexpr,
+                      BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, ACT: tl.constexpr,
+                      W_BLOCK: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
                       HAS_RESIDUAL: tl.constexpr, HAS_UB: tl.constexpr, HAS_US: tl.constexpr, HAS_RB: tl.constexpr,
                       HAS_RS: tl.constexpr, HAS_SKIP: tl.constexpr, FP32_COPY: tl.constexpr, USE_PDL: tl.constexpr):
     """out[row, cols] = the sum over the row's CHOICES pairs, in order, of (act[pair] @ w2[e]^T * weight) rounded
@@ -95,7 +102,8 @@ def _gemv_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, co
         expert, weight, live = _pair(ids_ptr, weights_ptr, pair, EXPERTS)
         if live:
             dots = dot_rows(act_ptr + pair.to(tl.int64) * I, 0, one, one == 0, w2_ptr + expert * hidden * I, I,
-                            col, col_ok, I, 1, BN, BK, STAGES)
+                            col, col_ok, xs_ptr, ws_ptr + expert * stride_se, stride_ws, I, 1, BN, BK, STAGES, ACT,
+                            W_BLOCK)
             total += tl.reshape(dots * weight, (BN,)).to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row.to(tl.int64) * hidden + col, total.to(out_ptr.dtype.element_ty), mask=col_ok)
     if NORM:
@@ -107,23 +115,36 @@ def _gemv_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, co
             tl.store(counter_ptr + row, 0)
 
 
-def gate_up_tiles(inter: int, hidden: int) -> Tiles:
+def gate_up_tiles(inter: int, hidden: int, fp8: bool = False) -> Tiles:
     """BN interleaved gate|up rows (BN / 2 intermediate columns) per program; at least one column."""
-    return tiles(1, 2 * inter, hidden, min_rows=2)
+    return tiles(1, 2 * inter, hidden, min_rows=2, min_chunk=FP8_MIN_CHUNK if fp8 else MIN_CHUNK)
 
 
-def down_tiles(hidden: int, inter: int) -> Tiles:
-    return tiles(1, hidden, inter)
+def down_tiles(hidden: int, inter: int, fp8: bool = False) -> Tiles:
+    return tiles(1, hidden, inter, min_chunk=FP8_MIN_CHUNK if fp8 else MIN_CHUNK)
+
+
+def takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor) -> bool:
+    """Whether ops.moe gives these pairs this form: at most MAX_PAIRS of them (decode), x rows of unit column
+    stride, contiguous weights. A host-size test."""
+    return topk_ids.numel() <= MAX_PAIRS and x.stride(1) == 1 and w13.is_contiguous() and w2.is_contiguous()
+
+
+def _expert_scales(scales: tuple) -> tuple:
+    """`gemv.fp8_args`' scale arguments for a stack: the scales' stride between experts after their base."""
+    static, scale, stride_ws = scales
+    return static, scale, scale.stride(0), stride_ws
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                   topk_weights: torch.Tensor, reduce: bool = True,
-                  config: tuple[Tiles, Tiles] | None = None, norm: ResidualNorm | None = None):
+                  config: tuple[Tiles, Tiles] | None = None, norm: ResidualNorm | None = None,
+                  fp8: tuple[Fp8Scales, Fp8Scales] | None = None):
     """x [T, H]; w13 [E, 2I, H] (gate rows first); w2 [E, H, I]; topk_ids/weights [T, K] -> [T, H] in x's dtype,
     or with `reduce=False` the K weighted rows [T, K, H] (see `ops.moe.fused_experts`); with `norm` (reduced
     only), `norm` applied to the [T, H] result in the down launch: -> its (x, h, h32). Any T*K works (ops.moe
-    takes this form up to MAX_PAIRS; the norm epilogue up to MAX_PAIRS tokens). `config`: (gate/up, down) tiles
-    instead of `gate_up_tiles` / `down_tiles` (tests, tuning)."""
+    takes this form up to MAX_PAIRS; the norm epilogue up to MAX_PAIRS tokens). `fp8`: the e4m3 stacks' (gate/up,
+    down) scales. `config`: (gate/up, down) tiles instead of `gate_up_tiles` / `down_tiles` (tests, tuning)."""
     tokens, hidden, experts, inter, top_k = expert_shapes(x, w13, w2, topk_ids, topk_weights)
     if x.stride(1) != 1 or not (w13.is_contiguous() and w2.is_contiguous()):
         raise ValueError("the GEMV experts need contiguous weights and x rows of unit column stride")
@@ -134,21 +155,24 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     out = torch.empty(tokens if reduce else pairs, hidden, dtype=x.dtype, device=x.device)
     epilogue, flags, normed = epilogue_args(norm, tokens, hidden, out)
     if pairs:
-        up_tiles, down = config or (gate_up_tiles(inter, hidden), down_tiles(hidden, inter))
+        quantized = fp8 is not None
+        up_tiles, down = config or (gate_up_tiles(inter, hidden, quantized), down_tiles(hidden, inter, quantized))
         if up_tiles.BN < 2 or up_tiles.BT != 1 or down.BT != 1:
             raise ValueError(f"GEMV expert tiles need BT = 1 and at least 2 gate/up rows; got {up_tiles}, {down}")
+        up_scales, up_kinds = fp8_args(fp8[0] if quantized else None, w13, up_tiles)
+        down_scales, down_kinds = fp8_args(fp8[1] if quantized else None, w2, down)
         ids = topk_ids.reshape(-1).contiguous()
         weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
         act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
         _gemv_gate_up_kernel[(pairs, cdiv(2 * inter, up_tiles.BN))](
-            x, w13, ids, weights, act, x.stride(0), inter, TOP_K=top_k, EXPERTS=experts, H=hidden, BN=up_tiles.BN,
-            BK=up_tiles.BK, STAGES=up_tiles.STAGES, num_warps=up_tiles.num_warps,
+            x, w13, ids, weights, act, x.stride(0), inter, *_expert_scales(up_scales), TOP_K=top_k, EXPERTS=experts,
+            H=hidden, BN=up_tiles.BN, BK=up_tiles.BK, STAGES=up_tiles.STAGES, **up_kinds, num_warps=up_tiles.num_warps,
             **pdl.launch(x.device))
         counter = arrival_counters("moe_down_norm", MAX_PAIRS, x.device) if norm is not None else out
         _gemv_down_kernel[(out.shape[0], cdiv(hidden, down.BN))](
-            act, w2, ids, weights, out, hidden, counter, *epilogue, CHOICES=top_k if reduce else 1,
-            EXPERTS=experts, I=inter, BN=down.BN, BK=down.BK, STAGES=down.STAGES, NORM=norm is not None, **flags,
-            num_warps=down.num_warps, **pdl.launch(x.device))
+            act, w2, ids, weights, out, hidden, counter, *_expert_scales(down_scales), *epilogue,
+            CHOICES=top_k if reduce else 1, EXPERTS=experts, I=inter, BN=down.BN, BK=down.BK, STAGES=down.STAGES,
+            **down_kinds, NORM=norm is not None, **flags, num_warps=down.num_warps, **pdl.launch(x.device))
     if norm is not None:
         return normed
     return out if reduce else out.view(tokens, top_k, hidden)
