@@ -93,8 +93,8 @@ class Server(ServerProcess):
         values = {}
         for line in text.splitlines():
             for field in ("sum", "count"):
-                if line.startswith(f"hybridserve:time_to_first_token_seconds_{field} "):
-                    values[field] = float(line.split()[1])
+                if line.startswith(f"hybridserve:time_to_first_token_seconds_{field}{{"):  # {model_name="..."}
+                    values[field] = float(line.split()[-1])
         return values["sum"], values["count"]
 
     def first_token_ms(self, prompt: list[int], max_tokens: int) -> float:

@@ -5,8 +5,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybridserve.options import option
+from hybridserve.sampling import MAX_LOGPROBS
+
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 QUANTIZATIONS = (None, "fp8")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+KERNEL_BACKENDS = ("auto", "triton", "torch")
 SPECULATIVE_METHODS = ("ngram", "mtp")
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -77,48 +82,92 @@ class SpeculativeConfig:
 
 @dataclass
 class EngineConfig:
-    model: str  # HF-layout directory (the CLI and LLM() substitute the built-in demo checkpoint when none is given)
-    tokenizer: str | None = None  # defaults to the model directory
-    dtype: str = "auto"  # auto (the checkpoint's torch_dtype) | bfloat16 | float16 | float32
-    device: str = "auto"  # auto (cuda when available) | cpu | cuda | cuda:N
-    hf_overrides: dict = field(default_factory=dict)  # model-config keys merged over config.json
-    seed: int = 0  # seeds requests that bring no seed of their own
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    page_size: int = 16
-    max_running_requests: int = 256
-    max_num_batched_tokens: int = 8192  # tokens per forward (prefill chunks + decode rows)
-    kv_cache_memory_bytes: int | None = None  # cache budget on CPU (KV + state); default 1 GiB
-    gpu_memory_utilization: float = 0.9  # fraction of the GPU this engine may hold (other processes' use aside)
-    max_state_slots: int | None = None  # pin the number of state slots instead of sizing them
-    state_to_kv_ratio: float = 0.9  # state bytes : KV bytes when slots are sized from memory
-    chunked_prefill_size: int | None = None  # max prompt tokens of one request per step (default: the token budget)
-    enable_prefix_caching: bool = True
-    state_checkpoint_interval: int = 256  # sparse-state models: checkpoint every N tokens (a multiple of page_size)
-    checkpoint_slots_per_request: int = 2  # sparse-state models: slot headroom per running request for checkpoints
+    """Every engine knob. The fields made with `option` are also `hybridserve serve` / `generate` options: the
+    command line is generated from them (hybridserve/options.py), so their defaults and help live here only."""
+
+    model: str  # HF-layout directory (hub.local_checkpoint turns a Hub id into one; the CLI and LLM() substitute
+    # the built-in demo checkpoint when none is given)
+    tokenizer: str | None = option(None, "tokenizer directory or Hugging Face Hub id", default_help="the model's")
+    revision: str | None = option(None, "the Hub revision (branch, tag or commit) of a model given by id",
+                                  default_help="main")
+    download_dir: str | None = option(None, "where Hub models are downloaded and looked up (a huggingface_hub "
+                                            "cache directory)", default_help="$HF_HUB_CACHE, ~/.cache/huggingface/hub")
+    dtype: str | torch.dtype = option("auto", "weight and activation dtype (auto: the checkpoint's torch_dtype)", choices=DTYPES)
+    device: str = option("auto", "auto (cuda when available) | cpu | cuda | cuda:N")
+    hf_overrides: dict = option(help="model-config keys merged over config.json, as JSON (e.g. "
+                                     "'{\"mod_skip_mode\": \"zero\"}')", metavar="JSON", default_factory=dict)
+    seed: int = option(0, "seed for requests that bring none (and for --load-format dummy weights)",
+                       flags=("--seed", "--random-seed"))
+    max_model_len: int | None = option(None, "context length", flags=("--max-model-len", "--context-length"),
+                                       default_help="the model's, lowered to what the KV cache holds")
+    page_size: int = option(16, "tokens per KV-cache page (a power of two)", flags=("--page-size", "--block-size"))
+    max_running_requests: int = option(256, "requests decoded together",
+                                       flags=("--max-running-requests", "--max-num-seqs"))
+    max_num_batched_tokens: int = option(8192, "tokens per forward pass (prefill chunks + decode rows)")
+    kv_cache_memory_bytes: int | None = option(None, "cache budget (KV + state) on CPU", default_help="1 GiB")
+    gpu_memory_utilization: float = option(
+        0.9, "fraction of the GPU's memory this engine may hold (weights, activations, graphs, caches); other "
+             "processes' use does not count, but the caches never take more than is free",
+        flags=("--gpu-memory-utilization", "--mem-fraction-static"))
+    max_state_slots: int | None = option(None, "pin the number of recurrent-state slots",
+                                         default_help="sized from the cache budget")
+    state_to_kv_ratio: float = option(0.9, "state bytes : KV bytes when the cache budget is split (unless "
+                                           "--max-state-slots)")
+    chunked_prefill_size: int | None = option(None, "most prompt tokens of one request per step",
+                                              default_help="the token budget, --max-num-batched-tokens")
+    enable_prefix_caching: bool = option(True, "reuse KV pages and state checkpoints of shared prefixes",
+                                         negation=("--disable-prefix-caching", "--no-enable-prefix-caching",
+                                                   "--disable-radix-cache"))
+    state_checkpoint_interval: int = option(256, "sparse-state models (Ling): checkpoint the state every N tokens "
+                                                 "for the prefix cache (a multiple of --page-size)")
+    checkpoint_slots_per_request: int = option(2, "sparse-state models: state-slot headroom per running request "
+                                                  "for checkpoints")
     # Speculative decoding ({"method": "ngram" | "mtp", "num_speculative_tokens": k, ...}, see SpeculativeConfig);
-    # None: off. The planner reserves k intermediate states per running request.
+    # None: off. The planner reserves k intermediate states per running request. (CLI: --speculative-*.)
     speculative_config: SpeculativeConfig | dict | None = None
-    kernel_backend: str = "auto"  # auto (Triton kernels on CUDA) | triton | torch (the pure-torch references)
-    enforce_eager: bool = False  # run every step op by op: no CUDA graphs
-    # Decode rows the largest graph replays (default min(256, running cap)); with speculative decoding the verify
-    # graphs hold as many tokens, i.e. up to max(1, cuda_graph_max_bs // (k + 1)) requests of 1 + k tokens.
-    cuda_graph_max_bs: int | None = None
-    # Prefill and mixed steps of up to 32 rows (each wanting at most one logits row) and this many tokens replay
-    # CUDA graphs, one per size: powers of two from 16 to 1024, then multiples of 1024 (models whose prefill reads
-    # no other host value: ZAYA1); capped by max_num_batched_tokens; 0: none.
-    prefill_graph_max_tokens: int = 8192
-    tensor_parallel_size: int = 1  # ranks (processes, one GPU each on CUDA) that shard every layer
-    nnodes: int = 1  # machines the tensor-parallel ranks span (tensor_parallel_size / nnodes ranks on each)
-    node_rank: int = 0  # this machine's index; node 0 runs the engine (and the server), the others only ranks
-    dist_init_addr: str | None = None  # host:port of node 0's rendezvous (default: a free local port, one node)
-    disable_overlap_schedule: bool = False  # process each step before scheduling the next (no host/device overlap)
-    skip_warmup: bool = False  # skip compiling every kernel variant at start-up (they then compile in the first steps)
-    use_tqdm: bool = True  # a progress bar while the weights load
-    load_format: str = "auto"  # auto = safetensors (the checkpoint's weights) | dummy (random, from config.json alone)
+    kernel_backend: str = option("auto", "auto: Triton kernels on CUDA, the pure-torch references elsewhere; torch: "
+                                         "references everywhere (debugging); triton: fail unless the kernels can run",
+                                 choices=KERNEL_BACKENDS)
+    enforce_eager: bool = option(False, "run every step op by op: no CUDA graphs (decode or prefill)",
+                                 flags=("--enforce-eager", "--disable-cuda-graph"))
+    cuda_graph_max_bs: int | None = option(
+        None, "largest decode batch replayed from a CUDA graph; larger decode steps run eagerly. With speculative "
+              "decoding the verify graphs hold as many tokens: up to max(1, this // (K + 1)) requests of 1 + K tokens "
+              "(K: --speculative-num-draft-tokens)", default_help="256 or --max-running-requests, the smaller")
+    prefill_graph_max_tokens: int = option(
+        8192, "prefill and mixed steps of up to 32 rows and this many tokens replay CUDA graphs captured for 16, 32, "
+              "... 1024 tokens, then multiples of 1024, on models that support it (ZAYA1); capped by "
+              "--max-num-batched-tokens; 0: none (such steps run eagerly, bound by the host's kernel launches)")
+    tensor_parallel_size: int = option(1, "tensor-parallel ranks: one process (and GPU, on CUDA) per rank, each "
+                                          "holding a shard of every layer",
+                                       flags=("--tp", "--tensor-parallel-size", "--tp-size"))
+    nnodes: int = option(1, "machines the --tp ranks span (--tp / --nnodes ranks on each)")
+    node_rank: int = option(0, "this machine's index: 0 serves, the others only run their tensor-parallel ranks")
+    dist_init_addr: str | None = option(None, "host:port where node 0 meets the other nodes' ranks (needed with "
+                                              "--nnodes > 1)", default_help="a free local port, one node")
+    disable_overlap_schedule: bool = option(False, "schedule each step only after the previous one is processed "
+                                                   "(by default the host schedules step N+1 and processes step N "
+                                                   "while the device runs N+1; outputs are the same either way)")
+    skip_warmup: bool = option(False, "start without first compiling every Triton kernel variant (they then compile "
+                                      "inside the first requests' steps, seconds each)")
+    use_tqdm: bool = True  # a progress bar while the weights load (and a Hub download)
+    load_format: str = option("auto", "auto / safetensors: the checkpoint's *.safetensors; dummy: random weights from "
+                                      "config.json alone, no weight files read (benchmarks of full-size models)",
+                              choices=LOAD_FORMATS)
     # None: as the checkpoint is (16-bit, or FP8 by its quantization_config); "fp8": quantize a 16-bit checkpoint's
     # projections and experts to FP8 e4m3 while loading (per-channel weight scales, per-token activation scales).
-    quantization: str | None = None
-    kv_cache_dtype: str = "auto"  # the KV cache's dtype: auto = the model's dtype (the only value served so far)
+    quantization: str | None = option(
+        None, "fp8: quantize a 16-bit checkpoint's projections and experts to FP8 e4m3 as they load (per-channel "
+              "weight scales, per-token activation scales); FP8 checkpoints (compressed-tensors, block FP8) need "
+              "nothing: their config.json says so", flags=("--quantization", "-q"),
+        choices=[q for q in QUANTIZATIONS if q is not None], default_help="none: as the checkpoint is")
+    state_dtype: str = option("auto", "the recurrent state's dtype: auto = each model's own (the ZAYA1 conv window in "
+                                      "the model dtype, the Ling lightning state in fp32), the only value so far",
+                              choices=["auto"])
+    kv_cache_dtype: str = option("auto", "the KV cache's dtype: auto = the model's (FP8 KV caches are not served yet)",
+                                 choices=["auto"])  # the only value served so far
+    max_logprobs: int = option(MAX_LOGPROBS, "most logprobs a request may ask for per token (logprobs, "
+                                             "top_logprobs, prompt_logprobs)")
 
     def __post_init__(self) -> None:
         def fail(name: str, why: str) -> None:
@@ -160,12 +209,16 @@ class EngineConfig:
             fail("cuda_graph_max_bs", "must be >= 1")
         if self.prefill_graph_max_tokens < 0:
             fail("prefill_graph_max_tokens", "must be >= 0 (0: no prefill graphs)")
-        if self.kernel_backend not in ("auto", "triton", "torch"):
-            fail("kernel_backend", "must be auto, triton or torch")
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            fail("kernel_backend", f"must be one of {', '.join(KERNEL_BACKENDS)}")
+        if self.max_logprobs < 0:
+            fail("max_logprobs", "must be >= 0")
         if self.load_format not in LOAD_FORMATS:
             fail("load_format", f"must be one of {', '.join(LOAD_FORMATS)}")
         if self.quantization not in QUANTIZATIONS:
             fail("quantization", f"must be one of {', '.join(map(str, QUANTIZATIONS))}")
+        if self.state_dtype != "auto":
+            fail("state_dtype", "must be auto (each model's own state dtype)")
         if self.kv_cache_dtype != "auto":
             fail("kv_cache_dtype", "must be auto (the model's dtype): FP8 KV caches are not served yet")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

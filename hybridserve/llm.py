@@ -10,6 +10,7 @@ from tqdm import tqdm
 from hybridserve.config import EngineConfig
 from hybridserve.demo import ensure_demo_checkpoint
 from hybridserve.engine.engine import LLMEngine
+from hybridserve.hub import local_checkpoint
 from hybridserve.outputs import RequestOutput, RequestOutputKind
 from hybridserve.sampling import SamplingParams
 from hybridserve.tokenizer import chat_prompt_ids
@@ -19,11 +20,12 @@ Prompt = str | dict
 
 class LLM:
     def __init__(self, model: str | None = None, use_tqdm: bool = True, **options):
-        """`model`: a HF-layout directory (None = the built-in demo checkpoint); `use_tqdm`: progress bars (weight
-        loading, and generate()'s default); `options`: EngineConfig fields."""
+        """`model`: a Hugging Face Hub id (downloaded, or found in the cache when HF_HUB_OFFLINE is set; `revision`
+        and `download_dir` apply) or an HF-layout directory; None = the built-in demo checkpoint. `use_tqdm`:
+        progress bars (download, weight loading, and generate()'s default); `options`: EngineConfig fields."""
         self.use_tqdm = use_tqdm
-        self.engine = LLMEngine(EngineConfig(model=model or str(ensure_demo_checkpoint()), use_tqdm=use_tqdm,
-                                             **options))
+        config = EngineConfig(model=model or str(ensure_demo_checkpoint()), use_tqdm=use_tqdm, **options)
+        self.engine = LLMEngine(local_checkpoint(config))
         self._ids = itertools.count()
 
     def shutdown(self) -> None:
@@ -49,7 +51,7 @@ class LLM:
         for i, (prompt, p) in enumerate(zip(inputs, params)):
             try:
                 self.engine.validate_prompt(self.engine.tokenize_prompt(prompt))
-                p.check_vocabulary(self.engine.vocab_size, self.engine.eos_token_ids)
+                self.engine.validate_params(p)
             except ValueError as err:
                 raise ValueError(f"prompt {i}: {err}") from None
         ids = [f"offline-{next(self._ids)}" for _ in inputs]

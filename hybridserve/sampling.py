@@ -6,19 +6,20 @@ keep one request's cost per step small (stop strings and stop ids are checked af
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from hybridserve.outputs import RequestOutputKind
 from hybridserve.structured.params import StructuredOutputParams
 
-MAX_LOGPROBS = 20
-MAX_N = 128  # sequences per prompt: each runs with its own state slot
+MAX_LOGPROBS = 20  # the engine's default bound on logprobs per token (EngineConfig.max_logprobs, vLLM's default)
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (dividing logits by them would overflow)
 MAX_TEMPERATURE = 2.0
 PENALTY_RANGE = (-2.0, 2.0)  # presence and frequency penalties
 REPETITION_PENALTY_RANGE = (0.01, 10.0)  # 1 = off; below 0.01 positive logits overflow when divided by it
 MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS = 32, 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # biased tokens per request (OpenAI allows 300)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's: -100 bans a token, 100 all but forces it
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
@@ -58,6 +59,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # Added to the logits of these tokens before penalties and sampling (OpenAI's logit_bias, token id -> bias).
+    logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # top-k logprobs per generated token (0 = only the chosen token)
     prompt_logprobs: int | None = None  # the same for every prompt token
     skip_special_tokens: bool = True
@@ -70,6 +73,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         self._validate()
 
     @property
@@ -84,8 +88,8 @@ class SamplingParams:
         def fail(name: str, why: str) -> None:
             raise SamplingParamError(name, getattr(self, name), why)
 
-        if not _is_int(self.n, 1, MAX_N):
-            fail("n", f"must be an integer >= 1 and at most {MAX_N}")
+        if not _is_int(self.n, 1):
+            fail("n", "must be an integer >= 1")
         if not _in_range(self.temperature, 0.0, MAX_TEMPERATURE):
             fail("temperature", f"must be in [0, {MAX_TEMPERATURE:g}] (below {GREEDY_BELOW:g} means greedy)")
         if not _in_range(self.top_p, 0.0, 1.0) or self.top_p == 0.0:
@@ -107,8 +111,8 @@ class SamplingParams:
             fail("repetition_penalty", "must be in [{:g}, {:g}] (1 = no penalty)".format(*REPETITION_PENALTY_RANGE))
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and not _is_int(value, 0, MAX_LOGPROBS):
-                fail(name, f"must be an integer in [0, {MAX_LOGPROBS}]")
+            if value is not None and not _is_int(value, 0):
+                fail(name, "must be an integer >= 0")
         if self.seed is not None and not _is_int(self.seed):
             fail("seed", "must be a 64-bit signed integer")
         if not isinstance(self.output_kind, RequestOutputKind):
@@ -125,15 +129,37 @@ class SamplingParams:
                          "characters")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or not all(_is_int(t, 0) for t in self.stop_token_ids):
             fail("stop_token_ids", f"must be at most {MAX_STOP_TOKEN_IDS} non-negative token ids")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS or not all(
+                _is_int(t, 0) and _in_range(b, *LOGIT_BIAS_RANGE) for t, b in self.logit_bias.items()):
+            fail("logit_bias", "must map at most {} token ids (>= 0) to biases in [{:g}, {:g}]".format(
+                MAX_LOGIT_BIAS, *LOGIT_BIAS_RANGE))
 
     def check_vocabulary(self, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
         """The model-dependent checks: stop ids are tokens the model has, and min_tokens leaves one token it may
         sample (it bans the stop ids and EOS until then)."""
-        bad = [t for t in self.stop_token_ids if t >= vocab_size]
-        if bad:
-            raise SamplingParamError("stop_token_ids", self.stop_token_ids,
-                                     f"ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+        for name in ("stop_token_ids", "logit_bias"):
+            bad = sorted(t for t in getattr(self, name) if t >= vocab_size)
+            if bad:
+                raise SamplingParamError(name, getattr(self, name),
+                                         f"ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
         banned = set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))
         if self.min_tokens and len(banned) >= vocab_size:
             raise SamplingParamError("min_tokens", self.min_tokens,
                                      "stop_token_ids and EOS cover the whole vocabulary; nothing could be sampled")
+
+    def check_logprobs(self, max_logprobs: int) -> None:
+        """The engine's bound on logprobs per token (EngineConfig.max_logprobs, `--max-logprobs`)."""
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > max_logprobs:
+                raise SamplingParamError(name, value, f"must be at most {max_logprobs} (the engine's max_logprobs, "
+                                                      "--max-logprobs)")
+
+    def describe(self) -> str:
+        """The parameters that differ from their defaults, for a log line."""
+        default = SamplingParams()
+        changed = {f.name: getattr(self, f.name) for f in fields(self)
+                   if f.name != "output_kind" and getattr(self, f.name) != getattr(default, f.name)}
+        if self.structured_output is not None:
+            changed["structured_output"] = self.structured_output.kind
+        return ", ".join(f"{name}={value!r}" for name, value in changed.items()) or "defaults"

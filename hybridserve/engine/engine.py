@@ -174,7 +174,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(token_ids)
-        params.check_vocabulary(self.vocab_size, self.eos_token_ids)
+        self.validate_params(params)
         grammar = self.grammars.compile(params.structured_output) if params.structured_output is not None else None
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         request = Request(request_id=request_id, prompt_token_ids=token_ids, params=params, seed=seed,
@@ -198,6 +198,11 @@ class LLMEngine:
         group.sequences.append(sequence)
         self._sequences[request.request_id] = (group, sequence)
         return sequence
+
+    def validate_params(self, params: SamplingParams) -> None:
+        """The checks of a request's parameters that depend on the model and this engine's limits."""
+        params.check_vocabulary(self.vocab_size, self.eos_token_ids)
+        params.check_logprobs(self.config.max_logprobs)
 
     def validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -233,6 +238,15 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None
+
+    def flush_prefix_cache(self) -> bool:
+        """Drop every prefix-cache entry (SGLang's /flush_cache), giving its pages and state slots back; only while
+        no request is queued or running (their entries are in use): False then, and nothing is dropped."""
+        if self.has_unfinished_requests():
+            return False
+        if self.scheduler.cache is not None:
+            self.scheduler.cache.clear()
+        return True
 
     def stats(self) -> dict[str, int]:
         """Gauges (now) and counters (since start) for metrics."""

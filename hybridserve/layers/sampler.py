@@ -1,4 +1,4 @@
-"""Batched sampling from fp32 logits: penalties, temperature, top-k, top-p, min-p, greedy, and logprobs.
+"""Batched sampling from fp32 logits: logit bias, penalties, temperature, top-k, top-p, min-p, greedy, and logprobs.
 
 Each draw uses one uniform number derived on the host from (request seed, token index) with splitmix64, and
 inverts the CDF of the filtered distribution (`ops.sampling`). The draw for a request therefore never depends on
@@ -177,6 +177,17 @@ class PenaltyCounts:
         self._drawn.clear()
 
 
+def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Each row's logit_bias added to its logits, on the device (the biases travel in one queued copy: no
+    synchronisation with the forward still running)."""
+    biased = [(i, token, bias) for i, r in enumerate(rows) for token, bias in r.params.logit_bias.items()]
+    if not biased:
+        return logits
+    row_ids, token_ids, biases = zip(*biased)
+    index = tuple(upload([list(row_ids), list(token_ids)], logits.device, torch.long))
+    return logits.index_put(index, upload(list(biases), logits.device, logits.dtype), accumulate=True)
+
+
 class Sampler:
     def __init__(self, max_running: int = 128):
         self.penalties = PenaltyCounts(penalty_rows(max_running))
@@ -205,11 +216,12 @@ class Sampler:
     def _draw_rows(self, logits: torch.Tensor, rows: list[SamplingRow], mask: TokenMask | None
                    ) -> tuple[Draws, list[tuple[int, int]]]:
         """The rows' draws and (batch row, penalty-state row) of those whose counts must take the drawn token.
-        Logprobs are the raw model's; the grammar mask applies before penalties and sampling."""
+        Logprobs are the raw model's; the grammar mask, then the logit bias, apply before penalties and sampling."""
         device = logits.device
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(r.params.logprobs is not None for r in rows) else None
         if mask is not None:
             logits = apply_token_mask(logits, mask)
+        logits = _apply_logit_bias(logits, rows)
         logits, counted = self._apply_penalties(logits, rows)
         banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids]
         if banned:

@@ -19,10 +19,18 @@ templates that render past calls this way and tool results as `<zyphra_tool_resp
 tokenizer has these tags as single tokens, ids 101-104).
 
 A value is text: the newline after `<parameter=NAME>` and the one before `</parameter>` are layout. It becomes a
-JSON value by the parameter's schema, as Zyphra's parser does: a `string` parameter keeps the text as it is; a
-string enum / const takes it stripped; anything else is read as JSON (numbers, booleans, null, objects, arrays)
-and kept as the text when it is not JSON. The forcing grammar (xgrammar's `qwen_xml` JSON-schema style) writes
-values this way.
+JSON value by the parameter's schema (`value_kind`), as Zyphra's parser does: a `string` parameter keeps the text
+as it is; a string enum / const takes it stripped (unless the text itself is one of the choices); anything else is
+read as JSON (numbers, booleans, null, objects, arrays) and kept as the text when it is not JSON.
+
+The forcing grammar (`call_tag`) writes exactly that layout, parameter by parameter in the schema's order
+(the required ones always, the others optionally), each value in the language its kind reads: raw text for a
+string (xgrammar's qwen_xml form of the property's schema: maxLength, pattern, enum hold on the text itself),
+the choices for an enum, JSON for the rest. No whitespace is free around a value, so what the grammar accepts is
+what the parser reads back (xgrammar's qwen_xml on the whole object allowed up to 16 whitespace characters on each
+side of a value, which a string value kept, breaking its maxLength). One ambiguity is the format's own: a string
+value that itself contains `</parameter>` (unbounded strings cannot, xgrammar excludes it; a bounded one or a
+pattern could) would end early.
 """
 from __future__ import annotations
 
@@ -41,21 +49,55 @@ def _types(schema: dict) -> list:
     return [kind] if isinstance(kind, str) else list(kind) if isinstance(kind, list) else []
 
 
+def _choices(schema: dict) -> list | None:
+    return schema["enum"] if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema \
+        else None
+
+
+def value_kind(schema: Any) -> str:
+    """How a parameter's value is written: "text" (a string, raw), "choice" (one of string choices) or "json"."""
+    schema = schema if isinstance(schema, dict) else {}
+    if "string" in _types(schema):
+        return "text"
+    choices = _choices(schema)
+    return "choice" if choices and all(isinstance(choice, str) for choice in choices) else "json"
+
+
 def _value(raw: str, schema: Any) -> Any:
     """A parameter's text as the JSON value its schema describes."""
     text = raw.removeprefix("\n").removesuffix("\n")
-    schema = schema if isinstance(schema, dict) else {}
-    types = _types(schema)
-    if "string" in types and not ("null" in types and text.strip() == "null"):
+    kind = value_kind(schema)
+    if kind == "text" and not ("null" in _types(schema) and text.strip() == "null"):
         return text
-    choices = schema["enum"] if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema \
-        else None
-    if choices and all(isinstance(choice, str) for choice in choices):
-        return text.strip()
+    if kind == "choice":
+        return text if text in _choices(schema) else text.strip()
     try:
         return loads_json(text)
     except ValueError:
         return text
+
+
+def _value_format(schema: Any, definitions: dict) -> dict:
+    """The structural-tag format of one value of `schema` (its $defs / definitions carried along)."""
+    schema = {**schema, **definitions} if isinstance(schema, dict) else schema
+    if value_kind(schema) == "json":
+        return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_WHITESPACE}
+    return {"type": "json_schema", "style": "qwen_xml", "json_schema": schema}  # the text, with no layout
+
+
+def _parameters_format(parameters: dict) -> dict:
+    """Each declared parameter (and each required one that is not declared) as `<parameter=NAME>\nVALUE\n
+    </parameter>\n`, in order; the ones not required optional."""
+    properties = parameters.get("properties") or {}
+    required = parameters.get("required") or []
+    properties = {**properties, **{name: True for name in required if name not in properties}}
+    definitions = {key: parameters[key] for key in ("$defs", "definitions") if key in parameters}
+    elements = []
+    for name, schema in properties.items():
+        tag = {"type": "tag", "begin": f"<parameter={name}>\n", "content": _value_format(schema, definitions),
+               "end": "\n</parameter>\n"}
+        elements.append(tag if name in required else {"type": "optional", "content": tag})
+    return {"type": "sequence", "elements": elements} if elements else {"type": "const_string", "value": ""}
 
 
 class ZayaFormat(ToolFormat):
@@ -80,9 +122,7 @@ class ZayaFormat(ToolFormat):
         return ToolCall(function[1], dumps_arguments(arguments))
 
     def call_tag(self, name: str, parameters: dict) -> dict:
-        return {"type": "tag", "begin": f"{self.start}\n<function={name}>\n",
-                "content": {"type": "json_schema", "style": "qwen_xml", "json_schema": parameters,
-                            "max_whitespace_cnt": MAX_WHITESPACE},
+        return {"type": "tag", "begin": f"{self.start}\n<function={name}>\n", "content": _parameters_format(parameters),
                 "end": f"</function>\n{self.end}"}
 
 

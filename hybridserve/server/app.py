@@ -9,9 +9,12 @@ returns non-zero.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 import signal
 import socket
+import time
+import uuid
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from functools import partial
@@ -23,6 +26,8 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from hybridserve.config import EngineConfig
+from hybridserve.engine.stats_log import StatsLine
+from hybridserve.sampling import SamplingParams
 from hybridserve.server.async_engine import AsyncEngine
 from hybridserve.server.replicas import ReplicaSet
 from hybridserve.server.chat import create_chat_completion
@@ -30,7 +35,7 @@ from hybridserve.server.responses import create_response, stored_response
 from hybridserve.server.responses_protocol import ResponsesRequest
 from hybridserve.server.completions import create_completion
 from hybridserve.server.errors import APIError, install_error_handlers
-from hybridserve.server.generation import ClientDisconnected
+from hybridserve.server.generation import ClientDisconnected, Generation
 from hybridserve.server.guard import Guard
 from hybridserve.server.metrics import ServerMetrics
 from hybridserve.server.openapi import (
@@ -38,10 +43,12 @@ from hybridserve.server.openapi import (
     CompletionResponse,
     DetokenizeResponse,
     ModelCard,
+    ModelInfo,
     ModelList,
     ResponseObject,
     TokenizeResponse,
     TokenizerInfo,
+    VersionInfo,
     install_openapi,
     responses,
 )
@@ -53,20 +60,50 @@ from hybridserve.server.protocol import (
     TokenizeRequest,
     warn_unknown,
 )
-from hybridserve.server.state import ServerOptions, ServerState
+from hybridserve.server.settings import ServerOptions
+from hybridserve.server.state import ServerState
 
 logger = logging.getLogger(__name__)
 
 _ENGINE_STOP_WAIT_S = 1.5  # a step in progress may finish; the engine's process is terminated after that
+_VERSION = importlib.metadata.version("hybridserve")
+
+
+_PROBES = frozenset({"/health", "/ping", "/metrics"})  # polled by load balancers and scrapers: no access-log line
+
+
+class _QuietProbes(logging.Filter):
+    """Drops uvicorn's access-log lines of health checks and metric scrapes (its record's args: client, method,
+    path, HTTP version, status)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        return not (isinstance(args, tuple) and len(args) > 2 and str(args[2]).split("?")[0] in _PROBES)
+
+
+async def _log_stats(state: ServerState, interval_s: float) -> None:
+    """The stats line every `interval_s` while the server is busy (hybridserve/engine/stats_log.py)."""
+    stats = StatsLine()
+    while True:
+        text = stats.line(state.engine.stats(), time.monotonic())
+        if text is not None:
+            logger.info("%s", text)
+        await asyncio.sleep(interval_s)
 
 
 def build_app(state: ServerState, on_fatal: Callable[[], None], url: str = "") -> FastAPI:
+    options = state.options
+
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         state.loop = asyncio.get_running_loop()
         state.engine.start(state.loop, on_fatal)
-        logger.info("serving '%s' at %s/v1 (GET /health turns 200 once the model is loaded)", state.model_name, url)
+        stats = None if options.disable_log_stats else asyncio.create_task(_log_stats(state, options.log_stats_interval_s))
+        logger.info("serving %s at %s/v1 (GET /health turns 200 once the model is loaded)",
+                    " / ".join(f"'{name}'" for name in options.served_model_names), url)
         yield
+        if stats is not None:
+            stats.cancel()
         state.prompts.close()
         state.engine.stop(_ENGINE_STOP_WAIT_S)
 
@@ -82,11 +119,48 @@ def build_app(state: ServerState, on_fatal: Callable[[], None], url: str = "") -
 
     app.add_exception_handler(ClientDisconnected, client_gone)
 
-    @app.get("/health", response_class=Response, responses={200: {"description": "ready (empty body)"},
-                                                           **responses(None, 503)})
+    @app.api_route("/health", methods=["GET"], response_class=Response,
+                   responses={200: {"description": "ready (empty body)"}, **responses(None, 503)})
+    @app.api_route("/ping", methods=["GET", "POST"], response_class=Response,
+                   responses={200: {"description": "ready (empty body): /health, as SageMaker probes it"},
+                              **responses(None, 503)})
     async def health() -> Response:
         state.info()
         return Response(status_code=200)
+
+    @app.get("/health_generate", response_class=Response,
+             responses={200: {"description": "one token was generated (empty body)"}, **responses(None, 500, 503)})
+    async def health_generate(http: Request) -> Response:
+        """SGLang's deep health check: a one-token greedy generation through the engine."""
+        info = state.info()
+        generation = Generation(state, http, f"health-{uuid.uuid4().hex}", [[info.eos_token_ids[0]]],
+                                SamplingParams(max_tokens=1, temperature=0.0), prompt_param="prompt")
+        await generation.start()
+        await generation.wait()
+        return Response(status_code=200)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"], response_model=None,
+                   responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                                    "description": "the prefix cache was emptied"}, **responses(None, 400, 503)})
+    async def flush_cache() -> Response:
+        """SGLang's: drop every prefix-cache entry; refused while requests are queued or running."""
+        state.info()
+        if not await state.engine.flush_cache():
+            raise APIError("the prefix cache was not flushed: requests are queued or running; retry when idle",
+                           code="requests_in_flight")
+        return Response("Cache flushed.\n", media_type="text/plain")
+
+    @app.get("/version", response_model=None, responses=responses(VersionInfo))
+    async def version() -> dict:
+        return {"version": _VERSION}
+
+    @app.get("/get_model_info", response_model=None, responses=responses(ModelInfo, 503))
+    async def get_model_info() -> dict:
+        """SGLang's model description."""
+        info = state.info()
+        return {"model_path": options.model_path, "tokenizer_path": info.tokenizer_path, "is_generation": True,
+                "model_type": info.model_type, "max_model_len": info.max_model_len,
+                "served_model_names": list(options.served_model_names)}
 
     @app.get("/metrics", response_class=Response,
              responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
@@ -94,19 +168,19 @@ def build_app(state: ServerState, on_fatal: Callable[[], None], url: str = "") -
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    def model_card() -> dict:
+    def model_card(name: str) -> dict:
         info = state.info()
-        return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "hybridserve",
-                "root": info.model_dir, "max_model_len": info.max_model_len}
+        return {"id": name, "object": "model", "created": state.created, "owned_by": "hybridserve",
+                "root": options.model_path, "max_model_len": info.max_model_len}
 
     @app.get("/v1/models", response_model=None, responses=responses(ModelList, 401, 503))
     async def models() -> dict:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(name) for name in options.served_model_names]}
 
     @app.get("/v1/models/{model:path}", response_model=None, responses=responses(ModelCard, 401, 404, 503))
     async def model(model: str) -> dict:
         state.model(model)
-        return model_card()
+        return model_card(model)
 
     @app.post("/v1/completions", responses=responses(CompletionResponse, 400, 401, 404, 413, 500, 503, stream=True))
     async def completions(body: CompletionRequest, http: Request) -> Response:
@@ -131,7 +205,7 @@ def build_app(state: ServerState, on_fatal: Callable[[], None], url: str = "") -
         info = state.model(body.model)
         warn_unknown("/tokenize", body.check_supported())
         if body.messages is not None:
-            options = body.template_options(state.options.trust_request_chat_template)
+            options = body.template_options(state.options.trust_request_chat_template, body.messages)
             tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
             tokens, _ = await state.prompts.run(chat_prompt, info.tokenizer, body.messages, options,
                                                 body.add_special_tokens is True, tools)
@@ -195,7 +269,7 @@ def run_server(config: EngineConfig, options: ServerOptions, sock: socket.socket
     """Serve until interrupted; 0 after a clean shutdown, 1 if the engine could not start or failed."""
     engine = AsyncEngine(config, chat_template=options.chat_template) if options.data_parallel_size == 1 else \
         ReplicaSet(config, options.data_parallel_size, chat_template=options.chat_template)
-    state = ServerState(engine, ServerMetrics(engine.stats), options)
+    state = ServerState(engine, ServerMetrics(engine.stats, options.served_model_name), options)
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
@@ -203,8 +277,9 @@ def run_server(config: EngineConfig, options: ServerOptions, sock: socket.socket
         server.should_exit = True
 
     app = build_app(state, on_fatal, url)
-    server = _Server(uvicorn.Config(app, log_config=None, timeout_graceful_shutdown=options.shutdown_grace_s + 1),
-                     state.begin_shutdown)
+    logging.getLogger("uvicorn.access").addFilter(_QuietProbes())
+    server = _Server(uvicorn.Config(app, log_config=None, timeout_graceful_shutdown=options.shutdown_grace_s + 1,
+                                    access_log=not options.disable_uvicorn_access_log), state.begin_shutdown)
     # uvicorn re-raises a caught signal once it is done; with these no-op handlers in place then, a clean shutdown
     # ends here instead of in a KeyboardInterrupt traceback or a kill by SIGTERM.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -110,6 +110,7 @@ class AsyncEngine:
         self._mailboxes: dict[str, tuple[OutputMailbox, bool, list[int]]] = {}
         self._groups: dict[int, tuple[asyncio.Future, list[str]]] = {}
         self._group_ids = itertools.count()
+        self._flushes: dict[int, asyncio.Future] = {}  # prefix-cache flushes waiting for the engine's answer
         self._shipped: OrderedDict[tuple, None] = OrderedDict()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_fatal: Callable[[], None] = lambda: None
@@ -185,6 +186,14 @@ class AsyncEngine:
         self._outbox.put(("add", group, requests, grammars))
         await accepted
 
+    async def flush_cache(self) -> bool:
+        """Empty the engine's prefix cache; False (nothing dropped) while requests are queued or running."""
+        self._check_alive()
+        token, done = next(self._group_ids), self._loop.create_future()
+        self._flushes[token] = done
+        self._outbox.put(("flush", token))
+        return await done
+
     def _check_alive(self) -> None:
         if self.error is not None:
             raise EngineDead(f"the engine has failed ({self.error}); restart the server")
@@ -236,6 +245,11 @@ class AsyncEngine:
                 for request_id in request_ids:
                     self._mailboxes.pop(request_id, None)
             _settle(accepted, refusal)
+        elif kind == "flushed":
+            _, token, done, self._stats = message
+            future = self._flushes.pop(token)
+            if not future.done():
+                future.set_result(done)
         elif kind == "stats":
             self._stats = message[1]
         elif kind == "ready":
@@ -247,9 +261,10 @@ class AsyncEngine:
 
     def _fail(self, what: str) -> None:
         self.error = dead = EngineDead(what)
-        for accepted, _ in self._groups.values():
-            _settle(accepted, dead)
+        for waiting in [accepted for accepted, _ in self._groups.values()] + list(self._flushes.values()):
+            _settle(waiting, dead)
         self._groups.clear()
+        self._flushes.clear()
         for mailbox in {mailbox for mailbox, _, _ in self._mailboxes.values()}:
             mailbox.interrupt(dead)
         self._mailboxes.clear()

@@ -16,6 +16,7 @@ from hybridserve.server.generation import Delta, Generation, respond
 from hybridserve.server.logprobs import TokenText, chat_logprobs, prompt_logprobs
 from hybridserve.server.protocol import ChatCompletionRequest, warn_unknown
 from hybridserve.server.state import ServerState
+from hybridserve.server.thinking import apply_effort
 from hybridserve.server.tool_choice import select_tools
 
 
@@ -109,20 +110,23 @@ class _ChatView:
             parser = self.parsing.parser()
             parsed = parser.parse(delta.text, len(delta.token_ids))
             choices.append(self._choice(delta, {"message": self._message(parsed)}, parser))
-        return {**self._header("chat.completion"), **self._prompt_extras(generation), "choices": choices,
-                "usage": generation.usage()}
+        return {**self._header("chat.completion"), "prompt_logprobs": None, **self._prompt_extras(generation),
+                "choices": choices, "usage": generation.usage()}
 
 
 async def create_chat_completion(server: ServerState, body: ChatCompletionRequest, http: Request) -> Response:
     info = server.model(body.model)
     warn_unknown("/v1/chat/completions", body.check_supported())
     params = body.to_sampling_params()
-    server.check_choices(1, params.n)
+    server.check_limits(1, params, body.field_names)
     tools = select_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    options = body.template_options(server.options.trust_request_chat_template, body.messages)
+    messages = apply_effort(body.reasoning_effort, "reasoning_effort",
+                            options.get("chat_template", info.tokenizer.chat_template), info.model_type,
+                            body.messages, options)
     prompt, params, parsing = await tools.prepare_chat(
-        server, info.tokenizer, info.max_model_len, body.messages, params,
-        body.template_options(server.options.trust_request_chat_template), body.add_special_tokens is True,
-        body.structured_field, {"max_tokens": body.max_tokens_param})
+        server, info.tokenizer, info.max_model_len, messages, params, options, body.add_special_tokens is True,
+        body.structured_field, body.field_names)
     call_id = f"chatcmpl-{uuid.uuid4().hex}"
     generation = Generation(server, http, call_id, [prompt], server.default_max_tokens(params),
                             prompt_param="messages")

@@ -64,8 +64,9 @@ class _CompletionView:
             yield {**self.header, "choices": [], "usage": generation.usage()}
 
     def response(self, generation: Generation) -> dict:
-        return {**self.header, "choices": [self.choice(delta, generation) for delta in generation.final_deltas()],
-                "usage": generation.usage()}
+        # prompt_logprobs is always there (null when not asked for), as vLLM's clients expect
+        choices = [{"prompt_logprobs": None} | self.choice(delta, generation) for delta in generation.final_deltas()]
+        return {**self.header, "choices": choices, "usage": generation.usage()}
 
 
 async def create_completion(server: ServerState, body: CompletionRequest, http: Request) -> Response:
@@ -73,7 +74,7 @@ async def create_completion(server: ServerState, body: CompletionRequest, http: 
     warn_unknown("/v1/completions", body.check_supported())
     params = body.to_sampling_params()
     await server.compile_grammar(params, body.structured_field)
-    server.check_choices(count_prompts(body.prompt), params.n)
+    server.check_limits(count_prompts(body.prompt), params)
     prompts = await server.prompts.run(completion_prompts, info.tokenizer, body.prompt,
                                        body.add_special_tokens is not False)
     for ids, _ in prompts:

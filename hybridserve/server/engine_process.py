@@ -13,8 +13,9 @@ collection would otherwise walk all of it (about 80 ms for the 214k objects of a
 step. Later collections walk only what serving creates.
 
 Messages, server -> engine: ("add", group, [EngineRequest], {request_id: serialized grammar}), ("abort", [id]),
-("stop",). Engine -> server: ("ready", EngineDescription, stats), ("accepted", group, None | the refusal's
-exception, stats), ("outputs", [RequestOutput without its prompt ids], stats), ("stats", stats), ("failed", message).
+("flush", token), ("stop",). Engine -> server: ("ready", EngineDescription, stats), ("accepted", group, None | the
+refusal's exception, stats), ("outputs", [RequestOutput without its prompt ids], stats), ("flushed", token, done,
+stats), ("stats", stats), ("failed", message).
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ class EngineDescription:
     vocab_size: int
     tokenizer_path: str
     eos_token_ids: tuple[int, ...]
+    max_logprobs: int  # the most logprobs per token a request may ask for
 
 
 class _Stop(BaseException):
@@ -87,7 +89,8 @@ def serve(config: EngineConfig, factory: Callable[[EngineConfig], LLMEngine], co
 
 def describe(engine: LLMEngine, config: EngineConfig) -> EngineDescription:
     return EngineDescription(engine.model_dir, engine.model_type, engine.max_model_len, engine.vocab_size,
-                             config.tokenizer or engine.model_dir, tuple(sorted(engine.eos_token_ids)))
+                             config.tokenizer or engine.model_dir, tuple(sorted(engine.eos_token_ids)),
+                             config.max_logprobs)
 
 
 def _loop(engine: LLMEngine, commands: Connection, events: Connection) -> None:
@@ -117,6 +120,9 @@ def _apply(engine: LLMEngine, message: tuple, events: Connection) -> None:
     if kind == "abort":
         for request_id in message[1]:
             engine.abort_request(request_id)
+        return
+    if kind == "flush":
+        events.send(("flushed", message[1], engine.flush_prefix_cache(), engine.stats()))
         return
     _, group, requests, grammars = message
     added = []

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
@@ -37,6 +39,8 @@ from hybridserve.server.protocol import invalid_field
 
 if TYPE_CHECKING:
     from hybridserve.server.state import ServerState
+
+logger = logging.getLogger(__name__)
 
 
 class ClientDisconnected(Exception):
@@ -82,12 +86,18 @@ class Generation:
         self._mailbox = OutputMailbox()
         self._timers: dict[str, RequestTimer] = {}
         self._watcher: asyncio.Task | None = None
+        self.call_id = call_id
+        self._arrival: float | None = None  # when it was submitted (None: not yet, or its end was logged)
 
     async def start(self) -> None:
         """Submit the requests; a prompt the engine rejects becomes a 400 (and nothing runs)."""
         if self.server.draining:
             raise shutting_down()
-        arrival = time.monotonic()
+        self._arrival = arrival = time.monotonic()
+        if self.server.options.log_requests:
+            logger.info("request %s: %d prompt(s), %s prompt tokens; %s", self.call_id, len(self.requests),
+                        "+".join(str(len(r.prompt_token_ids)) for r in self.requests),
+                        self.requests[0].params.describe())
         self._timers = {request_id: RequestTimer(self.metrics, arrival) for request_id in self._index}
         self._watcher = asyncio.create_task(self._watch_disconnect())
         self.server.generations.add(self)
@@ -110,8 +120,17 @@ class Generation:
         """Stop watching the client and abort what has not finished (idempotent)."""
         if self._watcher is not None:
             self._watcher.cancel()
+        if self.server.options.log_requests and self._arrival is not None:
+            self._log_end()
         self._abort_unfinished()
         self.server.generations.discard(self)
+
+    def _log_end(self) -> None:
+        reasons = Counter(str(c.finish_reason) for output in self.final if output is not None for c in output.outputs)
+        logger.info("request %s %s: %d completion tokens, finish reasons %s, %.2f s", self.call_id,
+                    "aborted" if self._unfinished else "finished", self.usage()["completion_tokens"], dict(reasons),
+                    time.monotonic() - self._arrival)
+        self._arrival = None
 
     def interrupt(self, error: APIError) -> None:
         """End the call now with `error` (the server is shutting down): abort its requests, wake its reader."""

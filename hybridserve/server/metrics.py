@@ -1,7 +1,8 @@
 """Prometheus metrics under the `hybridserve:` prefix (as vLLM uses `vllm:`).
 
 Engine gauges and counters are read from the engine's latest stats at scrape time (nothing to keep in sync);
-latency histograms are observed by the API layer from request arrival and output times.
+latency histograms are observed by the API layer from request arrival and output times. Every sample carries a
+`model_name` label (the served name), as vLLM's do, so dashboards over several servers can tell them apart.
 """
 from __future__ import annotations
 
@@ -49,34 +50,39 @@ _USAGE = [
 
 
 class _EngineStats(Collector):
-    def __init__(self, stats: Callable[[], dict[str, int]]):
-        self._stats = stats
+    def __init__(self, stats: Callable[[], dict[str, int]], model_name: str):
+        self._stats, self._model = stats, model_name
+
+    def _one(self, family: type[GaugeMetricFamily | CounterMetricFamily], name: str, doc: str, value: float) -> Metric:
+        metric = family(PREFIX + name, doc, labels=["model_name"])
+        metric.add_metric([self._model], value)
+        return metric
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
         for name, key, doc in _GAUGES:
             if key in stats:
-                yield GaugeMetricFamily(PREFIX + name, doc, value=stats[key])
+                yield self._one(GaugeMetricFamily, name, doc, stats[key])
         for name, used, total, doc in _USAGE:
             if total in stats:
-                yield GaugeMetricFamily(PREFIX + name, doc, value=stats[used] / max(stats[total], 1))
+                yield self._one(GaugeMetricFamily, name, doc, stats[used] / max(stats[total], 1))
         for name, key, doc in _COUNTERS:
             if key in stats:
-                yield CounterMetricFamily(PREFIX + name, doc, value=stats[key])
+                yield self._one(CounterMetricFamily, name, doc, stats[key])
         if stats.get("spec_verify_rows"):
             rows, drafts, accepted = (stats[k] for k in ("spec_verify_rows", "spec_draft_tokens",
                                                          "spec_accepted_tokens"))
-            yield GaugeMetricFamily(PREFIX + "spec_decode_acceptance_rate", "Speculative decoding: accepted / "
-                                    "verified draft tokens, since start.", value=accepted / max(drafts, 1))
-            yield GaugeMetricFamily(PREFIX + "spec_decode_mean_accept_length", "Speculative decoding: tokens a "
-                                    "verifying request gains per step (accepted drafts + the bonus token), since "
-                                    "start.", value=(accepted + rows) / rows)
+            yield self._one(GaugeMetricFamily, "spec_decode_acceptance_rate", "Speculative decoding: accepted / "
+                            "verified draft tokens, since start.", accepted / max(drafts, 1))
+            yield self._one(GaugeMetricFamily, "spec_decode_mean_accept_length", "Speculative decoding: tokens a "
+                            "verifying request gains per step (accepted drafts + the bonus token), since start.",
+                            (accepted + rows) / rows)
         if "prefix_cache_hit_tokens" in stats:
             hits = CounterMetricFamily(PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache, by "
                                        "layer kind: attention = KV matched; state = also restorable (usable hit).",
-                                       labels=["layer_kind"])
-            hits.add_metric(["attention"], stats["prefix_cache_kv_match_tokens"])
-            hits.add_metric(["state"], stats["prefix_cache_hit_tokens"])
+                                       labels=["model_name", "layer_kind"])
+            hits.add_metric([self._model, "attention"], stats["prefix_cache_kv_match_tokens"])
+            hits.add_metric([self._model, "state"], stats["prefix_cache_hit_tokens"])
             yield hits
 
 
@@ -85,12 +91,13 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 
 
 
 class ServerMetrics:
-    def __init__(self, engine_stats: Callable[[], dict[str, int]]):
+    def __init__(self, engine_stats: Callable[[], dict[str, int]], model_name: str):
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineStats(engine_stats))
+        self.registry.register(_EngineStats(engine_stats, model_name))
 
         def histogram(name: str, doc: str) -> Histogram:
-            return Histogram(PREFIX + name, doc, buckets=_LATENCY_BUCKETS, registry=self.registry)
+            return Histogram(PREFIX + name, doc, ["model_name"], buckets=_LATENCY_BUCKETS,
+                             registry=self.registry).labels(model_name)
 
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first generated token.")
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens of one sequence.")

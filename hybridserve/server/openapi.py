@@ -165,6 +165,8 @@ class ResponseUsage(BaseModel):
     output_tokens: int
     output_tokens_details: dict[str, int]  # reasoning_tokens
     total_tokens: int
+    prompt_tokens: int  # = input_tokens (SGLang's name)
+    completion_tokens: int  # = output_tokens (SGLang's name)
 
 
 class ResponseObject(BaseModel):
@@ -204,6 +206,21 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"]
     data: list[ModelCard]
+
+
+class VersionInfo(BaseModel):
+    version: str
+
+
+class ModelInfo(BaseModel):
+    """GET /get_model_info (SGLang's)."""
+
+    model_path: str
+    tokenizer_path: str
+    is_generation: bool
+    model_type: str
+    max_model_len: int
+    served_model_names: list[str]
 
 
 class TokenizeResponse(BaseModel):

@@ -5,7 +5,7 @@ OpenAPI schema. Optional fields default to None so that an explicit JSON null (b
 `"logprobs": null`) means "the default".
 
 Fields the API does not declare are sorted three ways: those that would change the result but are not implemented
-(`best_of` > 1, `logit_bias`, `functions`, ...) are a 400 naming them unless they carry their neutral value; those
+(`best_of` > 1, `use_beam_search`, `functions`, ...) are a 400 naming them unless they carry their neutral value; those
 that change nothing (`user`, `metadata`, ...) are accepted; any other is accepted and named in a warning log line,
 as vLLM does, so that real clients keep working.
 """
@@ -31,8 +31,8 @@ from pydantic_core import PydanticCustomError
 from hybridserve.sampling import (
     INT64_MAX,
     INT64_MIN,
-    MAX_LOGPROBS,
-    MAX_N,
+    LOGIT_BIAS_RANGE,
+    MAX_LOGIT_BIAS,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -44,6 +44,8 @@ from hybridserve.sampling import (
 )
 from hybridserve.server.errors import APIError
 from hybridserve.structured import StructuredOutputError, StructuredOutputParams
+
+Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]  # OpenAI's reasoning efforts
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +71,7 @@ StopInput = Annotated[StopString | Annotated[list[StopString], Field(max_length=
 
 # Not implemented, and they would change the result: refused unless they carry one of these neutral values.
 _REFUSED = {
-    "best_of": (None, 1), "logit_bias": (None, {}), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
+    "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
     "allowed_token_ids": (None,), "bad_words": (None, []),
     "truncate_prompt_tokens": (None,), "logits_processors": (None,), "return_tokens_as_token_ids": (None, False),
     "spaces_between_special_tokens": (None, True), "prompt_embeds": (None,),
@@ -77,9 +79,9 @@ _REFUSED = {
 }
 _REFUSED_COMPLETION = {"suffix": (None, "")}
 _REFUSED_CHAT = {
-    "functions": (None, []), "function_call": (None, "none", "auto"), "reasoning_effort": (None,), "audio": (None,),
+    "functions": (None, []), "function_call": (None, "none", "auto"), "audio": (None,),
     "modalities": (None, ["text"]), "web_search_options": (None,), "echo": (None, False),
-    "continue_final_message": (None, False), "documents": (None,), "mm_processor_kwargs": (None,),
+    "documents": (None,), "mm_processor_kwargs": (None,),
 }
 _REFUSED_MESSAGE = {"function_call": (None,), "audio": (None,), "tool_calls": (None, []), "tool_call_id": (None,)}
 # Accepted, and they change nothing about the output.
@@ -177,16 +179,23 @@ class StructuredOutputsField(_Body):
     structural_tag: dict[str, Any] | str | None = None
 
 
-# Request fields that constrain the output (one at most per request).
+# Request fields that constrain the output (one at most per request): OpenAI's, vLLM's, SGLang's (regex, ebnf,
+# json_schema).
 _STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                      "guided_grammar")
+                      "guided_grammar", "regex", "ebnf", "json_schema")
+# The StructuredOutputParams kind each single-value field gives.
+_STRUCTURED_KINDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                     "guided_grammar": "grammar", "regex": "regex", "ebnf": "grammar", "json_schema": "json"}
+LogitBias = Annotated[dict[str, Annotated[float, Field(ge=LOGIT_BIAS_RANGE[0], le=LOGIT_BIAS_RANGE[1])]],
+                      Field(max_length=MAX_LOGIT_BIAS)]
 
 
 class SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    n: Annotated[int, Field(ge=1, le=INT64_MAX, description="at most --max-n sequences per request (prompts x n)")] \
+        | None = None
     temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE, description="0 (or below 1e-5) = greedy")] | None \
         = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
@@ -211,6 +220,12 @@ class SamplingFields(_Request):
     guided_regex: str | None = Field(None, description="a regular expression the whole output matches")
     guided_choice: list[str] | None = Field(None, description="the output is one of these strings")
     guided_grammar: str | None = Field(None, description="an EBNF grammar (xgrammar's dialect, start rule root)")
+    regex: str | None = Field(None, description="SGLang's: a regular expression the whole output matches")
+    ebnf: str | None = Field(None, description="SGLang's: an EBNF grammar (xgrammar's dialect, start rule root)")
+    json_schema: dict[str, Any] | str | None = Field(None, description="SGLang's: a JSON schema (or its text) the "
+                                                                       "output matches")
+    logit_bias: LogitBias | None = Field(None, description="token id (as a string) -> a bias in [-100, 100] added "
+                                                           "to its logit before penalties and sampling")
     return_token_ids: bool | None = Field(None, description="token ids of the prompt and of each output")
 
     SAMPLING_FIELDS: ClassVar[tuple[str, ...]] = (
@@ -269,8 +284,7 @@ class SamplingFields(_Request):
                 return StructuredOutputParams(json=given.json_, json_object=bool(given.json_object),
                                               regex=given.regex, choice=given.choice, grammar=given.grammar,
                                               structural_tag=given.structural_tag)
-            kind = field.removeprefix("guided_")
-            return StructuredOutputParams(**{kind: getattr(self, field)})
+            return StructuredOutputParams(**{_STRUCTURED_KINDS[field]: getattr(self, field)})
         except StructuredOutputError as err:
             raise structured_output_error(err, field) from None
 
@@ -281,9 +295,20 @@ class SamplingFields(_Request):
         given = {name: getattr(self, name) for name in self.SAMPLING_FIELDS if getattr(self, name) is not None}
         try:
             return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                                  structured_output=self.structured_output(), **given)
+                                  structured_output=self.structured_output(), logit_bias=self._token_biases(),
+                                  **given)
         except SamplingParamError as err:
             raise invalid_field(err, names) from None
+
+
+    def _token_biases(self) -> dict[int, float]:
+        """logit_bias with its keys as token ids (JSON object keys are strings)."""
+        bias = self.logit_bias or {}
+        bad = [key for key in bias if not key.isdigit() or not key.isascii()]
+        if bad:
+            raise APIError(f"invalid value for 'logit_bias': its keys must be token ids (digits), not {bad[:3]}",
+                           param="logit_bias")
+        return {int(key): value for key, value in bias.items()}
 
 
 def structured_output_error(err: StructuredOutputError, field: str) -> APIError:
@@ -294,7 +319,7 @@ def structured_output_error(err: StructuredOutputError, field: str) -> APIError:
 def invalid_field(err: SamplingParamError, names: dict[str, str] | None = None) -> APIError:
     """A SamplingParams error, worded with the request's own field names."""
     names = names or {}
-    why = re.sub(r"\b\w+\b", lambda word: names.get(word[0], word[0]), err.why)
+    why = re.sub(r"(?<![\w-])\w+(?![\w-])", lambda word: names.get(word[0], word[0]), err.why)
     param = names.get(err.param, err.param)
     return APIError(f"invalid value for '{param}': {why}", param=param)
 
@@ -304,11 +329,12 @@ class CompletionRequest(SamplingFields):
 
     prompt: PromptInput
     max_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = 16
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=INT64_MAX, description="at most --max-logprobs")] | None = None
     echo: bool | None = False
     add_special_tokens: bool | None = True
-    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
-        None, description="top logprobs per prompt token, in each choice's prompt_logprobs (not with stream)")
+    prompt_logprobs: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = Field(
+        None, description="top logprobs per prompt token (at most --max-logprobs), in each choice's prompt_logprobs "
+                          "(not with stream)")
 
     def check_supported(self) -> list[str]:
         if self.prompt_logprobs is not None and self.stream:
@@ -467,13 +493,16 @@ ChatMessage = Annotated[TextMessage | AssistantTurn | ToolResult, Discriminator(
 class ChatTemplateFields(_Request):
     """How messages become a prompt: shared by chat completions and /tokenize."""
 
-    add_generation_prompt: bool | None = True
+    add_generation_prompt: bool | None = Field(None, description="default true (false with "
+                                                                 "continue_final_message)")
+    continue_final_message: bool | None = Field(None, description="the last message, an assistant's, is continued "
+                                                                  "rather than closed (a prefilled answer)")
     chat_template: str | None = Field(None, description="refused unless the server runs with "
                                                         "--trust-request-chat-template")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra template variables")
 
-    def template_options(self, trust_request_template: bool) -> dict:
-        """Keyword arguments for apply_chat_template beyond the messages (a refused option is a 400)."""
+    def template_options(self, trust_request_template: bool, messages: list[ChatMessage]) -> dict:
+        """Keyword arguments for apply_chat_template beyond the `messages` (a refused option is a 400)."""
         kwargs = dict(self.chat_template_kwargs or {})
         reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS - {"chat_template"})
         if reserved:
@@ -489,8 +518,15 @@ class ChatTemplateFields(_Request):
                            param="chat_template", code="chat_template_not_allowed")
         if template is not None:
             kwargs["chat_template"] = template
-        kwargs["add_generation_prompt"] = self.add_generation_prompt is not False
-        return kwargs
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise APIError("continue_final_message continues the last message, so add_generation_prompt "
+                               "cannot also be true", param="add_generation_prompt")
+            if messages[-1].role != "assistant":
+                raise APIError("continue_final_message needs an assistant message last (the answer to continue)",
+                               param="continue_final_message")
+            return kwargs | {"add_generation_prompt": False, "continue_final_message": True}
+        return kwargs | {"add_generation_prompt": self.add_generation_prompt is not False}
 
 
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
@@ -503,10 +539,13 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     max_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
     logprobs: bool | None = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=INT64_MAX, description="at most --max-logprobs")] | None = None
     add_special_tokens: bool | None = False
-    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
-        None, description="top logprobs per prompt token, in the response's prompt_logprobs (not with stream)")
+    prompt_logprobs: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = Field(
+        None, description="top logprobs per prompt token (at most --max-logprobs), in the response's "
+                          "prompt_logprobs (not with stream)")
+    reasoning_effort: Effort | None = Field(None, description="none: thinking off; any other: on (the model's "
+                                                              "thinking switch)")
 
     def check_supported(self) -> list[str]:
         unknown = super().check_supported()
@@ -520,11 +559,15 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     def max_tokens_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
+    @property
+    def field_names(self) -> dict[str, str]:
+        """SamplingParams names -> this request's own fields (errors name the request's)."""
+        return {"logprobs": "top_logprobs", "max_tokens": self.max_tokens_param}
+
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self.sampling_params(max_tokens=max_tokens, logprobs=(self.top_logprobs or 0) if self.logprobs else None,
-                                    prompt_logprobs=self.prompt_logprobs,
-                                    names={"logprobs": "top_logprobs", "max_tokens": self.max_tokens_param})
+                                    prompt_logprobs=self.prompt_logprobs, names=self.field_names)
 
 
 class TokenizeRequest(ChatTemplateFields):

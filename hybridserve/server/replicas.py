@@ -112,6 +112,10 @@ class ReplicaSet:
                 self._finished(request.request_id)
             raise
 
+    async def flush_cache(self) -> bool:
+        """Every replica's prefix cache emptied; False if some replica has requests in flight (it keeps its)."""
+        return all(await asyncio.gather(*(replica.flush_cache() for replica in self.replicas)))
+
     def abort(self, request_ids: list[str]) -> None:
         by_replica: dict[int, list[str]] = {}
         for request_id in request_ids:

@@ -25,6 +25,7 @@ from hybridserve.server.generation import Generation, stream_response
 from hybridserve.server.protocol import warn_unknown
 from hybridserve.server.responses_protocol import FunctionChoice, ResponsesRequest
 from hybridserve.server.state import ServerState
+from hybridserve.server.thinking import apply_effort
 from hybridserve.server.tool_choice import select_tools
 
 
@@ -150,7 +151,9 @@ class _ResponseEvents:
             "input_tokens": usage["prompt_tokens"], "input_tokens_details": usage["prompt_tokens_details"],
             "output_tokens": usage["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": parser.reasoning_tokens},
-            "total_tokens": usage["total_tokens"]})
+            "total_tokens": usage["total_tokens"],
+            # the chat API's names too, as SGLang's Responses usage has them
+            "prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"]})
         self.on_done(self.response, self.earlier + self.body.input_items() + self.output)
         yield self._event(f"response.{status}", response=self.response)
 
@@ -178,11 +181,13 @@ async def create_response(server: ServerState, body: ResponsesRequest, http: Req
                            f"{server.options.response_store_size} of them)", param="previous_response_id",
                            code="previous_response_not_found")
         earlier = stored.items
-    messages = body.messages(earlier)
+    options = {"add_generation_prompt": True}
+    messages = apply_effort(body.effort, "reasoning.effort", info.tokenizer.chat_template, info.model_type,
+                            body.messages(earlier), options)
     params = body.sampling_params()
     tools = select_tools(*body.chat_tools(), body.parallel_tool_calls)
     prompt, params, parsing = await tools.prepare_chat(
-        server, info.tokenizer, info.max_model_len, messages, params, {"add_generation_prompt": True}, False, "text",
+        server, info.tokenizer, info.max_model_len, messages, params, options, False, "text",
         {"max_tokens": "max_output_tokens"})
     response_id = _item_id("resp")
     generation = Generation(server, http, response_id, [prompt], server.default_max_tokens(params),

@@ -13,12 +13,21 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, Discriminator, Field, Tag, TypeAdapter, ValidationError
 
-from hybridserve.sampling import INT64_MAX, MAX_TEMPERATURE, SamplingParamError, SamplingParams
+from hybridserve.sampling import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_TEMPERATURE,
+    PENALTY_RANGE,
+    REPETITION_PENALTY_RANGE,
+    SamplingParamError,
+    SamplingParams,
+)
 from hybridserve.server.errors import APIError
 from hybridserve.server.protocol import (
     MAX_TOOLS,
     ChatMessage,
     ChatTool,
+    Effort,
     FunctionName,
     FunctionRef,
     NamedToolChoice,
@@ -34,7 +43,7 @@ from hybridserve.structured import StructuredOutputError, StructuredOutputParams
 # Would change the result and are not implemented: refused unless neutral.
 _REFUSED_RESPONSES = {
     "logit_bias": (None, {}), "background": (None, False), "conversation": (None,), "prompt": (None,),
-    "reasoning": (None,), "include": (None, []), "truncation": (None, "disabled"), "top_logprobs": (None, 0),
+    "include": (None, []), "truncation": (None, "disabled"), "top_logprobs": (None, 0),
     "max_tool_calls": (None,),
 }
 
@@ -126,6 +135,12 @@ class TextConfig(_Body):
     format: TextFormat | None = None
 
 
+class ReasoningConfig(_Body):
+    effort: Effort | None = Field(None, description="none: thinking off; any other: on (the model's switch)")
+    summary: Literal["auto"] | None = Field(None, description="auto only: the reasoning comes back whole, as a "
+                                                              "reasoning item's reasoning_text")
+
+
 class ResponsesRequest(_Request):
     REFUSED: ClassVar[dict[str, tuple]] = _REFUSED_RESPONSES
 
@@ -147,9 +162,27 @@ class ResponsesRequest(_Request):
     text: TextConfig | None = None
     store: bool | None = Field(None, description="keep the response for previous_response_id and GET (default true)")
     metadata: dict[str, str] | None = None
+    reasoning: ReasoningConfig | None = None
+    # Beyond OpenAI's Responses API, as SGLang's accepts them:
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX, description="-1 or 0 = off")] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
+    presence_penalty: Annotated[float, Field(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])] | None = None
+    frequency_penalty: Annotated[float, Field(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])] | None = None
+    repetition_penalty: Annotated[float, Field(ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])] \
+        | None = None
+
+    SAMPLING_FIELDS: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                                                  "frequency_penalty", "repetition_penalty")
+
+    @property
+    def effort(self) -> Effort | None:
+        return self.reasoning.effort if self.reasoning is not None else None
 
     def check_supported(self) -> list[str]:
         unknown = self.unknown_fields()
+        if self.reasoning is not None:
+            unknown += self.reasoning._extras({}, "reasoning.")
         if self.text is not None:
             unknown += self.text._extras({}, "text.")
             if self.text.format is not None:
@@ -194,7 +227,7 @@ class ResponsesRequest(_Request):
             raise structured_output_error(err, "text") from None
 
     def sampling_params(self) -> SamplingParams:
-        given = {name: getattr(self, name) for name in ("temperature", "top_p") if getattr(self, name) is not None}
+        given = {name: getattr(self, name) for name in self.SAMPLING_FIELDS if getattr(self, name) is not None}
         try:
             return SamplingParams(max_tokens=self.max_output_tokens, structured_output=self.structured_output(),
                                   **given)

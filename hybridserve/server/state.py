@@ -1,5 +1,5 @@
-"""ServerOptions (the operator's settings) and ServerState: what every route shares (the engine, metrics, the prompt
-worker, the API calls in flight), the readiness gate and the shutdown drain."""
+"""ServerState: what every route shares (the engine, metrics, the prompt worker, the API calls in flight, the
+operator's ServerOptions), the readiness gate and the shutdown drain."""
 from __future__ import annotations
 
 import asyncio
@@ -15,41 +15,12 @@ from hybridserve.server.errors import APIError, not_ready, shutting_down
 from hybridserve.server.metrics import ServerMetrics
 from hybridserve.server.prompts import PromptWorker
 from hybridserve.server.response_store import ResponseStore
+from hybridserve.server.settings import ServerOptions
 from hybridserve.server.protocol import invalid_field, structured_output_error
 from hybridserve.structured import StructuredOutputError
 
 if TYPE_CHECKING:
     from hybridserve.server.generation import Generation
-
-MiB = 1 << 20
-
-
-@dataclass(frozen=True)
-class ServerOptions:
-    served_model_name: str
-    api_key: str | None = None  # required on /v1 and the tokenizer routes when set
-    allowed_hosts: tuple[str, ...] | None = None  # Host header names answered (None: any)
-    max_request_body_bytes: int = 4 * MiB
-    max_n: int = 256  # sequences (prompts x n) one request may ask for
-    default_max_tokens: int = 4096  # for requests that give no max_tokens (clamped by the context)
-    trust_request_chat_template: bool = False
-    chat_template: str | None = None  # replaces the model's chat template
-    shutdown_grace_s: float = 1.0  # in-flight requests may finish this long after SIGTERM / Ctrl+C
-    data_parallel_size: int = 1  # engine replicas behind the server
-    tool_call_parser: str | None = None  # a parsers.TOOL_FORMATS name; None: the model type's own
-    reasoning_parser: str | None = None  # a parsers.REASONING_FORMATS name; None: no reasoning split
-    response_store_size: int = 1000  # Responses-API responses kept for previous_response_id (0: none)
-    response_store_ttl_s: float = 3600.0  # ... and for how long
-
-    def __post_init__(self) -> None:
-        if self.data_parallel_size < 1:
-            raise ValueError(f"--dp {self.data_parallel_size}: at least one replica is needed")
-        if self.tool_call_parser is not None:
-            tool_format(self.tool_call_parser)
-        if self.reasoning_parser is not None:
-            reasoning_format(self.reasoning_parser)
-        if self.response_store_size < 0 or self.response_store_ttl_s <= 0:
-            raise ValueError("--responses-store-size must be >= 0 and --responses-store-ttl > 0")
 
 
 @dataclass
@@ -85,9 +56,11 @@ class ServerState:
     def model(self, requested: str | None) -> EngineInfo:
         """`info()` for a request naming `requested` (None: the served model); unknown names are a 404."""
         info = self.info()
-        if requested is not None and requested != self.model_name:
-            raise APIError(f"the model '{requested}' does not exist; this server serves '{self.model_name}'",
-                           status=404, type="not_found_error", param="model", code="model_not_found")
+        names = self.options.served_model_names
+        if requested is not None and requested not in names:
+            raise APIError(f"the model '{requested}' does not exist; this server serves "
+                           f"{' or '.join(repr(name) for name in names)}", status=404, type="not_found_error",
+                           param="model", code="model_not_found")
         return info
 
     def tool_format(self) -> ToolFormat:
@@ -99,10 +72,17 @@ class ServerState:
     def reasoning_format(self) -> ReasoningFormat | None:
         return reasoning_format(self.options.reasoning_parser) if self.options.reasoning_parser else None
 
-    def check_choices(self, num_prompts: int, n: int) -> None:
+    def check_limits(self, num_prompts: int, params: SamplingParams, names: dict[str, str] | None = None) -> None:
+        """The operator's bounds on one request: sequences (prompts x n, --max-n) and logprobs per token
+        (--max-logprobs); `names` maps SamplingParams names to the request's fields."""
+        n = params.n
         if num_prompts * n > self.options.max_n:
             raise APIError(f"this request asks for {num_prompts} prompt(s) x n={n} = {num_prompts * n} sequences; "
                            f"this server allows at most {self.options.max_n} per request (--max-n)", param="n")
+        try:
+            params.check_logprobs(self.info().max_logprobs)
+        except SamplingParamError as err:
+            raise invalid_field(err, names) from None
 
     def default_max_tokens(self, params: SamplingParams) -> SamplingParams:
         """Requests without max_tokens get the server's default (the engine still stops at the context's end)."""

@@ -57,12 +57,13 @@ class Server(ServerProcess):
         return self.log_path.read_text(errors="replace")
 
     def metrics(self) -> dict[str, float]:
-        """Every sample of GET /metrics by name (histograms as NAME_count, NAME_sum, ...; labelled samples as
-        NAME{label="value"})."""
+        """Every sample of GET /metrics by name (histograms as NAME_count, NAME_sum, ...; samples with labels
+        besides model_name, which every one carries, as NAME{label="value"})."""
         text = httpx.get(f"{self.url}/metrics", timeout=30).text
         samples = [s for family in text_string_to_metric_families(text) for s in family.samples if "le" not in s.labels]
-        return {s.name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items())) + "}" if s.labels else ""):
-                s.value for s in samples}
+        labels = [{k: v for k, v in sorted(s.labels.items()) if k != "model_name"} for s in samples]
+        return {s.name + ("{" + ",".join(f'{k}="{v}"' for k, v in extra.items()) + "}" if extra else ""): s.value
+                for s, extra in zip(samples, labels)}
 
 
 def serve(args: list[str], tmp_path_factory, env: dict[str, str] | None = None) -> Server:

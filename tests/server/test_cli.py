@@ -13,7 +13,7 @@ def test_serve_help_documents_every_contract_option(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--help"])
     help_text = capsys.readouterr().out
-    for option in ("MODEL_DIR", "--host", "--port", "--tp", "--tensor-parallel-size", "--max-model-len",
+    for option in ("MODEL", "--host", "--port", "--tp", "--tensor-parallel-size", "--max-model-len",
                    "--max-running-requests", "--chunked-prefill-size", "--enable-prefix-caching",
                    "--disable-prefix-caching", "--state-dtype", "--state-to-kv-ratio", "--max-state-slots",
                    "--gpu-memory-utilization", "--served-model-name", "--dtype", "--device", "--enforce-eager",
@@ -32,10 +32,12 @@ def test_serve_passes_the_tensor_parallel_size_and_refuses_unshardable_ones(zaya
 
 def test_serve_exits_with_the_reason_when_the_model_cannot_load(tmp_path):
     """The engine loads after the port opens; a failure there still ends the process with a clear message."""
-    result = subprocess.run([sys.executable, "-m", "hybridserve.cli", "serve", str(tmp_path / "missing"), "--device",
+    (tmp_path / "config.json").write_text("{}")  # a checkpoint by its files, but no model the engine knows
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    result = subprocess.run([sys.executable, "-m", "hybridserve.cli", "serve", str(tmp_path), "--device",
                              "cpu", "--port", "0"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and "the engine could not start" in result.stderr
-    assert str(tmp_path / "missing") in result.stderr
+    assert str(tmp_path) in result.stderr
 
 
 def test_serve_options_reach_the_engine_config():

@@ -16,7 +16,8 @@ LING_CALL = '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'
 def _state(*flags: str, model_type: str = "zaya") -> ServerState:
     """The ServerState `hybridserve serve FLAGS` builds, over a stand-in engine that has loaded `model_type`."""
     engine = SimpleNamespace(error=None, info=SimpleNamespace(model_type=model_type))
-    return ServerState(engine, metrics=None, options=_server_options(build_parser().parse_args(["serve", *flags])))
+    return ServerState(engine, metrics=None, options=_server_options(build_parser().parse_args(["serve", *flags]),
+                                                                          "unused"))
 
 
 def test_tool_call_parser_flag_overrides_the_model_types_format():

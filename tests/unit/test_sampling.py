@@ -18,12 +18,13 @@ INF, NAN = float("inf"), float("nan")
 @pytest.mark.parametrize("name, value", [
     ("temperature", -0.1), ("temperature", 2.01), ("temperature", INF), ("temperature", NAN), ("top_p", 0.0),
     ("top_p", 1.5), ("top_p", NAN), ("top_k", -2), ("top_k", 2**63), ("min_p", 1.5), ("max_tokens", 0),
-    ("max_tokens", -3), ("max_tokens", 2**63), ("n", 0), ("n", 129), ("n", True), ("logprobs", 21),
+    ("max_tokens", -3), ("max_tokens", 2**63), ("n", 0), ("n", 2**63), ("n", True), ("logprobs", 2**63),
     ("logprobs", -1), ("presence_penalty", 3.0), ("frequency_penalty", -INF), ("repetition_penalty", 0.0),
     ("repetition_penalty", 1e-200), ("repetition_penalty", 0.009), ("repetition_penalty", 10.5),
     ("min_tokens", -1), ("stop", [""]), ("stop", ["x"] * 33), ("stop", ["x" * 1025]), ("stop_token_ids", [-1]),
     ("stop_token_ids", [2**63]), ("stop_token_ids", list(range(1025))), ("seed", 1.5), ("seed", 2**70),
-    ("seed", -(2**63) - 1),
+    ("seed", -(2**63) - 1), ("logit_bias", {-1: 1.0}), ("logit_bias", {1: 100.5}), ("logit_bias", {1: NAN}),
+    ("logit_bias", {i: 1.0 for i in range(1025)}),
 ])
 def test_invalid_parameters_name_themselves(name, value):
     with pytest.raises(SamplingParamError, match=rf"invalid sampling parameter {name}=") as caught:
@@ -47,6 +48,16 @@ def test_model_dependent_checks():
     with pytest.raises(SamplingParamError, match="min_tokens.*whole vocabulary"):
         SamplingParams(min_tokens=1, stop_token_ids=all_but_eos).check_vocabulary(10, eos)
     SamplingParams(min_tokens=1, stop_token_ids=all_but_eos, ignore_eos=True).check_vocabulary(10, eos)
+    with pytest.raises(SamplingParamError, match=r"logit_bias=.*outside the vocabulary \[0, 10\)"):
+        SamplingParams(logit_bias={3: 1.0, 12: -5.0}).check_vocabulary(10, eos)
+
+
+def test_logprobs_are_bounded_by_the_engines_max_logprobs():
+    SamplingParams(logprobs=20, prompt_logprobs=20).check_logprobs(20)
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(SamplingParamError, match=rf"{name}=21: must be at most 20") as caught:
+            SamplingParams(**{name: 21}).check_logprobs(20)
+        assert caught.value.param == name
 
 
 def test_stop_string_becomes_a_list_and_min_tokens_checked_against_max():
@@ -192,6 +203,24 @@ def test_logprobs_are_the_models_raw_distribution():
     top = reference[0].topk(3)
     assert [t for t, _ in out[0].top_logprobs] == top.indices.tolist()
     assert out[1].top_logprobs == []
+
+
+def test_logit_bias_shifts_the_logits_before_sampling_and_penalties():
+    """A bias moves greedy picks and sampled frequencies as if the logits were logits + bias (-100 bans a token
+    in practice); logprobs stay the raw model's; rows without a bias in the same call are untouched."""
+    greedy = Sampler()(LOGITS.expand(3, -1).clone(), [_row(temperature=0, logit_bias={3: 2.5}),
+                                                     _row(temperature=0, logit_bias={0: -100.0}, logprobs=0),
+                                                     _row(temperature=0)])
+    assert [t.token_id for t in greedy] == [3, 1, 0]
+    assert math.isclose(greedy[1].logprob, torch.log_softmax(LOGITS[0], -1)[1].item(), rel_tol=1e-6)
+    bias = {1: 1.0, 4: 3.0, 0: -100.0}
+    shifted = LOGITS[0].clone()
+    for token, value in bias.items():
+        shifted[token] += value
+    _assert_close_to(_draws(LOGITS, 6000, temperature=1.0, logit_bias=bias), torch.softmax(shifted, -1), 6000)
+    penalised = Sampler()(LOGITS.clone(), [_row(temperature=0, outputs=[0], repetition_penalty=10.0,
+                                                logit_bias={0: 1.0})])
+    assert penalised[0].token_id == 1  # the biased logit (3.0) is then penalised (3.0 / 10)
 
 
 

@@ -202,12 +202,13 @@ def test_metrics_report_acceptance():
     from hybridserve.server.metrics import ServerMetrics
 
     stats = {"running": 1, "spec_verify_rows": 10, "spec_draft_tokens": 30, "spec_accepted_tokens": 12}
-    text = ServerMetrics(lambda: stats).render().decode()
-    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("hybridserve:")}
+    text = ServerMetrics(lambda: stats, "m").render().decode()
+    values = {line.split("{")[0]: float(line.split()[-1]) for line in text.splitlines()
+              if line.startswith("hybridserve:")}
     assert values["hybridserve:spec_decode_num_drafts_total"] == 10
     assert values["hybridserve:spec_decode_num_draft_tokens_total"] == 30
     assert values["hybridserve:spec_decode_num_accepted_tokens_total"] == 12
     assert values["hybridserve:spec_decode_acceptance_rate"] == pytest.approx(0.4)
     assert values["hybridserve:spec_decode_mean_accept_length"] == pytest.approx(2.2)
-    plain = ServerMetrics(lambda: stats | {"spec_verify_rows": 0}).render().decode()
-    assert "acceptance_rate" not in plain and "spec_decode_num_drafts_total 0.0" in plain
+    plain = ServerMetrics(lambda: stats | {"spec_verify_rows": 0}, "m").render().decode()
+    assert "acceptance_rate" not in plain and 'spec_decode_num_drafts_total{model_name="m"} 0.0' in plain
