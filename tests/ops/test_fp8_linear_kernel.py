@@ -1,0 +1,268 @@
+"""FP8 (e4m3) W8A8 linear kernels (`ops.triton.fp8_linear`: the GEMV decode form in `ops.triton.linear`, the
+quantization launch + tl.dot GEMM beyond) vs `ops.reference.fp8`, and the e4m3 rounding they share.
+
+Exactness. The kernels round to e4m3 in fp32 arithmetic (`fp8_quant.round_to_e4m3`) and divide correctly rounded,
+so their e4m3 values and scales are the reference's bit for bit: checked against torch's own conversion on every
+e4m3 value, every midpoint between neighbours and the fp32 values either side of it; the quantization launch
+against `quantize_activations`; and the quantization inside the GEMV and GEMM launches through an identity weight,
+whose product must be `fake_quantize(x)` exactly (one nonzero term per output, scaled as the reference scales it).
+
+Tolerance of the products. The e4m3 products are exact in fp32 in both; the kernels sum them in another order
+(per K lane, per tl.dot tile) and multiply the scales at another place (after the sum, or on a tile), each an fp32
+rounding, so before the last rounding the two differ by about K * 2^-24 of the sum of the terms' magnitudes. Both
+then round once to x's dtype: within one unit in the last place of each other (2^-10 relative in fp16), plus 1e-5
+of the largest output for the fp32 differences (which alone bound the fp32 case). On the GPU the FP8 tensor cores
+add a tile's products with fewer bits than fp32 (about 14 kept, as measured for DeepSeek-V3; the GEMM adds each
+BLOCK_K tile to fp32), so the GEMM form is allowed 2^-10 of the sum of the products' magnitudes more there (the
+interpreter's tl.dot is fp32). The interpreter runs fp32 / fp16 activations only (bf16 is not emulated faithfully
+there; tests/gpu/test_fp8_kernels_gpu.py covers it at real widths).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.ops.conftest import DEVICE, KERNEL_DTYPES, ON_GPU
+from tests.ops.test_decode_gemv_kernel import _assert_same, _exact, _residual_norm, _standalone
+from hybridserve.core.quant import FP8_DTYPE, FP8_MAX, Fp8Scales, Fp8Scheme, dequantize
+from hybridserve.ops import backends
+from hybridserve.ops import linear as linear_op
+from hybridserve.ops.reference import fp8 as reference
+from hybridserve.ops.triton import fp8_linear, fp8_quant
+from hybridserve.ops.triton import linear as gemv_linear
+from hybridserve.ops.triton.gemv import Tiles
+
+BLOCK = (128, 128)
+SCHEMES = {
+    "channel/token": Fp8Scheme("channel", "token"),
+    "tensor/static": Fp8Scheme("tensor", "static"),
+    "block/group": Fp8Scheme("block", "group", BLOCK),
+    "block/token": Fp8Scheme("block", "token", BLOCK),
+    "block/static": Fp8Scheme("block", "static", BLOCK),
+}
+MANTISSA_BITS = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
+MMA_SLACK = 2.0 ** -10 if ON_GPU else 0.0  # the GEMM form's, of the products' magnitudes (module docstring)
+
+
+def _randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def _weight(n: int, k: int, scheme: Fp8Scheme, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An e4m3 weight [n, k] and its scales as the scheme keeps them at run time (per row, or per block)."""
+    w = _randn(n, k, seed=seed, scale=k ** -0.5)
+    if scheme.weight == "tensor":  # one checkpoint scale, kept per row
+        values, scale = reference.quantize_weight_rows(w.flatten()[None])
+        values, scale = values.view(n, k), scale.expand(n).contiguous()
+    else:
+        values, scale = reference.quantize_weight(w, scheme)
+    return values.to(DEVICE), scale.to(DEVICE)
+
+
+def _scales(scheme: Fp8Scheme, scale: torch.Tensor) -> Fp8Scales:
+    return Fp8Scales(scale, scheme, torch.tensor(0.011, device=DEVICE) if scheme.activation == "static" else None)
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor, slack: torch.Tensor | float = 0.0) -> None:
+    """Within one ulp of each other in got's dtype, plus 1e-5 of the largest value and `slack` (module docstring)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    err = (got.double() - want.double()).abs()
+    bound = want.double().abs() * 2.0 ** -MANTISSA_BITS[got.dtype] + 1e-5 * want.double().abs().max() + slack
+    assert (err <= bound).all(), (err - bound).max()
+
+
+def _config(block_m: int, block_n: int, block_k: int, group_m: int = 1) -> dict[str, int]:
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, num_warps=4, num_stages=2)
+
+
+# ----------------------------------------------------------------------------------------------------- e4m3 rounding
+
+
+def _rounding_probe() -> torch.Tensor:
+    """Every finite e4m3 value, each midpoint between neighbours and the fp32 values either side of it, the values
+    the interpreter's own conversion gets wrong (1.96, 7.92), -0.0, random values over the range and near zero."""
+    values = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+    values = values[values.isfinite()].unique()
+    mids = (values[1:] + values[:-1]) / 2
+    up, down = torch.tensor(float("inf")), torch.tensor(-float("inf"))
+    gen = torch.Generator().manual_seed(0)
+    return torch.cat([values, mids, mids.nextafter(up), mids.nextafter(down), torch.tensor([1.96, 7.92, -0.0]),
+                      (torch.rand(4000, generator=gen) * 2 - 1) * FP8_MAX, torch.randn(2000, generator=gen) * 0.01])
+
+
+def test_rounding_equals_torch_on_every_edge() -> None:
+    """The quantization launch with a static scale of 1 (x / 1 = x) rounds each value as torch's conversion."""
+    x = _rounding_probe()
+    q, _ = fp8_quant.quantize_activations(x[None].to(DEVICE), SCHEMES["tensor/static"],
+                                          torch.tensor(1.0, device=DEVICE))
+    assert torch.equal(q[0].cpu().view(torch.uint8), x.to(FP8_DTYPE).view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("scheme", ["channel/token", "block/group", "tensor/static"])
+def test_quantization_launch_equals_reference(scheme: str, dtype: torch.dtype) -> None:
+    """Bit for bit: e4m3 values and scales, rows of very different ranges, an all-zero row (floored scale: zeros),
+    values beyond 448 times the static scale (clamped), 300 columns (a partial last group), x a column slice."""
+    scheme = SCHEMES[scheme]
+    wide = _randn(6, 310, seed=1)
+    wide[1] *= 1e3
+    wide[2] *= 1e-3
+    wide[3] = 0
+    x = wide[:, 5:305].to(DEVICE, dtype)
+    input_scale = torch.tensor(0.004, device=DEVICE) if scheme.activation == "static" else None
+    q, scales = fp8_quant.quantize_activations(x, scheme, input_scale)
+    want_q, want_scales = reference.quantize_activations(x, scheme, input_scale)
+    assert q.dtype == FP8_DTYPE and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scales, want_scales)
+
+
+@pytest.mark.parametrize("scheme", ["channel/token", "block/group", "block/token", "tensor/static"])
+def test_launches_quantize_x_as_the_reference(scheme: str) -> None:
+    """Through an identity weight (e4m3 ones, unit scales) each output is one product, q * scale, as the
+    reference's `fake_quantize` makes it: bit for bit in fp32, GEMV (in-launch quantization) and GEMM form."""
+    scheme = SCHEMES[scheme]
+    k = 300
+    eye = torch.eye(k).to(DEVICE, FP8_DTYPE)
+    ones = torch.ones(k if scheme.weight != "block" else (3, 3), device=DEVICE)
+    fp8 = _scales(scheme, ones)
+    x = _randn(3, k, seed=2).to(DEVICE)
+    x[1] *= 50
+    want = reference.fake_quantize(x, scheme, fp8.input_scale)
+    assert torch.equal(gemv_linear.linear(x, eye, fp8=fp8, config=Tiles(4, 64, 128, 2)), want)
+    assert torch.equal(fp8_linear.gemm(x, eye, fp8, config=_config(16, 64, 64)), want)
+
+
+# ----------------------------------------------------------------------------------------------------- products
+
+# tokens, N, K, bias, GEMV tiles (None: the shape's own)
+GEMV_CASES = {
+    "one token, ragged N and K (partial last blocks), pipelined": (1, 150, 300, True, Tiles(1, 32, 128, 2)),
+    "5 of 8 token lanes, chunks of two 128-column blocks": (5, 40, 400, False, Tiles(8, 4, 256, 2)),
+    "16 tokens, one chunk longer than K": (16, 24, 100, True, Tiles(16, 8, 128, 1)),
+    "default tiles": (3, 64, 200, False, None),
+}
+# tokens, N, K, bias, GEMM config (None: gemm_config's)
+GEMM_CASES = {
+    "one token, 16x16 tiles, K tiles of 32": (1, 150, 300, True, _config(16, 16, 32)),
+    "40 tokens, the config of decode-like sizes": (40, 150, 300, False, None),
+    "100 tokens, 32-row blocks grouped by 2": (100, 72, 200, True, _config(32, 32, 64, 2)),
+    "80 tokens, the config beyond 64 tokens": (80, 40, 130, True, None),
+}
+
+
+def _product_case(tokens: int, n: int, k: int, has_bias: bool, scheme: str, dtype: torch.dtype):
+    scheme = SCHEMES[scheme]
+    weight, scale = _weight(n, k, scheme, seed=n + k)
+    x = _randn(tokens, k, seed=tokens).to(DEVICE, dtype)
+    bias = _randn(n, seed=3).to(DEVICE, dtype) if has_bias else None
+    fp8 = _scales(scheme, scale)
+    want = reference.fp8_linear(x, weight, scale, scheme, bias, fp8.input_scale)
+    magnitudes = reference.fake_quantize(x, scheme, fp8.input_scale).abs() @ dequantize(weight, scale, scheme).abs().T
+    return x, weight, bias, fp8, want, magnitudes.double()
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+@pytest.mark.parametrize("case", list(GEMV_CASES))
+def test_gemv_form_matches_reference(case: str, scheme: str, dtype: torch.dtype) -> None:
+    tokens, n, k, has_bias, config = GEMV_CASES[case]
+    x, weight, bias, fp8, want, _ = _product_case(tokens, n, k, has_bias, scheme, dtype)
+    got = gemv_linear.linear(x, weight, bias, config=config, fp8=fp8)
+    _assert_close(got, want)
+    assert torch.equal(got, gemv_linear.linear(x, weight, bias, config=config, fp8=fp8))  # deterministic
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+@pytest.mark.parametrize("case", list(GEMM_CASES))
+def test_gemm_form_matches_reference(case: str, scheme: str, dtype: torch.dtype) -> None:
+    tokens, n, k, has_bias, config = GEMM_CASES[case]
+    x, weight, bias, fp8, want, magnitudes = _product_case(tokens, n, k, has_bias, scheme, dtype)
+    got = fp8_linear.gemm(x, weight, fp8, bias, config=config)
+    _assert_close(got, want, MMA_SLACK * magnitudes)
+    assert torch.equal(got, fp8_linear.gemm(x, weight, fp8, bias, config=config))
+
+
+@pytest.mark.parametrize("scheme", ["channel/token", "block/group"])
+def test_strided_and_batched_x(scheme: str) -> None:
+    """x rows further apart than K (a column slice) and leading dims [2, 3] flattened and restored, both forms
+    through `fp8_linear`; a last stride other than 1 takes the GEMM form, on a copy."""
+    scheme = SCHEMES[scheme]
+    weight, scale = _weight(20, 136, scheme, seed=4)
+    fp8 = _scales(scheme, scale)
+    wide = _randn(136, 150, seed=5).to(DEVICE)
+    for tokens in (6, 40):
+        x = wide[:tokens, 7:143]
+        want = reference.fp8_linear(x, weight, scale, scheme)
+        got = fp8_linear.fp8_linear(x, weight, scale, scheme)
+        _assert_close(got, want)
+    batched = fp8_linear.fp8_linear(wide[:6, 7:143].reshape(2, 3, 136), weight, scale, scheme)
+    assert batched.shape == (2, 3, 20) and torch.equal(batched.reshape(6, 20),
+                                                       fp8_linear.fp8_linear(wide[:6, 7:143], weight, scale, scheme))
+    columns = wide[:136, :6].t()  # unit row stride
+    _assert_close(fp8_linear.fp8_linear(columns, weight, scale, scheme),
+                  reference.fp8_linear(columns, weight, scale, scheme))
+
+
+def test_bad_input_is_refused() -> None:
+    weight, scale = _weight(20, 200, SCHEMES["block/group"], seed=6)
+    block = _scales(SCHEMES["block/group"], scale)
+    x = _randn(2, 200, seed=7).to(DEVICE)
+    with pytest.raises(ValueError, match="input_scale"):
+        fp8_linear.fp8_linear(x, weight, scale, Fp8Scheme("block", "static", BLOCK))
+    with pytest.raises(ValueError, match="128x128"):
+        fp8_linear.fp8_linear(x, weight, scale, Fp8Scheme("block", "group", (64, 64)))
+    with pytest.raises(ValueError, match="fp32 scales"):
+        fp8_linear.fp8_linear(x, weight, scale[:, :1], SCHEMES["block/group"])
+    with pytest.raises(ValueError, match="split the 128-column"):
+        gemv_linear.linear(x, weight, fp8=block, config=Tiles(2, 4, 64, 2))
+    with pytest.raises(ValueError, match="BLOCK_K"):
+        fp8_linear.gemm(x, weight, block, config=_config(16, 16, 256))
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_linear.gemm(x, weight.float(), block)
+    assert fp8_linear.fp8_linear(x[:0], weight, scale, SCHEMES["block/group"]).shape == (0, 20)
+    assert fp8_linear.gemm(x[:0], weight, block).shape == (0, 20)
+
+
+# ----------------------------------------------------------------------------------------------------- entry points
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("scheme", ["channel/token", "block/group"])
+def test_norm_epilogue_equals_the_norm_kernel(scheme: str, dtype: torch.dtype) -> None:
+    """The GEMV launch's residual norm after an FP8 projection: what the standalone norm kernel makes of the
+    stored update (bit for bit where tests/ops/test_decode_gemv_kernel.py requires it)."""
+    scheme = SCHEMES[scheme]
+    weight, scale = _weight(40, 136, scheme, seed=8)
+    fp8 = _scales(scheme, scale)
+    x = _randn(3, 136, seed=9).to(DEVICE, dtype)
+    config = Tiles(4, 8, 128, 2)  # five programs
+    norm = _residual_norm(3, 40, dtype, seed=10, skip=True, fp32_copy=True)
+    want = _standalone(norm, gemv_linear.linear(x, weight, config=config, fp8=fp8))
+    _assert_same(gemv_linear.linear(x, weight, config=config, norm=norm, fp8=fp8), want, _exact(dtype))
+
+
+def test_entry_points_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8_linear: the GEMV form up to GEMV_MAX_TOKENS rows of unit last stride, the GEMM beyond; ops.linear: the
+    kernels where the backend says so (the norm in the GEMV launch), the reference otherwise."""
+    scheme = SCHEMES["channel/token"]
+    weight, scale = _weight(8, 16, scheme, seed=11)
+    fp8 = _scales(scheme, scale)
+    calls: list[str] = []
+    monkeypatch.setattr(gemv_linear, "linear", lambda *a, **k: calls.append("gemv" + ("+norm" * ("norm" in k))))
+    monkeypatch.setattr(fp8_linear, "gemm", lambda *a, **k: calls.append("gemm"))
+    most = fp8_linear.GEMV_MAX_TOKENS
+    for tokens in (1, most, most + 1):
+        fp8_linear.fp8_linear(torch.zeros(tokens, 16, device=DEVICE), weight, scale, scheme)
+    fp8_linear.fp8_linear(torch.zeros(16, 2, device=DEVICE).t(), weight, scale, scheme)  # last stride 2
+    assert calls == ["gemv", "gemv", "gemm", "gemm"]
+    x = torch.zeros(2, 16, device=DEVICE)
+    norm = _residual_norm(2, 8, torch.float32, seed=12, skip=False, fp32_copy=False)
+    monkeypatch.setattr(backends, "use_triton", lambda op, device: op == "fp8_linear")
+    calls.clear()
+    linear_op.linear(x, weight, fp8=fp8)
+    linear_op.linear_residual_norm(x, weight, None, norm, fp8)
+    assert calls == ["gemv", "gemv+norm"]
+    monkeypatch.setattr(backends, "use_triton", lambda op, device: False)
+    assert torch.equal(linear_op.linear(x, weight, fp8=fp8), reference.fp8_linear(x, weight, scale, scheme))
+    assert calls == ["gemv", "gemv+norm"]
