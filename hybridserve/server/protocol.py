@@ -76,6 +76,8 @@ _REFUSED = {
     "truncate_prompt_tokens": (None,), "logits_processors": (None,), "return_tokens_as_token_ids": (None, False),
     "spaces_between_special_tokens": (None, True), "prompt_embeds": (None,),
     "guided_decoding_backend": (None, "xgrammar", "auto"), "guided_whitespace_pattern": (None,),
+    # vLLM's: prompt logprobs of the logits divided by it (they are the raw model's, i.e. at 1, here)
+    "prompt_logprobs_temperature": (None, 1, 1.0),
 }
 _REFUSED_COMPLETION = {"suffix": (None, "")}
 _REFUSED_CHAT = {

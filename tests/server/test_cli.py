@@ -1,4 +1,5 @@
-"""`hybridserve serve` options: every contract option is documented, and unsupported values fail clearly."""
+"""`hybridserve serve` options: every contract option is documented with its default, the names vLLM and SGLang users
+type reach the fields they name, a --config file gives options, and unsupported values fail clearly."""
 from __future__ import annotations
 
 import subprocess
@@ -6,7 +7,7 @@ import sys
 
 import pytest
 
-from hybridserve.cli import _engine_kwargs, build_parser
+from hybridserve.cli import _engine_kwargs, _server_options, build_parser, parse_args
 
 
 def test_serve_help_documents_every_contract_option(capsys):
@@ -59,3 +60,51 @@ def test_an_unknown_parser_name_is_a_start_up_error_listing_the_valid_ones(optio
     error = capsys.readouterr().err
     assert f"argument {option}: invalid choice: 'hermes'" in error
     assert ("'ling', 'zaya'" if option == "--tool-call-parser" else "'ling', 'qwen3', 'zaya'") in error
+
+
+def test_every_option_shows_its_default_and_python_dash_m_runs_the_cli():
+    result = subprocess.run([sys.executable, "-m", "hybridserve", "serve", "--help"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0
+    parser = build_parser().subcommands["serve"]
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help" and not action.help.startswith("the opposite of"):
+            assert "default" in action.help, action.option_strings
+    for flag in ("--max-num-seqs", "--context-length", "--mem-fraction-static", "--tp-size", "--trust-remote-code",
+                 "--model-path", "--config", "--log-level", "--disable-log-requests", "--enable-log-requests",
+                 "--disable-uvicorn-access-log", "--max-logprobs", "--revision", "--download-dir", "--quantization"):
+        assert flag in result.stdout, flag
+
+
+def test_the_habitual_flag_names_reach_the_config_they_name():
+    args = parse_args(["serve", "--model-path", "org/m", "--max-num-seqs", "8", "--context-length", "512",
+                       "--mem-fraction-static", "0.5", "--tp-size", "1", "--trust-remote-code", "--served-model-name",
+                       "a", "b", "--disable-radix-cache", "-q", "fp8", "--max-logprobs", "5", "--log-level", "debug"])
+    kwargs = _engine_kwargs(args)
+    assert (kwargs["max_running_requests"], kwargs["max_model_len"], kwargs["gpu_memory_utilization"],
+            kwargs["tensor_parallel_size"], kwargs["enable_prefix_caching"], kwargs["quantization"],
+            kwargs["max_logprobs"]) == (8, 512, 0.5, 1, False, "fp8", 5)
+    options = _server_options(args, "org/m")
+    assert options.served_model_names == ("a", "b") and options.served_model_name == "a"
+    assert args.model_option == "org/m" and args.log_level == "debug"
+    default = _server_options(parse_args(["serve", "org/m"]), "org/m")
+    assert default.served_model_names == ("org/m",) and default.log_stats_interval_s == 10.0
+    assert _server_options(parse_args(["serve", "--demo", "ling"]), "d").served_model_names == \
+        ("hybridserve-demo-ling", "hybridserve-demo")  # README examples name the zaya demo: either demo answers
+
+
+def test_a_config_file_gives_options_and_the_command_line_wins(tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text("model: org/m\nmax-num-seqs: 4\nmax_model_len: 256\nenable-prefix-caching: false\n"
+                      "enforce-eager: true\nserved-model-name: [x, y]\nport: 9001\n")
+    args = parse_args(["serve", "--config", str(config), "--max-num-seqs", "6"])
+    kwargs = _engine_kwargs(args)
+    assert (kwargs["max_running_requests"], kwargs["max_model_len"], kwargs["enable_prefix_caching"],
+            kwargs["enforce_eager"]) == (6, 256, False, True)
+    assert (args.model_option, args.served_model_name, args.port) == ("org/m", ["x", "y"], 9001)
+    config.write_text("max-num-seqz: 4\n")
+    with pytest.raises(ValueError, match="unknown option 'max-num-seqz'"):
+        parse_args(["serve", "--config", str(config)])
+    config.write_text("enforce-eager: 1\n")
+    with pytest.raises(ValueError, match="enforce-eager takes true or false"):
+        parse_args(["serve", "--config", str(config)])

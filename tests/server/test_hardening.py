@@ -25,7 +25,8 @@ def post(server, path: str, body: dict, **headers) -> httpx.Response:
 
 @pytest.mark.parametrize("method, path", [
     ("GET", "/v1/models"), ("GET", f"/v1/models/{DEMO}"), ("POST", "/v1/completions"),
-    ("POST", "/v1/chat/completions"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/tokenizer_info")])
+    ("POST", "/v1/chat/completions"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/tokenizer_info"),
+    ("POST", "/flush_cache"), ("GET", "/get_model_info")])
 @pytest.mark.parametrize("authorization", [None, "Bearer wrong-key", f"Basic {API_KEY}", API_KEY])
 def test_api_key_guards_every_api_route(guarded_server, method, path, authorization):
     headers = {"authorization": authorization} if authorization else {}
@@ -41,8 +42,8 @@ def test_api_key_lets_the_openai_client_in_and_leaves_probes_open(guarded_server
     client = guarded_server.client(API_KEY)
     assert [m.id for m in client.models.list().data] == [DEMO]
     assert client.completions.create(model=DEMO, prompt="hi", max_tokens=3).usage.completion_tokens == 3
-    assert httpx.get(f"{guarded_server.url}/health").status_code == 200
-    assert httpx.get(f"{guarded_server.url}/metrics").status_code == 200
+    for probe in ("/health", "/ping", "/metrics", "/version"):
+        assert httpx.get(f"{guarded_server.url}{probe}").status_code == 200, probe
 
 
 def test_api_key_comes_from_the_environment(monkeypatch):
