@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from tests.ops.conftest import DEVICE, KERNEL_DTYPES, ON_GPU
+from tests.ops.fp8_cases import BLOCK, MANTISSA_BITS, SCHEMES, gemm_config, nan_padded
 from tests.ops.test_decode_gemv_kernel import _assert_same, _exact, _residual_norm, _standalone
 from hybridserve.core.quant import FP8_DTYPE, FP8_MAX, Fp8Scales, Fp8Scheme, dequantize
 from hybridserve.ops import backends
@@ -32,15 +33,6 @@ from hybridserve.ops.triton import fp8_linear, fp8_quant
 from hybridserve.ops.triton import linear as gemv_linear
 from hybridserve.ops.triton.gemv import Tiles
 
-BLOCK = (128, 128)
-SCHEMES = {
-    "channel/token": Fp8Scheme("channel", "token"),
-    "tensor/static": Fp8Scheme("tensor", "static"),
-    "block/group": Fp8Scheme("block", "group", BLOCK),
-    "block/token": Fp8Scheme("block", "token", BLOCK),
-    "block/static": Fp8Scheme("block", "static", BLOCK),
-}
-MANTISSA_BITS = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
 MMA_SLACK = 2.0 ** -10 if ON_GPU else 0.0  # the GEMM form's, of the products' magnitudes (module docstring)
 
 
@@ -49,14 +41,15 @@ def _randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
 
 
 def _weight(n: int, k: int, scheme: Fp8Scheme, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """An e4m3 weight [n, k] and its scales as the scheme keeps them at run time (per row, or per block)."""
+    """An e4m3 weight [n, k] and its scales as the scheme keeps them at run time (per row, or per block), NaN
+    after them in memory."""
     w = _randn(n, k, seed=seed, scale=k ** -0.5)
     if scheme.weight == "tensor":  # one checkpoint scale, kept per row
         values, scale = reference.quantize_weight_rows(w.flatten()[None])
-        values, scale = values.view(n, k), scale.expand(n).contiguous()
+        values, scale = values.view(n, k), scale.expand(n)
     else:
         values, scale = reference.quantize_weight(w, scheme)
-    return values.to(DEVICE), scale.to(DEVICE)
+    return values.to(DEVICE), nan_padded(scale.to(DEVICE))
 
 
 def _scales(scheme: Fp8Scheme, scale: torch.Tensor) -> Fp8Scales:
@@ -69,10 +62,6 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, slack: torch.Tensor | f
     err = (got.double() - want.double()).abs()
     bound = want.double().abs() * 2.0 ** -MANTISSA_BITS[got.dtype] + 1e-5 * want.double().abs().max() + slack
     assert (err <= bound).all(), (err - bound).max()
-
-
-def _config(block_m: int, block_n: int, block_k: int, group_m: int = 1) -> dict[str, int]:
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, num_warps=4, num_stages=2)
 
 
 # ----------------------------------------------------------------------------------------------------- e4m3 rounding
@@ -129,7 +118,7 @@ def test_launches_quantize_x_as_the_reference(scheme: str) -> None:
     x[1] *= 50
     want = reference.fake_quantize(x, scheme, fp8.input_scale)
     assert torch.equal(gemv_linear.linear(x, eye, fp8=fp8, config=Tiles(4, 64, 128, 2)), want)
-    assert torch.equal(fp8_linear.gemm(x, eye, fp8, config=_config(16, 64, 64)), want)
+    assert torch.equal(fp8_linear.gemm(x, eye, fp8, config=gemm_config(16, 64, 64)), want)
 
 
 # ----------------------------------------------------------------------------------------------------- products
@@ -139,48 +128,45 @@ GEMV_CASES = {
     "one token, ragged N and K (partial last blocks), pipelined": (1, 150, 300, True, Tiles(1, 32, 128, 2)),
     "5 of 8 token lanes, chunks of two 128-column blocks": (5, 40, 400, False, Tiles(8, 4, 256, 2)),
     "16 tokens, one chunk longer than K": (16, 24, 100, True, Tiles(16, 8, 128, 1)),
+    "2 tokens, one chunk of four 128-column pieces, the last past K": (2, 24, 300, True, Tiles(2, 8, 512, 1)),
     "default tiles": (3, 64, 200, False, None),
 }
-# tokens, N, K, bias, GEMM config (None: gemm_config's)
+# tokens, N, K, bias, GEMM config (None: fp8_linear.gemm_config's)
 GEMM_CASES = {
-    "one token, 16x16 tiles, K tiles of 32": (1, 150, 300, True, _config(16, 16, 32)),
+    "one token, 16x16 tiles, K tiles of 32": (1, 150, 300, True, gemm_config(16, 16, 32)),
     "40 tokens, the config of decode-like sizes": (40, 150, 300, False, None),
-    "100 tokens, 32-row blocks grouped by 2": (100, 72, 200, True, _config(32, 32, 64, 2)),
+    "100 tokens, 32-row blocks grouped by 2": (100, 72, 200, True, gemm_config(32, 32, 64, 2)),
     "80 tokens, the config beyond 64 tokens": (80, 40, 130, True, None),
 }
 
 
-def _product_case(tokens: int, n: int, k: int, has_bias: bool, scheme: str, dtype: torch.dtype):
+FORM_CASES = [("gemv", case) for case in GEMV_CASES] + [("gemm", case) for case in GEMM_CASES]
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+@pytest.mark.parametrize("form, case", FORM_CASES, ids=[f"{form}: {case}" for form, case in FORM_CASES])
+def test_forms_match_reference(form: str, case: str, scheme: str, dtype: torch.dtype) -> None:
+    tokens, n, k, has_bias, config = (GEMV_CASES if form == "gemv" else GEMM_CASES)[case]
     scheme = SCHEMES[scheme]
     weight, scale = _weight(n, k, scheme, seed=n + k)
     x = _randn(tokens, k, seed=tokens).to(DEVICE, dtype)
     bias = _randn(n, seed=3).to(DEVICE, dtype) if has_bias else None
     fp8 = _scales(scheme, scale)
-    want = reference.fp8_linear(x, weight, scale, scheme, bias, fp8.input_scale)
-    magnitudes = reference.fake_quantize(x, scheme, fp8.input_scale).abs() @ dequantize(weight, scale, scheme).abs().T
-    return x, weight, bias, fp8, want, magnitudes.double()
 
+    def run() -> torch.Tensor:
+        if form == "gemv":
+            return gemv_linear.linear(x, weight, bias, config=config, fp8=fp8)
+        return fp8_linear.gemm(x, weight, fp8, bias, config=config)
 
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-@pytest.mark.parametrize("scheme", list(SCHEMES))
-@pytest.mark.parametrize("case", list(GEMV_CASES))
-def test_gemv_form_matches_reference(case: str, scheme: str, dtype: torch.dtype) -> None:
-    tokens, n, k, has_bias, config = GEMV_CASES[case]
-    x, weight, bias, fp8, want, _ = _product_case(tokens, n, k, has_bias, scheme, dtype)
-    got = gemv_linear.linear(x, weight, bias, config=config, fp8=fp8)
-    _assert_close(got, want)
-    assert torch.equal(got, gemv_linear.linear(x, weight, bias, config=config, fp8=fp8))  # deterministic
-
-
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-@pytest.mark.parametrize("scheme", list(SCHEMES))
-@pytest.mark.parametrize("case", list(GEMM_CASES))
-def test_gemm_form_matches_reference(case: str, scheme: str, dtype: torch.dtype) -> None:
-    tokens, n, k, has_bias, config = GEMM_CASES[case]
-    x, weight, bias, fp8, want, magnitudes = _product_case(tokens, n, k, has_bias, scheme, dtype)
-    got = fp8_linear.gemm(x, weight, fp8, bias, config=config)
-    _assert_close(got, want, MMA_SLACK * magnitudes)
-    assert torch.equal(got, fp8_linear.gemm(x, weight, fp8, bias, config=config))
+    got = run()
+    slack = 0.0
+    if form == "gemm":
+        magnitudes = reference.fake_quantize(x, scheme, fp8.input_scale).abs() @ \
+            dequantize(weight, scale, scheme).abs().T
+        slack = MMA_SLACK * magnitudes.double()
+    _assert_close(got, reference.fp8_linear(x, weight, scale, scheme, bias, fp8.input_scale), slack)
+    assert torch.equal(got, run())  # deterministic
 
 
 @pytest.mark.parametrize("scheme", ["channel/token", "block/group"])
@@ -217,7 +203,7 @@ def test_bad_input_is_refused() -> None:
     with pytest.raises(ValueError, match="split the 128-column"):
         gemv_linear.linear(x, weight, fp8=block, config=Tiles(2, 4, 64, 2))
     with pytest.raises(ValueError, match="BLOCK_K"):
-        fp8_linear.gemm(x, weight, block, config=_config(16, 16, 256))
+        fp8_linear.gemm(x, weight, block, config=gemm_config(16, 16, 256))
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         fp8_linear.gemm(x, weight.float(), block)
     assert fp8_linear.fp8_linear(x[:0], weight, scale, SCHEMES["block/group"]).shape == (0, 20)

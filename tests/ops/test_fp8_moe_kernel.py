@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from tests.ops.conftest import DEVICE, KERNEL_DTYPES, ON_GPU
+from tests.ops.fp8_cases import BLOCK, MANTISSA_BITS, SCHEMES, gemm_config, nan_padded
 from tests.ops.test_decode_gemv_kernel import _assert_same, _exact, _residual_norm, _standalone
 from hybridserve.core.quant import FP8_DTYPE, Fp8Scales, Fp8Scheme
 from hybridserve.ops import backends
@@ -34,15 +35,6 @@ from hybridserve.ops.reference import fp8 as reference
 from hybridserve.ops.triton import fp8_moe, moe_gemv
 from hybridserve.ops.triton.gemv import Tiles
 
-BLOCK = (128, 128)
-SCHEMES = {
-    "channel/token": Fp8Scheme("channel", "token"),
-    "tensor/static": Fp8Scheme("tensor", "static"),
-    "block/group": Fp8Scheme("block", "group", BLOCK),
-    "block/token": Fp8Scheme("block", "token", BLOCK),
-    "block/static": Fp8Scheme("block", "static", BLOCK),
-}
-MANTISSA_BITS = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
 X_SCALE = 2.0 ** -4  # every dynamic scale of lattice x (448 * 2^-4 on each group's first column), and the static one
 DOWN_STATIC_SCALE = 64.0  # the static scale of the SwiGLU rows (lattice gates up to 442 times ups up to 50)
 MMA_SLACK = 2.0 ** -8 if ON_GPU else 0.0  # the grouped form's, of the largest output (module docstring)
@@ -50,10 +42,6 @@ MMA_SLACK = 2.0 ** -8 if ON_GPU else 0.0  # the grouped form's, of the largest o
 
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
-
-
-def _config(block_m: int, block_n: int, block_k: int, group_m: int = 1) -> dict[str, int]:
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, num_warps=4, num_stages=2)
 
 
 def _leading(hidden: int) -> torch.Tensor:
@@ -72,18 +60,21 @@ def _power_of_two_scales(shape: tuple[int, ...], seed: int) -> torch.Tensor:
 
 
 def _stack_scales(scheme: Fp8Scheme, experts: int, rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Power-of-two scales of a lattice stack as the scheme keeps them, NaN after them in memory."""
     if scheme.weight == "block":
-        return _power_of_two_scales((experts, -(-rows // BLOCK[0]), -(-cols // BLOCK[1])), seed)
-    if scheme.weight == "tensor":  # one per expert's checkpoint tensor, kept per row
-        return _power_of_two_scales((experts, 1), seed).expand(experts, rows).contiguous()
-    return _power_of_two_scales((experts, rows), seed)
+        scales = _power_of_two_scales((experts, -(-rows // BLOCK[0]), -(-cols // BLOCK[1])), seed)
+    elif scheme.weight == "tensor":  # one per expert's checkpoint tensor, kept per row
+        scales = _power_of_two_scales((experts, 1), seed).expand(experts, rows)
+    else:
+        scales = _power_of_two_scales((experts, rows), seed)
+    return nan_padded(scales.to(DEVICE))
 
 
 def _random_stack(experts: int, rows: int, cols: int, scheme: Fp8Scheme, seed: int):
-    """e4m3 weights [E, rows, cols] of random values and their scales as the scheme keeps them."""
+    """e4m3 weights [E, rows, cols] of random values and their scales as the scheme keeps them (NaN after them)."""
     w = torch.randn(experts, rows, cols, generator=_gen(seed)) * cols ** -0.5
     values, scales = zip(*(reference.quantize_weight(w[e], scheme) for e in range(experts)))
-    return torch.stack(values).to(DEVICE), torch.stack(scales).to(DEVICE)
+    return torch.stack(values).to(DEVICE), nan_padded(torch.stack(scales).to(DEVICE))
 
 
 def _lattice_stacks(experts: int, hidden: int, inter: int, scheme: Fp8Scheme, seed: int):
@@ -96,7 +87,7 @@ def _lattice_stacks(experts: int, hidden: int, inter: int, scheme: Fp8Scheme, se
     up = torch.randint(-1, 2, (experts, inter, hidden), generator=_gen(seed + 1)).float()
     up[..., lead] = 0.0
     w13 = torch.cat([gate, up], dim=1).to(DEVICE, FP8_DTYPE)
-    s13 = _stack_scales(scheme, experts, 2 * inter, hidden, seed + 2).to(DEVICE)
+    s13 = _stack_scales(scheme, experts, 2 * inter, hidden, seed + 2)
     return (w13, s13, *_random_stack(experts, hidden, inter, scheme, seed + 3))
 
 
@@ -158,23 +149,26 @@ def _check_lattice(form: str, x, w13, s13, w2, s2, ids, weights, scheme, config)
 
 # experts, hidden, inter, expert ids [T][K], (GEMV tiles (gate/up, down), grouped config); at most MAX_PAIRS pairs
 CASES = {
-    "one token top-1, ragged H and I, partial blocks": (
-        4, 200, 72, [[2]], ((Tiles(1, 32, 128, 2), Tiles(1, 64, 128, 1)), _config(16, 32, 64))),
+    "one token top-1 on the last expert, ragged H and I, partial blocks, a gate/up chunk past H": (
+        4, 200, 72, [[3]], ((Tiles(1, 16, 512, 1), Tiles(1, 64, 128, 1)), gemm_config(16, 32, 64))),
     "top-2, experts repeated across tokens and within one, two unchosen": (
         6, 136, 72, [[1, 4], [4, 1], [1, 1], [0, 5]],
-        ((Tiles(1, 128, 128, 2), Tiles(1, 64, 128, 1)), _config(16, 64, 128))),
+        ((Tiles(1, 128, 128, 2), Tiles(1, 128, 128, 1)), gemm_config(16, 64, 128))),
     "5 tokens top-1, default tiles": (8, 136, 32, [[e % 3 * 2] for e in range(5)], (None, None)),
 }
 
 
-# every scheme in fp32, the two checkpoint formats' in the 16-bit dtypes (the interpreter's run time)
+# Every scheme in fp32 and the two checkpoint formats' in the 16-bit dtypes; the default tiles in two of them (the
+# interpreter's run time).
 SCHEME_DTYPES = [(scheme, torch.float32) for scheme in SCHEMES] + [
     (scheme, dtype) for dtype in KERNEL_DTYPES if dtype != torch.float32 for scheme in ("channel/token", "block/group")]
+DEFAULT_TILE_SCHEME_DTYPES = [("channel/token", torch.float32), ("block/group", KERNEL_DTYPES[-1])]
+FORM_CASES = [(form, case, scheme, dtype) for form in ("gemv", "grouped") for case in CASES
+              for scheme, dtype in (SCHEME_DTYPES if CASES[case][4] != (None, None) else DEFAULT_TILE_SCHEME_DTYPES)]
 
 
-@pytest.mark.parametrize("scheme, dtype", SCHEME_DTYPES, ids=[f"{s}-{d}".replace("torch.", "") for s, d in SCHEME_DTYPES])
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("form", ["gemv", "grouped"])
+@pytest.mark.parametrize("form, case, scheme, dtype", FORM_CASES,
+                         ids=[f"{f}: {c}-{s}-{d}".replace("torch.", "") for f, c, s, d in FORM_CASES])
 def test_forms_match_reference(form: str, case: str, scheme: str, dtype: torch.dtype) -> None:
     experts, hidden, inter, table, config = CASES[case]
     scheme = SCHEMES[scheme]
@@ -187,14 +181,14 @@ def test_forms_match_reference(form: str, case: str, scheme: str, dtype: torch.d
 @pytest.mark.parametrize("scheme, dtype", [("channel/token", torch.float32), ("block/static", torch.float32),
                                            ("block/group", torch.float16)])
 def test_grouped_form_many_tokens(scheme: str, dtype: torch.dtype) -> None:
-    """20 tokens top-2 over 3 of 8 experts (the others empty): 32-row blocks, several a used expert, grouped by 2."""
+    """14 tokens top-2 over 3 of 8 experts (the others empty): 16-row blocks, several a used expert, grouped by 2."""
     scheme = SCHEMES[scheme]
     gen = _gen(13)
-    ids = torch.tensor([2, 5, 7])[torch.rand(20, 3, generator=gen).topk(2, dim=-1).indices].to(DEVICE)
+    ids = torch.tensor([2, 5, 7])[torch.rand(14, 3, generator=gen).topk(2, dim=-1).indices].to(DEVICE)
     w13, s13, w2, s2 = _lattice_stacks(8, 136, 136, scheme, seed=14)
-    x = _lattice_x(20, 136, dtype, seed=15)
+    x = _lattice_x(14, 136, dtype, seed=15)
     _check_lattice("grouped", x, w13, s13, w2, s2, ids, _routing_weights(ids.shape, seed=16), scheme,
-                   (None, _config(32, 32, 64, 2)))
+                   (None, gemm_config(16, 32, 64, 2)))
 
 
 @pytest.mark.parametrize("form", ["gemv", "grouped"])

@@ -102,9 +102,9 @@ def dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, stride_w, rows, row_ok, x
                 x, x_scale = quantize_chunk(x, x_scale, ACT)
                 if ACT == "group":
                     x = x * x_scale[:, None]
-                if W_BLOCK:
+                if W_BLOCK:  # (a piece wholly past K has no scale block: its weights are masked zeros)
                     w = w * tl.load(ws_ptr + (rows // JIT_SCALE_BLOCK) * stride_ws + (k0 + sub) // JIT_SCALE_BLOCK,
-                                    mask=row_ok, other=0.0)[:, None]
+                                    mask=row_ok & (k0 + sub < K), other=0.0)[:, None]
             acc += x[:, None, :] * w[None, :, :]
     out = tl.sum(acc, axis=2)
     if ACT != "":
