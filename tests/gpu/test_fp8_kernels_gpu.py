@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridserve.core.quant import FP8_DTYPE, Fp8Scheme, dequantize
+from hybridserve.core.quant import Fp8Scheme, dequantize
 from hybridserve.ops.reference import fp8 as reference
 from tests.gpu.sync import no_host_sync
 from tests.gpu.test_decode_gemv_gpu import _graphed
