@@ -200,9 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
                              f"is accepted in requests (default: MODEL as given, or {DEMO_MODEL_NAME!r} for the "
                              f"demo; the Ling demo answers to '{DEMO_MODEL_NAME}-ling' and {DEMO_MODEL_NAME!r})")
     server.add_argument("--api-key", default=os.environ.get("HYBRIDSERVE_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on /v1/*, the tokenizer routes, /flush_cache and "
-                             "/get_model_info (the probes /health, /health_generate, /ping, /metrics and /version "
-                             "stay open) (default: $HYBRIDSERVE_API_KEY, else no key)")
+                        help="require 'Authorization: Bearer KEY' on /v1/*, /invocations, the tokenizer routes, "
+                             "/flush_cache and /get_model_info (the probes /health, /health_generate, /ping, /metrics "
+                             "and /version stay open) (default: $HYBRIDSERVE_API_KEY, else no key)")
     server.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
                         help="Host header names to answer (a guard against DNS rebinding); '*' for any (default: "
                              "the loopback names when --host is a loopback address, any otherwise)")

@@ -92,7 +92,8 @@ class EngineConfig:
                                   default_help="main")
     download_dir: str | None = option(None, "where Hub models are downloaded and looked up (a huggingface_hub "
                                             "cache directory)", default_help="$HF_HUB_CACHE, ~/.cache/huggingface/hub")
-    dtype: str | torch.dtype = option("auto", "weight and activation dtype (auto: the checkpoint's torch_dtype)", choices=DTYPES)
+    dtype: str | torch.dtype = option("auto", "weight and activation dtype (auto: the checkpoint's torch_dtype)",
+                                      choices=DTYPES)
     device: str = option("auto", "auto (cuda when available) | cpu | cuda | cuda:N")
     hf_overrides: dict = option(help="model-config keys merged over config.json, as JSON (e.g. "
                                      "'{\"mod_skip_mode\": \"zero\"}')", metavar="JSON", default_factory=dict)

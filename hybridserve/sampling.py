@@ -61,6 +61,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # Added to the logits of these tokens before penalties and sampling (OpenAI's logit_bias, token id -> bias).
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # Only these tokens may be sampled (vLLM's allowed_token_ids); empty: any.
+    allowed_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None  # top-k logprobs per generated token (0 = only the chosen token)
     prompt_logprobs: int | None = None  # the same for every prompt token
     skip_special_tokens: bool = True
@@ -74,6 +76,7 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias or {})
+        self.allowed_token_ids = sorted(set(self.allowed_token_ids or []))
         self._validate()
 
     @property
@@ -129,6 +132,8 @@ class SamplingParams:
                          "characters")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or not all(_is_int(t, 0) for t in self.stop_token_ids):
             fail("stop_token_ids", f"must be at most {MAX_STOP_TOKEN_IDS} non-negative token ids")
+        if not all(_is_int(t, 0) for t in self.allowed_token_ids):
+            fail("allowed_token_ids", "must be token ids (integers >= 0)")
         if len(self.logit_bias) > MAX_LOGIT_BIAS or not all(
                 _is_int(t, 0) and _in_range(b, *LOGIT_BIAS_RANGE) for t, b in self.logit_bias.items()):
             fail("logit_bias", "must map at most {} token ids (>= 0) to biases in [{:g}, {:g}]".format(
@@ -137,7 +142,7 @@ class SamplingParams:
     def check_vocabulary(self, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
         """The model-dependent checks: stop ids are tokens the model has, and min_tokens leaves one token it may
         sample (it bans the stop ids and EOS until then)."""
-        for name in ("stop_token_ids", "logit_bias"):
+        for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
             bad = sorted(t for t in getattr(self, name) if t >= vocab_size)
             if bad:
                 raise SamplingParamError(name, getattr(self, name),

@@ -188,6 +188,20 @@ def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
     return logits.index_put(index, upload(list(biases), logits.device, logits.dtype), accumulate=True)
 
 
+def _restrict_to_allowed(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Rows with allowed_token_ids keep only those tokens' logits (the others -inf); other rows keep all."""
+    allowed = [(i, token) for i, r in enumerate(rows) for token in r.params.allowed_token_ids]
+    if not allowed:
+        return logits
+    device = logits.device
+    keep = torch.zeros_like(logits, dtype=torch.bool)
+    keep.index_put_(tuple(upload(list(zip(*allowed)), device, torch.long)), device_scalar(True, device, torch.bool))
+    free = [i for i, r in enumerate(rows) if not r.params.allowed_token_ids]
+    if free:
+        keep.index_fill_(0, upload(free, device, torch.long), True)
+    return logits.masked_fill(~keep, float("-inf"))
+
+
 class Sampler:
     def __init__(self, max_running: int = 128):
         self.penalties = PenaltyCounts(penalty_rows(max_running))
@@ -216,12 +230,13 @@ class Sampler:
     def _draw_rows(self, logits: torch.Tensor, rows: list[SamplingRow], mask: TokenMask | None
                    ) -> tuple[Draws, list[tuple[int, int]]]:
         """The rows' draws and (batch row, penalty-state row) of those whose counts must take the drawn token.
-        Logprobs are the raw model's; the grammar mask, then the logit bias, apply before penalties and sampling."""
+        Logprobs are the raw model's; the grammar mask, the logit bias and allowed_token_ids apply before penalties
+        and sampling."""
         device = logits.device
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(r.params.logprobs is not None for r in rows) else None
         if mask is not None:
             logits = apply_token_mask(logits, mask)
-        logits = _apply_logit_bias(logits, rows)
+        logits = _restrict_to_allowed(_apply_logit_bias(logits, rows), rows)
         logits, counted = self._apply_penalties(logits, rows)
         banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids]
         if banned:

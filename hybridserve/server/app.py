@@ -19,11 +19,14 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 from functools import partial
 from types import FrameType
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 
 from hybridserve.config import EngineConfig
 from hybridserve.engine.stats_log import StatsLine
@@ -98,7 +101,8 @@ def build_app(state: ServerState, on_fatal: Callable[[], None], url: str = "") -
     async def lifespan(_: FastAPI):
         state.loop = asyncio.get_running_loop()
         state.engine.start(state.loop, on_fatal)
-        stats = None if options.disable_log_stats else asyncio.create_task(_log_stats(state, options.log_stats_interval_s))
+        stats = None if options.disable_log_stats else \
+            asyncio.create_task(_log_stats(state, options.log_stats_interval_s))
         logger.info("serving %s at %s/v1 (GET /health turns 200 once the model is loaded)",
                     " / ".join(f"'{name}'" for name in options.served_model_names), url)
         yield
@@ -190,6 +194,19 @@ def build_app(state: ServerState, on_fatal: Callable[[], None], url: str = "") -
               responses=responses(ChatCompletionResponse, 400, 401, 404, 413, 500, 503, stream=True))
     async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
         return await create_chat_completion(state, body, http)
+
+    @app.post("/invocations", response_model=None,
+              responses=responses(CompletionResponse, 400, 401, 404, 413, 500, 503, stream=True))
+    async def invocations(body: dict[str, Any], http: Request) -> Response:
+        """SageMaker's inference route (vLLM serves it): a chat-completions body (one with messages) or a
+        completions body, answered as that route answers it."""
+        kind, handler = (ChatCompletionRequest, create_chat_completion) if "messages" in body else \
+            (CompletionRequest, create_completion)
+        try:
+            request = kind.model_validate(body)
+        except ValidationError as err:
+            raise RequestValidationError(err.errors()) from None
+        return await handler(state, request, http)
 
     @app.post("/v1/responses", responses=responses(ResponseObject, 400, 401, 404, 413, 500, 503, stream=True))
     async def create_responses(body: ResponsesRequest, http: Request) -> Response:

@@ -3,8 +3,9 @@ of a server that is shutting down. It answers in OpenAI's error shape before any
 
 - Host: a server bound to a loopback address answers only loopback names by default, so a web page cannot reach
   it through DNS rebinding (`--allowed-hosts` to change).
-- API key (`--api-key` / HYBRIDSERVE_API_KEY): `Authorization: Bearer <key>` on /v1/*, the tokenizer routes,
-  /flush_cache and /get_model_info; the probes (/health, /health_generate, /ping, /metrics, /version) stay open.
+- API key (`--api-key` / HYBRIDSERVE_API_KEY): `Authorization: Bearer <key>` on /v1/*, /invocations, the
+  tokenizer routes, /flush_cache and /get_model_info; the probes (/health, /health_generate, /ping, /metrics,
+  /version) stay open.
 - Body: a Content-Length over the limit is refused before reading; a chunked body is refused once it passes it.
   The body is read here and handed to the route unchanged.
 """
@@ -26,7 +27,8 @@ from hybridserve.server.errors import (
 from hybridserve.server.state import ServerState
 
 # With an API key: every route but the probes (/health, /health_generate, /ping, /metrics, /version).
-_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info", "/flush_cache", "/get_model_info")
+_PROTECTED_PREFIXES = ("/v1/", "/invocations", "/tokenize", "/detokenize", "/tokenizer_info", "/flush_cache",
+                       "/get_model_info")
 _OPEN_WHILE_DRAINING = ("/metrics",)
 
 

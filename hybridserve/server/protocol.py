@@ -72,7 +72,7 @@ StopInput = Annotated[StopString | Annotated[list[StopString], Field(max_length=
 # Not implemented, and they would change the result: refused unless they carry one of these neutral values.
 _REFUSED = {
     "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
-    "allowed_token_ids": (None,), "bad_words": (None, []),
+    "bad_words": (None, []),
     "truncate_prompt_tokens": (None,), "logits_processors": (None,), "return_tokens_as_token_ids": (None, False),
     "spaces_between_special_tokens": (None, True), "prompt_embeds": (None,),
     "guided_decoding_backend": (None, "xgrammar", "auto"), "guided_whitespace_pattern": (None,),
@@ -228,12 +228,13 @@ class SamplingFields(_Request):
                                                                        "output matches")
     logit_bias: LogitBias | None = Field(None, description="token id (as a string) -> a bias in [-100, 100] added "
                                                            "to its logit before penalties and sampling")
+    allowed_token_ids: list[TokenId] | None = Field(None, description="vLLM's: only these tokens may be sampled")
     return_token_ids: bool | None = Field(None, description="token ids of the prompt and of each output")
 
     SAMPLING_FIELDS: ClassVar[tuple[str, ...]] = (
         "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
         "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
-        "include_stop_str_in_output")
+        "include_stop_str_in_output", "allowed_token_ids")
 
     @property
     def include_usage(self) -> bool:

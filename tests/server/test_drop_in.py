@@ -49,7 +49,8 @@ def _completion(client, extra_body=None, **fields):
 def test_a_hub_id_is_served_under_every_served_name(hub_server, client):
     models = client.models.list().data
     assert [m.id for m in models] == list(NAMES)
-    assert {m.model_extra["root"] for m in models} == {"org/tiny-zaya"} and models[0].model_extra["max_model_len"] == 256
+    assert {m.model_extra["root"] for m in models} == {"org/tiny-zaya"}
+    assert models[0].model_extra["max_model_len"] == 256
     out = client.completions.create(model=NAMES[1], prompt=[1, 2, 3], max_tokens=2)
     assert out.model == NAMES[0]  # responses carry the first name, as vLLM's do
     assert client.models.retrieve(NAMES[1]).id == NAMES[1]
@@ -108,6 +109,20 @@ def test_logit_bias_moves_the_draws(client):
     streamed = client.completions.create(model=NAMES[0], prompt=[1, 2, 3], max_tokens=4, temperature=0.8, seed=3,
                                          logit_bias={"9": 100}, stream=True, extra_body={"return_token_ids": True})
     assert [t for chunk in streamed for t in chunk.choices[0].model_extra["token_ids"]] == [9, 9, 9, 9]
+
+
+def test_allowed_token_ids_leave_only_those(client):
+    out = _completion(client, temperature=1.0, seed=5, max_tokens=8, extra_body={"allowed_token_ids": [5, 9]})
+    assert set(out.choices[0].model_extra["token_ids"]) <= {5, 9}
+
+
+def test_invocations_answers_as_the_route_its_body_is_for(hub_server, client):
+    body = {"model": NAMES[0], "prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}
+    invoked = hub_server.post("/invocations", json=body).json()
+    assert invoked["object"] == "text_completion"
+    assert invoked["choices"] == _completion(client, extra_body={"return_token_ids": False}).model_dump()["choices"]
+    refused = hub_server.post("/invocations", json={**body, "max_tokens": "four"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
 
 
 def test_n_up_to_max_n_and_logprobs_up_to_max_logprobs(client):

@@ -5,8 +5,9 @@ against the tool's schema.
 Outputs are random walks through the grammar itself, as a model's sampler would take them: an xgrammar matcher
 over a character-level vocabulary (plus the formats' closing tags as tokens) masks the tokens it does not allow,
 hypothesis picks among the others (whitespace, where allowed, half the time: layout is where grammar and parser
-disagreed), and after a drawn number of steps the walk heads for the end (closing tags and EOS first). Bounded strings stay shorter than `</parameter>`, whose appearance inside a value is the ZAYA1
-format's own ambiguity (hybridserve/parsers/zaya.py)."""
+disagreed), and after a drawn number of steps the walk heads for the end (closing tags and EOS first). Bounded
+strings stay shorter than `</parameter>`, whose appearance inside a value is the ZAYA1 format's own ambiguity
+(hybridserve/parsers/zaya.py)."""
 from __future__ import annotations
 
 import json
@@ -38,7 +39,8 @@ strings = st.one_of(
     st.just({"type": "string"}),
     st.builds(lambda lo, extra: {"type": "string", "minLength": lo, "maxLength": lo + extra}, st.integers(0, 4),
               st.integers(0, 6)),
-    st.sampled_from([{"type": "string", "pattern": "^[a-z]{1,8}$"}, {"type": "string", "pattern": "^[0-9]{3}-[0-9]{2}$"},
+    st.sampled_from([{"type": "string", "pattern": "^[a-z]{1,8}$"},
+                     {"type": "string", "pattern": "^[0-9]{3}-[0-9]{2}$"},
                      {"type": ["string", "null"], "maxLength": 5}]),
     st.lists(st.text(st.sampled_from("ab \n"), max_size=4), min_size=1, max_size=3, unique=True).map(
         lambda choices: {"enum": choices}))

@@ -223,6 +223,14 @@ def test_logit_bias_shifts_the_logits_before_sampling_and_penalties():
     assert penalised[0].token_id == 1  # the biased logit (3.0) is then penalised (3.0 / 10)
 
 
+def test_allowed_token_ids_restrict_the_draws_of_their_rows_only():
+    rows = [_row(temperature=0, allowed_token_ids=[2, 4]), _row(temperature=0)]
+    assert [t.token_id for t in Sampler()(LOGITS.expand(2, -1).clone(), rows)] == [2, 0]
+    freq = _draws(LOGITS, 3000, temperature=1.0, allowed_token_ids=[3, 4, 5])
+    assert freq[:3].sum() == 0
+    _assert_close_to(freq[3:], torch.softmax(LOGITS[0, 3:], -1), 3000)
+
+
 
 def _penalised(key: int, outputs: list[int], prompt: list[int], keep: bool) -> SamplingRow:
     row = _row(temperature=0.9, seed=key, outputs=outputs, prompt=prompt, repetition_penalty=1.3,
