@@ -37,7 +37,8 @@ class _ChatView:
         self.calls_sent: dict[int, int] = {}  # streamed choices' tool calls so far
 
     def _header(self, obj: str) -> dict:
-        return {"id": self.call_id, "object": obj, "created": self.created, "model": self.model}
+        return {"id": self.call_id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": None}
 
     def _logprobs(self, delta: Delta) -> dict | None:
         if not self.body.logprobs:

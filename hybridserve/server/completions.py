@@ -22,7 +22,8 @@ class _CompletionView:
     def __init__(self, body: CompletionRequest, tokenizer: PreTrainedTokenizerBase,
                  prompts: list[tuple[list[int], str | None]], call_id: str, model: str):
         self.body, self.tokenizer, self.prompts = body, tokenizer, prompts
-        self.header = {"id": call_id, "object": "text_completion", "created": int(time.time()), "model": model}
+        self.header = {"id": call_id, "object": "text_completion", "created": int(time.time()), "model": model,
+                       "system_fingerprint": None}
         self.token_text = TokenText(tokenizer)
         self.chars_sent: dict[int, int] = {}  # choice index -> characters sent (text_offset continues there)
 

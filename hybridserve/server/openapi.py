@@ -68,6 +68,7 @@ class CompletionResponse(BaseModel):
     object: Literal["text_completion"]
     created: int
     model: str
+    system_fingerprint: None  # OpenAI's field; always null here
     choices: list[CompletionChoice]
     usage: Usage
 
@@ -118,6 +119,7 @@ class ChatCompletionResponse(BaseModel):
     object: Literal["chat.completion"]
     created: int
     model: str
+    system_fingerprint: None  # OpenAI's field; always null here
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs

@@ -154,8 +154,8 @@ def _language(spec: StructuredOutputParams) -> xgrammar.Grammar:
         return xgrammar.Grammar.from_regex(value)
     if kind == "choice":
         return xgrammar.Grammar.from_ebnf("root ::= " + " | ".join(ebnf_literal(c) for c in value))
-    if kind == "grammar":
-        return xgrammar.Grammar.from_ebnf(value)
+    if kind == "grammar":  # EBNF rules are written `name ::= ...`, Lark's `name: ...`
+        return xgrammar.Grammar.from_ebnf(value) if "::=" in value else xgrammar.Grammar.from_lark(value)
     return xgrammar.Grammar.from_structural_tag(json.dumps(json_object(kind, value)))
 
 

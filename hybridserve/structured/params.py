@@ -44,7 +44,8 @@ class StructuredOutputParams:
     - `json_object`: True for any JSON object (compact, as above).
     - `regex`: the whole output matches this regular expression (xgrammar's dialect: no lookaround).
     - `choice`: the output is exactly one of these strings.
-    - `grammar`: an EBNF grammar in xgrammar's dialect (GBNF-like: `root ::= "a" rule`; the start rule is `root`).
+    - `grammar`: an EBNF grammar in xgrammar's dialect (GBNF-like: `root ::= "a" rule`; the start rule is `root`),
+      or, as vLLM also takes, a Lark grammar (`start: "a" rule`; no `::=` anywhere in it).
       The tool-calling layer enforces `tool_choice="required"` or a named function by giving such a grammar.
     - `structural_tag`: an xgrammar structural tag (a dict, or its JSON text), e.g.
       `{"type": "structural_tag", "format": {"type": "triggered_tags", ...}}`: free text with tagged regions

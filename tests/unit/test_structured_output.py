@@ -109,6 +109,7 @@ def test_each_kind_compiles_and_accepts_its_language(compiler, tokenizer):
         (StructuredOutputParams(regex=r"\d{3}-[a-z]+"), "123-abc"),
         (StructuredOutputParams(choice=["yes", "no"]), "no"),
         (StructuredOutputParams(grammar='root ::= "(" [0-9]+ ")"'), "(42)"),
+        (StructuredOutputParams(grammar='start: "SELECT " column\ncolumn: "col_1" | "col_2"'), "SELECT col_2"),  # Lark
         (StructuredOutputParams(structural_tag={"type": "structural_tag", "format": {
             "type": "tag", "begin": "<n>", "content": {"type": "json_schema", "json_schema": {"type": "integer"}},
             "end": "</n>"}}), "<n>17</n>"),
