@@ -147,12 +147,13 @@ def _serve(args: argparse.Namespace) -> NoReturn:
     from hybridserve.hub import local_checkpoint
     from hybridserve.server.app import bind_socket, run_server
 
+    kwargs = _engine_kwargs(args)  # a bad option fails before anything is written or fetched
     model = _model(args)
     options = _server_options(args, model)
     # The model is found (a Hub id downloaded, or looked up in the cache offline; hub.py) and checked before the
     # port opens. Progress bars (a download, the weights loading) only on a terminal: in a log file they would
     # interleave with the log lines.
-    config = local_checkpoint(EngineConfig(model=model, use_tqdm=sys.stderr.isatty(), **_engine_kwargs(args)))
+    config = local_checkpoint(EngineConfig(model=model, use_tqdm=sys.stderr.isatty(), **kwargs))
     if config.node_rank > 0:  # this node only runs tensor-parallel ranks; node 0 serves
         from hybridserve.runtime.tensor_parallel import run_worker_node
 
@@ -171,7 +172,8 @@ def _serve(args: argparse.Namespace) -> NoReturn:
 def _generate(args: argparse.Namespace) -> int:
     from hybridserve import LLM, SamplingParams
 
-    llm = LLM(_model(args), **_engine_kwargs(args))
+    kwargs = _engine_kwargs(args)  # a bad option fails before the demo is written or a model fetched
+    llm = LLM(_model(args), **kwargs)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.request_seed)
     if args.chat:

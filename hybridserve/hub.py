@@ -7,7 +7,7 @@ its progress bars, or, when HF_HUB_OFFLINE is set, finds the snapshot already ca
 huggingface_hub's own (HF_TOKEN, or a `hf auth login`); `revision` and `download_dir` (its `cache_dir`) pass
 through. Everything is checked before the engine starts, and a failure says which case it is: a local path that
 does not exist, an id that is not in the cache while offline, an id the Hub does not know (or will not show
-without a token), a directory that is not an HF checkpoint.
+without a token), a directory that is not an HF checkpoint (no config.json).
 """
 from __future__ import annotations
 
@@ -37,10 +37,10 @@ def looks_like_repo_id(name: str) -> bool:
 
 def local_checkpoint(config: EngineConfig) -> EngineConfig:
     """`config` with its model (and tokenizer) as local directories, downloaded first if they are Hub ids."""
-    weights = config.load_format != "dummy"
+    weights = WEIGHT_FILES if config.load_format != "dummy" else []
     model = checkpoint_dir(config.model, config.revision, config.download_dir,
-                           CONFIG_FILES + (WEIGHT_FILES if weights else []) + TOKENIZER_FILES, config.use_tqdm)
-    check_checkpoint(model, config.model, weights)
+                           CONFIG_FILES + weights + TOKENIZER_FILES, config.use_tqdm)
+    check_checkpoint(model, config.model)
     tokenizer = config.tokenizer
     if tokenizer is not None:
         tokenizer = str(checkpoint_dir(tokenizer, config.revision, config.download_dir, TOKENIZER_FILES,
@@ -106,10 +106,7 @@ def _snapshot(repo_id: str, revision: str | None, download_dir: str | None, patt
     return Path(path)
 
 
-def check_checkpoint(path: Path, name: str, weights: bool = True) -> None:
-    """An HF-layout checkpoint: config.json, and safetensors weights unless they are not read (dummy weights)."""
+def check_checkpoint(path: Path, name: str) -> None:
+    """An HF-layout checkpoint has a config.json (its weights are the loader's to find: it names what is missing)."""
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"{name} is not a Hugging Face checkpoint: {path} has no config.json")
-    if weights and not any(path.glob("*.safetensors")):
-        raise ModelNotFoundError(f"{name} has a config.json but no *.safetensors weights in {path} (load_format="
-                                 "'dummy' / --load-format dummy runs random weights from the config alone)")

@@ -14,7 +14,14 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
-from hybridserve.parsers.tool_calls import MAX_WHITESPACE, ToolCall, ToolFormat, dumps_arguments, loads_json
+from hybridserve.parsers.tool_calls import (
+    MAX_WHITESPACE,
+    ToolCall,
+    ToolFormat,
+    dumps_arguments,
+    excluding,
+    loads_json,
+)
 
 
 class LingFormat(ToolFormat):
@@ -36,7 +43,8 @@ class LingFormat(ToolFormat):
 
     def call_tag(self, name: str, parameters: dict) -> dict:
         return {"type": "tag", "begin": f'{self.start}\n{{"name": {json.dumps(name)}, "arguments": ',
-                "content": {"type": "json_schema", "json_schema": parameters, "max_whitespace_cnt": MAX_WHITESPACE},
+                "content": {"type": "json_schema", "json_schema": parameters, "max_whitespace_cnt": MAX_WHITESPACE,
+                            **excluding([self.end], parameters)},
                 "end": f"}}\n{self.end}"}
 
 

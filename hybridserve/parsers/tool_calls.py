@@ -26,6 +26,22 @@ from hybridserve.parsers.scan import tag_prefix_start
 MAX_WHITESPACE = 16
 
 
+_SIZED_STRING_KEYS = ("minLength", "maxLength", "pattern", "format")
+
+
+def excluding(tags: list[str], schema: object) -> dict:
+    """xgrammar's `excludes` for a JSON-schema format: strings may not contain the format's own closing `tags`
+    (a call's parser would take the first as the call's end), where xgrammar can enforce it. It cannot beside a
+    string's length, pattern or format (it would drop them), so a schema with any of those keeps its strings as
+    they are: there the ambiguity is the format's own."""
+    def sized(node: object) -> bool:
+        if isinstance(node, dict):
+            return any(key in node for key in _SIZED_STRING_KEYS) or any(map(sized, node.values()))
+        return isinstance(node, list) and any(map(sized, node))
+
+    return {} if sized(schema) else {"excludes": tags}
+
+
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
@@ -42,8 +58,10 @@ def _reject_constant(name: str) -> Any:
 
 
 def loads_json(text: str) -> Any:
-    """json.loads without NaN / Infinity (they are not JSON, and no client can read them back)."""
-    return json.loads(text, parse_constant=_reject_constant)
+    """json.loads without NaN / Infinity (they are not JSON, and no client can read them back), and with control
+    characters (a tab, ...) taken inside strings: xgrammar's JSON grammars let a length-bounded or tag-excluding
+    string hold them raw, and the arguments go back out re-encoded (`dumps_arguments`), valid JSON either way."""
+    return json.loads(text, parse_constant=_reject_constant, strict=False)
 
 
 def dumps_arguments(arguments: dict) -> str:

@@ -29,8 +29,9 @@ string (xgrammar's qwen_xml form of the property's schema: maxLength, pattern, e
 the choices for an enum, JSON for the rest. No whitespace is free around a value, so what the grammar accepts is
 what the parser reads back (xgrammar's qwen_xml on the whole object allowed up to 16 whitespace characters on each
 side of a value, which a string value kept, breaking its maxLength). One ambiguity is the format's own: a string
-value that itself contains `</parameter>` (unbounded strings cannot, xgrammar excludes it; a bounded one or a
-pattern could) would end early.
+value that itself contains a closing tag (`</parameter>`, `</function>`, `</zyphra_tool_call>`) would end the
+value or the call early. The grammar keeps the tags out of every string where xgrammar can (`excluding`: not
+beside a length, pattern or format, which it would then drop).
 """
 from __future__ import annotations
 
@@ -38,8 +39,16 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from hybridserve.parsers.tool_calls import MAX_WHITESPACE, ToolCall, ToolFormat, dumps_arguments, loads_json
+from hybridserve.parsers.tool_calls import (
+    MAX_WHITESPACE,
+    ToolCall,
+    ToolFormat,
+    dumps_arguments,
+    excluding,
+    loads_json,
+)
 
+ZAYA_END = "</zyphra_tool_call>"
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.DOTALL)
 _PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
 
@@ -78,11 +87,13 @@ def _value(raw: str, schema: Any) -> Any:
 
 
 def _value_format(schema: Any, definitions: dict) -> dict:
-    """The structural-tag format of one value of `schema` (its $defs / definitions carried along)."""
+    """The structural-tag format of one value of `schema` (its $defs / definitions carried along), its strings
+    kept free of the call's closing tags where xgrammar can do that."""
     schema = {**schema, **definitions} if isinstance(schema, dict) else schema
+    free_of_tags = excluding(["</parameter>", "</function>", ZAYA_END], schema)
     if value_kind(schema) == "json":
-        return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_WHITESPACE}
-    return {"type": "json_schema", "style": "qwen_xml", "json_schema": schema}  # the text, with no layout
+        return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_WHITESPACE, **free_of_tags}
+    return {"type": "json_schema", "style": "qwen_xml", "json_schema": schema, **free_of_tags}  # the text as it is
 
 
 def _parameters_format(parameters: dict) -> dict:
@@ -103,7 +114,7 @@ def _parameters_format(parameters: dict) -> dict:
 class ZayaFormat(ToolFormat):
     name = "zaya"
     start = "<zyphra_tool_call>"
-    end = "</zyphra_tool_call>"
+    end = ZAYA_END
 
     def parse(self, body: str, tools: Mapping[str, dict]) -> ToolCall | None:
         function = _FUNCTION.fullmatch(body)

@@ -24,13 +24,13 @@ def _hybridserve(*args: str, timeout: float = 120) -> subprocess.CompletedProces
                           timeout=timeout)
 
 
-def test_a_port_in_use_fails_at_once_with_one_line():
+def test_a_port_in_use_fails_at_once_with_one_line(zaya_dir):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         start = time.monotonic()
-        result = _hybridserve("serve", "--device", "cpu", "--port", str(port))
+        result = _hybridserve("serve", str(zaya_dir), "--device", "cpu", "--port", str(port))
         elapsed = time.monotonic() - start
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.count("\n") == 1, result.stderr
@@ -49,7 +49,7 @@ def test_the_ling_demo_serves_and_the_start_up_log_says_what_runs_where(tmp_path
     server = serve(["--demo", "ling", "--dtype", "float32", *SMALL_CACHE], tmp_path_factory)
     try:
         client = server.client()
-        assert [m.id for m in client.models.list().data] == ["hybridserve-demo-ling"]
+        assert [m.id for m in client.models.list().data] == ["hybridserve-demo-ling", "hybridserve-demo"]
         out = client.completions.create(model="hybridserve-demo-ling", prompt="Hello", max_tokens=5,
                                         extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 5
@@ -71,7 +71,7 @@ def test_the_ling_demo_serves_and_the_start_up_log_says_what_runs_where(tmp_path
         server.stop()
     assert all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ", line) for line in log.splitlines()
                if " INFO " in line or " WARNING " in line)
-    assert f"serving 'hybridserve-demo-ling' at {server.url}/v1" in log
+    assert f"serving 'hybridserve-demo-ling' / 'hybridserve-demo' at {server.url}/v1" in log
     assert re.search(r"loaded LingForCausalLM weights from \S*demo-bailing_hybrid\S* in \d+\.\d s", log), log
     assert re.search(r"model ready in \d+\.\d s: .* device cpu, dtype float32, max_model_len \d+", log), log
     plan = next(line for line in log.splitlines() if "memory plan" in line)

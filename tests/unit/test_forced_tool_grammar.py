@@ -84,7 +84,7 @@ def _walk(grammar: xgrammar.CompiledGrammar, data: st.DataObject) -> str:
     reject()  # no way out within the bound (nothing to learn from this draw)
 
 
-@settings(max_examples=60, deadline=None, derandomize=True,
+@settings(max_examples=60, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(tools=st.dictionaries(names, tool_schemas, min_size=1, max_size=2), parallel=st.booleans(),
        format_name=st.sampled_from(sorted(TOOL_FORMATS)), data=st.data())
