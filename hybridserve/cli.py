@@ -25,6 +25,14 @@ DEMOS = {"zaya": "zaya", "ling": "bailing_hybrid"}  # --demo NAME -> the demo ch
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _LOOPBACK = ("localhost", "127.0.0.1", "::1")
 _SPECULATIVE_METHODS = {"NEXTN": "mtp", "NGRAM": "ngram"}
+# Switches of vLLM / SGLang for what this server always does: accepted, so their command lines start it.
+_ALWAYS_ON = {
+    "--enable-auto-tool-choice": "tool_choice 'auto' is always available",
+    "--enable-prompt-tokens-details": "usage carries prompt_tokens_details.cached_tokens whenever the prefix cache "
+                                      "served some of the prompt",
+    "--enable-chunked-prefill": "long prompts are always prefilled in chunks (--chunked-prefill-size)",
+    "--enable-metrics": "Prometheus /metrics is always served",
+}
 _SPECULATIVE_FLAGS = {"method": "--speculative-algorithm", "num_speculative_tokens": "--speculative-num-draft-tokens",
                       "prompt_lookup_min": "--speculative-ngram-min-match-window-size",
                       "prompt_lookup_max": "--speculative-ngram-max-match-window-size"}
@@ -210,8 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "the loopback names when --host is a loopback address, any otherwise)")
     server.add_argument("--chat-template", default=None, metavar="FILE",
                         help="a Jinja chat template file that replaces the model's (default: the model's)")
-    server.add_argument("--enable-auto-tool-choice", action="store_true",
-                        help="accepted for vLLM command lines: tool_choice 'auto' is always available (default: on)")
+    for flag, why in _ALWAYS_ON.items():
+        server.add_argument(flag, action="store_true", help=f"accepted for vLLM / SGLang command lines: {why} "
+                                                            "(default: on)")
     add_options(server, ServerOptions)
     serve.set_defaults(run=_serve)
     gen = sub.add_parser("generate", help="complete one prompt and print the text")

@@ -14,6 +14,9 @@ from hybridserve.structured.params import StructuredOutputParams
 MAX_LOGPROBS = 20  # the engine's default bound on logprobs per token (EngineConfig.max_logprobs, vLLM's default)
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (dividing logits by them would overflow)
 MAX_TEMPERATURE = 2.0
+# vLLM's prompt_logprobs_temperature: the prompt's logits are divided by it before their logprobs are taken; it
+# is not a sampling temperature (OpenAI's bound of 2 is not its), only kept where dividing stays finite.
+PROMPT_LOGPROBS_TEMPERATURE_RANGE = (GREEDY_BELOW, 100.0)
 PENALTY_RANGE = (-2.0, 2.0)  # presence and frequency penalties
 REPETITION_PENALTY_RANGE = (0.01, 10.0)  # 1 = off; below 0.01 positive logits overflow when divided by it
 MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS = 32, 1024
@@ -65,6 +68,7 @@ class SamplingParams:
     allowed_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None  # top-k logprobs per generated token (0 = only the chosen token)
     prompt_logprobs: int | None = None  # the same for every prompt token
+    prompt_logprobs_temperature: float = 1.0  # prompt logprobs of the logits divided by it (vLLM's)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what each engine step hands back
@@ -116,6 +120,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not _is_int(value, 0):
                 fail(name, "must be an integer >= 0")
+        if not _in_range(self.prompt_logprobs_temperature, *PROMPT_LOGPROBS_TEMPERATURE_RANGE):
+            fail("prompt_logprobs_temperature", "must be in [{:g}, {:g}]".format(*PROMPT_LOGPROBS_TEMPERATURE_RANGE))
         if self.seed is not None and not _is_int(self.seed):
             fail("seed", "must be a 64-bit signed integer")
         if not isinstance(self.output_kind, RequestOutputKind):

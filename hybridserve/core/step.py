@@ -44,10 +44,12 @@ class SampledToken:
 
 @dataclass
 class PromptLogprobTargets:
-    """Score prompt tokens: logits row j of the chunk predicts `token_ids[j]`."""
+    """Score prompt tokens: logits row j of the chunk predicts `token_ids[j]`, at `temperature` (the logits divided
+    by it first: SamplingParams.prompt_logprobs_temperature)."""
 
     top_k: int
     token_ids: list[int]
+    temperature: float = 1.0
 
 
 @dataclass

@@ -447,8 +447,9 @@ class Scheduler:
         if top_k is None or first >= stop:
             return None, []
         request.num_prompt_scored = stop
-        return PromptLogprobTargets(top_k, request.token_ids(first + 1, stop + 1)), list(range(first - start,
-                                                                                                 stop - start))
+        targets = PromptLogprobTargets(top_k, request.token_ids(first + 1, stop + 1),
+                                       request.params.prompt_logprobs_temperature)
+        return targets, list(range(first - start, stop - start))
 
     @staticmethod
     def _draws(request: Request, forks: int) -> list[SamplingRow]:

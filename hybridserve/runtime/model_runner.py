@@ -474,7 +474,10 @@ class ModelRunner:
             first_draws.append(first_draw if rows else None)
             if targets is not None:
                 try:
-                    scored = torch.log_softmax(logits[row:row + len(targets.token_ids)], dim=-1)
+                    rows_logits = logits[row:row + len(targets.token_ids)]
+                    if targets.temperature != 1.0:
+                        rows_logits = rows_logits.float() / targets.temperature
+                    scored = torch.log_softmax(rows_logits, dim=-1)
                     result.prompt_logprobs = logprob_dicts(scored, targets.token_ids, targets.top_k)
                 except Exception as err:  # stays with this request; the engine aborts it alone
                     result.error = err

@@ -210,8 +210,10 @@ class Generation:
         outputs = [output for output in self.final if output is not None]
         completion = sum(len(c.token_ids) for output in outputs for c in output.outputs)
         cached = sum(output.num_cached_tokens for output in outputs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        if cached:  # as vLLM's: the details only when the prefix cache served some of the prompt
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return usage
 
 
 def _engine_failed(err: EngineDead) -> APIError:

@@ -76,8 +76,6 @@ _REFUSED = {
     "truncate_prompt_tokens": (None,), "logits_processors": (None,), "return_tokens_as_token_ids": (None, False),
     "spaces_between_special_tokens": (None, True), "prompt_embeds": (None,),
     "guided_decoding_backend": (None, "xgrammar", "auto"), "guided_whitespace_pattern": (None,),
-    # vLLM's: prompt logprobs of the logits divided by it (they are the raw model's, i.e. at 1, here)
-    "prompt_logprobs_temperature": (None, 1, 1.0),
 }
 _REFUSED_COMPLETION = {"suffix": (None, "")}
 _REFUSED_CHAT = {
@@ -230,11 +228,14 @@ class SamplingFields(_Request):
                                                            "to its logit before penalties and sampling")
     allowed_token_ids: list[TokenId] | None = Field(None, description="vLLM's: only these tokens may be sampled")
     return_token_ids: bool | None = Field(None, description="token ids of the prompt and of each output")
+    prompt_logprobs_temperature: float | None = Field(
+        None, description="vLLM's: prompt logprobs (and echo's) of the logits divided by it (default 1: the model's "
+                          "own); the sampling temperature does not apply to them")
 
     SAMPLING_FIELDS: ClassVar[tuple[str, ...]] = (
         "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
         "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
-        "include_stop_str_in_output", "allowed_token_ids")
+        "include_stop_str_in_output", "allowed_token_ids", "prompt_logprobs_temperature")
 
     @property
     def include_usage(self) -> bool:

@@ -148,7 +148,8 @@ class _ResponseEvents:
             yield event
         usage = generation.usage()
         self.response = self.snapshot(status, params_echo, {
-            "input_tokens": usage["prompt_tokens"], "input_tokens_details": usage["prompt_tokens_details"],
+            "input_tokens": usage["prompt_tokens"],
+            "input_tokens_details": usage.get("prompt_tokens_details", {"cached_tokens": 0}),
             "output_tokens": usage["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": parser.reasoning_tokens},
             "total_tokens": usage["total_tokens"],

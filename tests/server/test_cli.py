@@ -79,7 +79,9 @@ def test_every_option_shows_its_default_and_python_dash_m_runs_the_cli():
 def test_the_habitual_flag_names_reach_the_config_they_name():
     args = parse_args(["serve", "--model-path", "org/m", "--max-num-seqs", "8", "--context-length", "512",
                        "--mem-fraction-static", "0.5", "--tp-size", "1", "--trust-remote-code", "--served-model-name",
-                       "a", "b", "--disable-radix-cache", "-q", "fp8", "--max-logprobs", "5", "--log-level", "debug"])
+                       "a", "b", "--disable-radix-cache", "-q", "fp8", "--max-logprobs", "5", "--log-level", "debug",
+                       "--enable-auto-tool-choice", "--enable-prompt-tokens-details", "--enable-chunked-prefill",
+                       "--enable-metrics"])  # the last four: what the server always does
     kwargs = _engine_kwargs(args)
     assert (kwargs["max_running_requests"], kwargs["max_model_len"], kwargs["gpu_memory_utilization"],
             kwargs["tensor_parallel_size"], kwargs["enable_prefix_caching"], kwargs["quantization"],

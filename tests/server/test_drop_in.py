@@ -140,9 +140,28 @@ def test_prompt_logprobs_is_null_unless_asked(client):
     assert "prompt_logprobs" in raw["choices"][0] and raw["choices"][0]["prompt_logprobs"] is None
     asked = _completion(client, extra_body={"prompt_logprobs": 1}).choices[0].model_extra["prompt_logprobs"]
     assert asked[0] is None and len(asked) == 3
-    assert _completion(client, extra_body={"prompt_logprobs": 1, "prompt_logprobs_temperature": 1.0}).choices
+
+
+def test_prompt_logprobs_temperature_divides_the_logits(client):
+    """vLLM's prompt_logprobs_temperature: the logprobs of logits / T, so the gap between two tokens' logprobs is
+    the gap at T = 1 divided by T, and a lower T raises the likeliest token's probability."""
+    def scored(temperature):
+        out = _completion(client, prompt=[5, 9, 2, 7], extra_body={"prompt_logprobs": 3,
+                                                                   "prompt_logprobs_temperature": temperature})
+        return [{int(t): e["logprob"] for t, e in position.items()}
+                for position in out.choices[0].model_extra["prompt_logprobs"][1:]]
+
+    plain, sharp, flat = scored(1.0), scored(0.25), scored(5.0)
+    for at_one, at_quarter, at_five in zip(plain, sharp, flat):
+        best, *others = sorted(at_one, key=at_one.get, reverse=True)
+        for token in others:
+            gap = at_one[best] - at_one[token]
+            assert at_quarter[best] - at_quarter[token] == pytest.approx(gap / 0.25, abs=1e-3)
+            assert at_five[best] - at_five[token] == pytest.approx(gap / 5.0, abs=1e-3)
+        assert at_quarter[best] > at_one[best] > at_five[best]
+    assert plain == scored(None)  # not given: T = 1, the model's own
     with pytest.raises(openai.BadRequestError, match="prompt_logprobs_temperature"):
-        _completion(client, extra_body={"prompt_logprobs": 1, "prompt_logprobs_temperature": 0.5})
+        _completion(client, extra_body={"prompt_logprobs": 1, "prompt_logprobs_temperature": 0})
 
 
 # --- chat-shaped fields, on the demo (a vocabulary its tokenizer fills) ---------------------------------------------

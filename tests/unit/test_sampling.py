@@ -24,7 +24,8 @@ INF, NAN = float("inf"), float("nan")
     ("min_tokens", -1), ("stop", [""]), ("stop", ["x"] * 33), ("stop", ["x" * 1025]), ("stop_token_ids", [-1]),
     ("stop_token_ids", [2**63]), ("stop_token_ids", list(range(1025))), ("seed", 1.5), ("seed", 2**70),
     ("seed", -(2**63) - 1), ("logit_bias", {-1: 1.0}), ("logit_bias", {1: 100.5}), ("logit_bias", {1: NAN}),
-    ("logit_bias", {i: 1.0 for i in range(1025)}),
+    ("logit_bias", {i: 1.0 for i in range(1025)}), ("prompt_logprobs_temperature", 0.0),
+    ("prompt_logprobs_temperature", 100.5), ("prompt_logprobs_temperature", NAN),
 ])
 def test_invalid_parameters_name_themselves(name, value):
     with pytest.raises(SamplingParamError, match=rf"invalid sampling parameter {name}=") as caught:
@@ -36,7 +37,8 @@ def test_the_extremes_of_every_range_are_valid():
     SamplingParams(temperature=2.0, top_p=1e-9, top_k=2**63 - 1, min_p=1.0, seed=-(2**63), presence_penalty=-2.0,
                    frequency_penalty=2.0, repetition_penalty=0.01, stop=["x" * 1024] * 32,
                    stop_token_ids=list(range(1024)), logprobs=20, n=128, max_tokens=2**63 - 1)
-    SamplingParams(repetition_penalty=10.0, seed=2**63 - 1, temperature=0.0)
+    SamplingParams(repetition_penalty=10.0, seed=2**63 - 1, temperature=0.0, prompt_logprobs_temperature=1e-5)
+    SamplingParams(prompt_logprobs_temperature=100.0)
 
 
 def test_model_dependent_checks():
