@@ -58,5 +58,5 @@ def finish_all(engine, check_resources: bool = False) -> dict:
     while engine.has_unfinished_requests():
         done.update({out.request_id: out for out in engine.step() if out.finished})
         if check_resources:
-            engine.scheduler.check_resources()
+            engine.cache_manager.check()
     return done

@@ -63,7 +63,7 @@ class HybridPrefixCache:
         self.window = sliding_window
         self.root = TreeNode(tokens=(), pages=[], parent=None, end=0)
         self._clock = itertools.count(1)
-        # Kept up to date on every change, so metrics never walk the tree (check_resources recounts them).
+        # Kept up to date on every change, so metrics never walk the tree (HybridCacheManager.check recounts them).
         self.num_pages = 0  # pages the tree holds
         self.num_locked_pages = 0  # of them, in nodes some request has locked
         self.num_checkpoints = 0  # state slots the tree owns

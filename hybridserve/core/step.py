@@ -53,22 +53,29 @@ class PromptLogprobTargets:
 
 
 @dataclass
+class CacheOps:
+    """The cache manager's device work for one step, run by the runner in this order: table resets and truncations,
+    page copies, restores and page restores (before the forward), snapshots (after it, before any draw commits a
+    verify row's state)."""
+
+    table_resets: list[int] = field(default_factory=list)  # device-table rows given to a new sequence
+    # (row, pages kept): rows whose sequence gave back its last pages (rejected drafts' pages) since the last step
+    table_truncations: list[tuple[int, int]] = field(default_factory=list)
+    page_copies: list[tuple[int, int]] = field(default_factory=list)  # (KV page -> KV page)
+    window_page_copies: list[tuple[int, int]] = field(default_factory=list)  # the same in the window group
+    restores: list[tuple[int, int]] = field(default_factory=list)  # (slot -> working slot)
+    page_restores: list[tuple[int, int]] = field(default_factory=list)  # (page footer -> working slot)
+    snapshots: list[tuple[int, int]] = field(default_factory=list)  # (working slot -> checkpoint slot)
+
+
+@dataclass
 class StepPlan:
     chunks: list[ScheduledChunk]
     # Per chunk: draws from its last token's logits (several when a request forks into n > 1 sequences; none for
     # a chunk that does not finish its prompt), and the prompt tokens to score (or None).
     samples: list[list[SamplingRow]]
     prompt_logprobs: list[PromptLogprobTargets | None]
-    # State and page copies, all executed on the device in this order: page copies, restores, page restores
-    # (before the forward), snapshots (after it).
-    page_copies: list[tuple[int, int]] = field(default_factory=list)  # (KV page -> KV page)
-    window_page_copies: list[tuple[int, int]] = field(default_factory=list)  # the same in the window group
-    restores: list[tuple[int, int]] = field(default_factory=list)  # (slot -> working slot)
-    page_restores: list[tuple[int, int]] = field(default_factory=list)  # (page footer -> working slot)
-    snapshots: list[tuple[int, int]] = field(default_factory=list)  # (working slot -> checkpoint slot)
-    table_resets: list[int] = field(default_factory=list)  # device-table rows given to a new sequence
-    # (row, pages kept): rows whose sequence gave back its last pages (rejected drafts' pages) since the last step
-    table_truncations: list[tuple[int, int]] = field(default_factory=list)
+    cache_ops: CacheOps = field(default_factory=CacheOps)
 
 
 @dataclass

@@ -10,11 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hybridserve.cache.kv_pool import PageAllocator
-from hybridserve.cache.prefix_cache import HybridPrefixCache
-from hybridserve.cache.state_pool import SlotAllocator
 from hybridserve.config import EngineConfig
 from hybridserve.core.step import ChunkResult, SampledToken
+from hybridserve.engine.cache_manager import HybridCacheManager
 from hybridserve.engine.request import Request
 from hybridserve.engine.scheduler import ScheduledStep, Scheduler
 from hybridserve.loader import read_config
@@ -104,21 +102,15 @@ class LLMEngine:
             steps = self.runner.warm_up(plan.max_running_requests, self.max_model_len)
             logger.info("warm-up: %d steps compiled the kernels in %.1f s", steps, time.perf_counter() - start)
         self.runner.capture_graphs(plan.max_running_requests, self.max_model_len)
-        pages, slots = PageAllocator(plan.num_pages + 1), SlotAllocator(plan.num_state_slots)
-        window = self.runner.sliding_window  # a window KV group for sliding-window layers, or None
-        window_pages = PageAllocator(plan.num_window_pages + 1) if window is not None else None
-        cache = None
-        if config.enable_prefix_caching:
-            cache = HybridPrefixCache(config.page_size, pages, slots, per_page_state=self.runner.page_footers,
-                                      window_pages=window_pages, sliding_window=window)
+        self.cache_manager = HybridCacheManager(plan, config.page_size, config.enable_prefix_caching,
+                                                per_page_state=self.runner.page_footers,
+                                                sliding_window=self.runner.sliding_window)
         speculation = None
         if config.speculative_config is not None:
             speculation = Speculation(draft_source(config.speculative_config), self.runner.intermediate_slots,
                                       self.runner.draft_lookahead)
-        self.scheduler = Scheduler(pages, slots, config.page_size, plan.max_running_requests,
-                                   config.max_num_batched_tokens, config.chunked_prefill_size, cache,
-                                   config.state_checkpoint_interval, window_pages, window, self.max_model_len,
-                                   speculation)
+        self.scheduler = Scheduler(self.cache_manager, config.max_num_batched_tokens, config.chunked_prefill_size,
+                                   config.state_checkpoint_interval, self.max_model_len, speculation)
         self._seeds = random.Random(config.seed)
         self._groups: dict[str, _Group] = {}
         self._sequences: dict[str, tuple[_Group, _Sequence]] = {}  # by the scheduler's request id
@@ -244,21 +236,20 @@ class LLMEngine:
         no request is queued or running (their entries are in use): False then, and nothing is dropped."""
         if self.has_unfinished_requests():
             return False
-        if self.scheduler.cache is not None:
-            self.scheduler.cache.clear()
+        if self.cache_manager.prefix_cache is not None:
+            self.cache_manager.prefix_cache.clear()
         return True
 
     def stats(self) -> dict[str, int]:
         """Gauges (now) and counters (since start) for metrics."""
-        counts = self.scheduler.resource_counts()
+        counts, cache = self.cache_manager.counts(), self.cache_manager
         return {
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
             "kv_pages_used": counts["pages_protected"], "kv_pages_cached": counts["pages_evictable"],
             "kv_pages_total": counts["pages_total"], "state_slots_used": counts["slots_protected"],
             "state_slots_cached": counts["slots_evictable"], "state_slots_total": counts["slots_total"],
-            "prefix_cache_query_tokens": self.scheduler.prefix_query_tokens,
-            "prefix_cache_hit_tokens": self.scheduler.prefix_hit_tokens,
-            "prefix_cache_kv_match_tokens": self.scheduler.prefix_kv_match_tokens,
+            "prefix_cache_query_tokens": cache.prefix_query_tokens, "prefix_cache_hit_tokens": cache.prefix_hit_tokens,
+            "prefix_cache_kv_match_tokens": cache.prefix_kv_match_tokens,
             "prompt_tokens": self.num_prompt_tokens, "generation_tokens": self.num_generation_tokens,
             "preemptions": self.scheduler.num_preemptions,
             "spec_verify_rows": self.num_verify_rows, "spec_draft_tokens": self.num_draft_tokens,
@@ -350,7 +341,7 @@ class LLMEngine:
     def _process(self, scheduled: ScheduledStep, results: list[ChunkResult]) -> list[RequestOutput]:
         """Append a finished step's tokens (stop checks, forks, failures) and build the outputs it produced."""
         accepted = self._accept_drafts(scheduled, results)
-        self.scheduler.after_step(scheduled)
+        self.cache_manager.settle(scheduled.cache, scheduled.requests)
         progressed: dict[str, _Group] = {}
         for request, result, chunk in zip(scheduled.requests, results, scheduled.plan.chunks):
             tracked = self._sequences.get(request.request_id)
@@ -401,7 +392,7 @@ class LLMEngine:
                 continue
             drafts = chunk.token_ids[1:]
             accepted[request.serial] = n = accepted_length([s.token_id for s in result.sampled], drafts)
-            self.scheduler.accept_drafts(request, chunk.prefix_len, n)
+            self.cache_manager.accept(request, chunk.prefix_len + 1 + n)
             self.num_verify_rows += 1
             self.num_draft_tokens += len(drafts)
             self.num_accepted_tokens += n

@@ -19,7 +19,7 @@ from hybridserve.core.batch import (
     build_forward_batch,
 )
 from hybridserve.core.parallel import tp_rank
-from hybridserve.core.step import ChunkResult, StepPlan
+from hybridserve.core.step import CacheOps, ChunkResult, StepPlan
 from hybridserve.core.upload import upload
 from hybridserve.layers.sampler import Draws, Sampler, logprob_dicts, penalty_rows
 from hybridserve.loader import read_config
@@ -347,6 +347,18 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak
 
+    def _before_forward(self, ops: CacheOps) -> None:
+        """The cache manager's work that precedes the forward (its snapshots follow it): new and truncated table
+        rows, page copies (both groups), then state restores from slots and from page footers."""
+        self.tables.reset(ops.table_resets)
+        self.tables.truncate(ops.table_truncations)
+        for pool, copies in ((self.kv_pool, ops.page_copies), (self.window_pool, ops.window_page_copies)):
+            if copies:
+                src, dst = zip(*copies)
+                pool.copy_pages(*upload([src, dst], self.device, torch.long))
+        self._copy_slots(ops.restores, self.state_pool)
+        self._copy_slots(ops.page_restores, self.footer_pool)
+
     def _copy_slots(self, pairs: list[tuple[int, int]], source: StatePool) -> None:
         if pairs:
             src, dst = zip(*pairs)
@@ -360,8 +372,7 @@ class ModelRunner:
         if self.tables is None:
             raise RuntimeError("create_tables must be called before the first step")
         self._tell_workers("launch", plan)
-        self.tables.reset(plan.table_resets)
-        self.tables.truncate(plan.table_truncations)
+        self._before_forward(plan.cache_ops)
         chunks = plan.chunks
         graphs = self._graphs_for(chunks)
         prefill = self.prefill_graphs if graphs is None and self.prefill_graphs is not None and \
@@ -372,12 +383,6 @@ class ModelRunner:
         else:
             batch = build_forward_batch(chunks, self.config.page_size, self.device, self.model.history_len,
                                         self.tables, previous)
-        for pool, copies in ((self.kv_pool, plan.page_copies), (self.window_pool, plan.window_page_copies)):
-            if copies:
-                src, dst = zip(*copies)
-                pool.copy_pages(*upload([src, dst], self.device, torch.long))
-        self._copy_slots(plan.restores, self.state_pool)
-        self._copy_slots(plan.page_restores, self.footer_pool)
         handle = StepHandle([ChunkResult() for _ in chunks])
         self._drawn_tokens = None
         # Logits rows come chunk by chunk: the scored prompt positions, then the positions that sample.
@@ -387,14 +392,13 @@ class ModelRunner:
             wanted = [i * n + j for i, c in enumerate(chunks) for j in c.logits_offsets]
             if len(wanted) != logits.shape[0]:
                 logits = logits[upload(wanted, self.device, torch.long)]
-            self._copy_slots(plan.snapshots, self.state_pool)
         elif prefill is not None:
             logits = prefill.run(chunks, previous)  # the wanted rows
-            self._copy_slots(plan.snapshots, self.state_pool)
         else:
             hidden = self.model(batch)
-            self._copy_slots(plan.snapshots, self.state_pool)
             logits = self.model.compute_logits(hidden[batch.logits_indices])
+        # Snapshots: before a verify row's commit (at the draws) changes its working slot.
+        self._copy_slots(plan.cache_ops.snapshots, self.state_pool)
         sampling, verify, first_draws = self._score(plan, handle, logits)
         if self.drafter is not None:
             handle.draft_work = DraftWork(chunks, first_draws, graphs=graphs) if graphs is not None else \

@@ -88,7 +88,7 @@ def test_deltas_are_linear_and_fold_to_the_cumulative_and_final_outputs(engine, 
         for delta in deltas:  # released text never ends in a partial stop string
             for c in delta.outputs:
                 assert stop_text not in c.text
-    engine.scheduler.check_resources()
+    engine.cache_manager.check()
 
 
 def test_folding_is_linear_in_the_number_of_deltas():

@@ -34,8 +34,8 @@ def alone(llm):
 
 def _assert_idle(engine: LLMEngine) -> None:
     """At idle every page and slot is free or evictable cache: nothing leaked, nothing still protected."""
-    engine.scheduler.check_resources()
-    counts = engine.scheduler.resource_counts()
+    engine.cache_manager.check()
+    counts = engine.cache_manager.counts()
     assert counts["pages_protected"] == 0 and counts["slots_protected"] == 0
 
 

@@ -42,7 +42,7 @@ def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams = G
             if out.finished:
                 done[out.request_id] = out
         if check_every_step:
-            engine.scheduler.check_resources()
+            engine.cache_manager.check()
     return [done[i] for i in ids]
 
 
@@ -51,8 +51,8 @@ def _sequential(engine: LLMEngine, prompts, params=GREEDY):
 
 
 def _assert_idle(engine: LLMEngine) -> None:
-    engine.scheduler.check_resources()
-    counts = engine.scheduler.resource_counts()
+    engine.cache_manager.check()
+    counts = engine.cache_manager.counts()
     assert counts["pages_protected"] == 0 and counts["slots_protected"] == 0
 
 
@@ -188,7 +188,7 @@ def test_tiny_pools_with_preemption_eviction_and_random_aborts(model):
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out.outputs[0].token_ids
-        engine.scheduler.check_resources()
+        engine.cache_manager.check()
     assert set(finished) | aborted == set(ids) and not set(finished) & aborted
     assert len(aborted) > 5
     for i, p in enumerate(prompts):

@@ -59,7 +59,7 @@ def test_n_sequences_fork_from_one_prompt_computation(model_dir, options):
         assert _finish(_engine(model_dir, **options), f"s{i}", PROMPT, single).outputs[0].token_ids == \
             completion.token_ids
     assert _finish(engine, "again", PROMPT, params).outputs == out.outputs  # reproducible with the seed
-    engine.scheduler.check_resources()
+    engine.cache_manager.check()
 
 
 def test_children_that_cannot_run_yet_are_recomputed(model_dir):
@@ -67,7 +67,7 @@ def test_children_that_cannot_run_yet_are_recomputed(model_dir):
     roomy = _finish(_engine(model_dir), "a", PROMPT, params)
     tight = _engine(model_dir, max_running_requests=1)
     assert _finish(tight, "b", PROMPT, params).outputs == roomy.outputs
-    tight.scheduler.check_resources()
+    tight.cache_manager.check()
 
 
 def test_abort_of_a_forked_request_frees_everything(model_dir):
@@ -78,8 +78,8 @@ def test_abort_of_a_forked_request_frees_everything(model_dir):
     assert len(engine.scheduler.running) == 4
     engine.abort_request("x")
     assert not engine.has_unfinished_requests()
-    counts = engine.scheduler.resource_counts()
-    engine.scheduler.check_resources()
+    counts = engine.cache_manager.counts()
+    engine.cache_manager.check()
     assert counts["pages_protected"] == 0 and counts["slots_protected"] == 0
 
 

@@ -49,7 +49,7 @@ def test_an_interrupted_generate_aborts_what_it_queued(llm, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 3, SamplingParams(max_tokens=20, ignore_eos=True))
     assert not llm.engine.has_unfinished_requests()
-    llm.engine.scheduler.check_resources()
+    llm.engine.cache_manager.check()
 
 
 def test_progress_bars_show_unless_silenced(llm, zaya_dir, capsys):

@@ -62,9 +62,9 @@ def _run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
-        engine.scheduler.check_resources()
+        engine.cache_manager.check()
         step += 1
-    counts = engine.scheduler.resource_counts()
+    counts = engine.cache_manager.counts()
     assert counts["pages_protected"] == counts["slots_protected"] == 0 and engine._in_flight is None
     return done
 

@@ -43,8 +43,8 @@ def _run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]
 
 
 def _assert_idle(engine: LLMEngine) -> None:
-    engine.scheduler.check_resources()
-    counts = engine.scheduler.resource_counts()
+    engine.cache_manager.check()
+    counts = engine.cache_manager.counts()
     assert not engine.has_unfinished_requests() and counts["pages_protected"] == counts["slots_protected"] == 0
 
 

@@ -53,7 +53,7 @@ def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, ea
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
-        engine.scheduler.check_resources()
+        engine.cache_manager.check()
         if each_step is not None:
             each_step(engine)
     return [done[i] for i in ids]
@@ -73,8 +73,8 @@ def _window_bound(engine: LLMEngine) -> None:
 
 
 def _assert_idle(engine: LLMEngine) -> None:
-    engine.scheduler.check_resources()
-    counts = engine.scheduler.resource_counts()
+    engine.cache_manager.check()
+    counts = engine.cache_manager.counts()
     assert counts["pages_protected"] == 0 and counts["slots_protected"] == 0
     cached = counts["window_pages_cached"]
     assert counts["window_pages_free"] + cached == counts["window_pages_total"]
@@ -106,7 +106,7 @@ def test_one_group_without_sliding_layers(ling_dir, tmp_path):
         assert engine.runner.window_pool is None and engine.runner.tables.window is None
         assert plan.num_window_pages == 0 and plan.window_page_bytes == 0
         assert plan.kv_bytes == plan.num_pages * plan.page_bytes
-        assert engine.scheduler.window_pages is None and "window" not in engine.scheduler.resource_counts()
+        assert engine.cache_manager.window_pages is None and "window" not in engine.cache_manager.counts()
 
 
 @pytest.mark.parametrize("max_num_batched_tokens", [5, 16, 8192], ids=["chunk<W", "chunk>W", "one-shot"])
@@ -127,7 +127,7 @@ def test_long_generations_free_window_pages_and_match_hf(sliding, max_num_batche
                           eos_token_id=None)[0, len(prompt):]
         assert out.outputs[0].token_ids == ref.tolist()
     _assert_idle(engine)
-    counts = engine.scheduler.resource_counts()
+    counts = engine.cache_manager.counts()
     assert counts["window_pages_free"] == counts["window_pages_total"]  # no prefix cache: everything returned
 
 
@@ -146,11 +146,11 @@ def test_prefix_hits_need_the_window_pages_and_stay_exact(sliding):
     assert hit.num_cached_tokens == 28
     assert hit.outputs[0].token_ids == cold.outputs[0].token_ids
     _assert_matches_hf(hf, [second], [hit])
-    cache = engine.scheduler.cache
+    cache = engine.cache_manager.prefix_cache
     assert cache.num_window_pages > 0
     freed = cache.evict_window_pages(cache.num_window_pages)
     assert freed > 0 and cache.num_window_pages == 0 and cache.num_pages > 0  # the full pages stay cached
-    engine.scheduler.check_resources()
+    engine.cache_manager.check()
     again = _run(engine, [second], params)[0]
     assert again.num_cached_tokens == 0
     assert again.outputs[0].token_ids == cold.outputs[0].token_ids
@@ -170,8 +170,8 @@ def test_a_tiny_window_group_evicts_cached_window_pages_first(sliding):
     plan = engine.runner.memory_plan
     assert plan.num_window_pages == plan.min_window_pages == 1 * (math.ceil((WINDOW - 1) / PAGE) + 1) + 2 + 1
     evicted = []
-    evict = engine.scheduler.cache.evict_window_pages
-    engine.scheduler.cache.evict_window_pages = lambda n: evicted.append(evict(n)) or evicted[-1]
+    evict = engine.cache_manager.prefix_cache.evict_window_pages
+    engine.cache_manager.prefix_cache.evict_window_pages = lambda n: evicted.append(evict(n)) or evicted[-1]
     got = [_run(engine, [p], params, each_step=_window_bound)[0] for p in prompts]
     assert [o.outputs[0].token_ids for o in got] == cold
     assert sum(evicted) > 0
@@ -202,7 +202,7 @@ def test_abort_finish_preemption_and_forks_free_both_groups(sliding):
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
-        engine.scheduler.check_resources()
+        engine.cache_manager.check()
         _window_bound(engine)
         step += 1
     assert engine.scheduler.num_preemptions > 0

@@ -68,8 +68,8 @@ def _tokens(outputs) -> list[list[int]]:
 
 
 def _assert_idle(engine: LLMEngine) -> None:
-    engine.scheduler.check_resources()
-    counts = engine.scheduler.resource_counts()
+    engine.cache_manager.check()
+    counts = engine.cache_manager.counts()
     assert counts["pages_protected"] == 0 and counts["slots_protected"] == 0, counts
 
 
@@ -158,7 +158,7 @@ def _run_crowded(engine: LLMEngine, kind: str, directory, prompts) -> dict:
         for out in engine.step():
             if out.finished and out.outputs[0].finish_reason != "abort":
                 finished[out.request_id] = out.outputs[0].token_ids
-        engine.scheduler.check_resources()
+        engine.cache_manager.check()
     assert len(aborted) == 2 and set(finished) == set(ids) - aborted
     assert [finished.get(i) for i in ids] == [None if i in aborted else t for i, t in zip(ids, reference)]
     _assert_idle(engine)

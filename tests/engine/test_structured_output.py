@@ -64,7 +64,7 @@ def _run(engine: LLMEngine, requests: dict[str, tuple[str, SamplingParams]]) -> 
         for output in engine.step():
             if output.finished:
                 done[output.request_id] = output
-    engine.scheduler.check_resources()
+    engine.cache_manager.check()
     return done
 
 

@@ -38,7 +38,7 @@ def _generate(directory, tp: int, speculative: dict | None = None) -> dict[str, 
                 for out in engine.step():
                     if out.finished:
                         done[out.request_id] = out
-        assert engine.scheduler.prefix_hit_tokens > 0
+        assert engine.cache_manager.prefix_hit_tokens > 0
         assert speculative is None or engine.stats()["spec_draft_tokens"] > 0
     finally:
         engine.shutdown()

@@ -53,8 +53,8 @@ def test_launch_queues_steps_without_host_sync(model: str, method: str, eager: b
     def launch_without_sync(plan):
         seen["steps"] += 1
         seen["verify"] += any(chunk.num_drafts for chunk in plan.chunks)
-        seen["restores"] += bool(plan.restores or plan.page_restores)
-        seen["snapshots"] += bool(plan.snapshots)
+        seen["restores"] += bool(plan.cache_ops.restores or plan.cache_ops.page_restores)
+        seen["snapshots"] += bool(plan.cache_ops.snapshots)
         with no_host_sync():
             return launch(plan)
 
