@@ -36,6 +36,7 @@ class Snapshot:
     request: Request
     position: int
     slot: int
+    void: bool = False  # the request gave back what it held before the step ran: only the slot is left
 
 
 @dataclass
@@ -69,7 +70,7 @@ class HybridCacheManager:
         self._free_rows = list(range(self.num_rows - 1, -1, -1))
         self._holders: dict[int, Request] = {}  # by serial: the requests that hold pages, a slot and a row
         self._pending = StepCache()  # work for the next plan
-        self._unsettled: set[int] = set()  # checkpoint slots of scheduled steps not yet processed
+        self._unsettled: dict[int, Snapshot] = {}  # by slot: checkpoints of scheduled steps not yet processed
 
     # --- taking and giving back ------------------------------------------------------------------------------
     def admit(self, request: Request, chunk_length: Callable[[Request], int]) -> bool:
@@ -161,6 +162,8 @@ class HybridCacheManager:
         length goes back to 0."""
         if cache_pages:
             self._cache_pages(request)
+        for snapshot in self._unsettled.values():
+            snapshot.void |= snapshot.request is request  # re-admitted before its step ran, it holds new pages
         self._holders.pop(request.serial, None)
         self._drop(request)
 
@@ -183,8 +186,8 @@ class HybridCacheManager:
         checkpoint = self._allocate_slot()
         if checkpoint is not None:
             self._pending.ops.snapshots.append((request.state_slot, checkpoint))
-            self._pending.snapshots.append(Snapshot(request, position, checkpoint))
-            self._unsettled.add(checkpoint)
+            self._unsettled[checkpoint] = snapshot = Snapshot(request, position, checkpoint)
+            self._pending.snapshots.append(snapshot)
 
     def take(self) -> StepCache:
         """The work queued since the last plan, for the step being scheduled."""
@@ -199,11 +202,11 @@ class HybridCacheManager:
             cache.unlock_state(node)
         if cache is not None:
             for snapshot in step.snapshots:
-                self._unsettled.discard(snapshot.slot)
-                if snapshot.request.status is RequestStatus.RUNNING:
-                    self._insert(snapshot.request, snapshot.position, snapshot.slot)
-                else:  # finished or preempted while its step ran (overlapped scheduling): its pages are gone
+                del self._unsettled[snapshot.slot]
+                if snapshot.void:  # finished or preempted while its step ran (overlapped scheduling)
                     self.slots.release(snapshot.slot)
+                else:
+                    self._insert(snapshot.request, snapshot.position, snapshot.slot)
             for request in requests:
                 if request.status is RequestStatus.RUNNING:
                     self._cache_pages(request)
