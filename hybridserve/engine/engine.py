@@ -6,19 +6,18 @@ import json
 import logging
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from hybridserve.config import EngineConfig
-from hybridserve.core.step import ChunkResult, SampledToken
+from hybridserve.core.step import ChunkResult
 from hybridserve.engine.cache_manager import HybridCacheManager
+from hybridserve.engine.output_processor import Group, OutputProcessor
 from hybridserve.engine.request import Request
 from hybridserve.engine.scheduler import ScheduledStep, Scheduler
 from hybridserve.loader import read_config
 from hybridserve.models.registry import check_speculative, check_tensor_parallel
 from hybridserve.ops.backends import any_triton
-from hybridserve.outputs import CompletionOutput, RequestOutput, RequestOutputKind
+from hybridserve.outputs import RequestOutput
 from hybridserve.runtime.model_runner import ModelRunner, StepHandle
 from hybridserve.runtime.tensor_parallel import rank_config, start_workers, stop_workers
 from hybridserve.sampling import SamplingParams
@@ -27,53 +26,9 @@ from hybridserve.spec.verify import accepted_length
 from hybridserve.structured.bitmask import TokenMask
 from hybridserve.structured.compiler import shared_compiler
 from hybridserve.structured.matcher import GrammarState, MaskFiller
-from hybridserve.tokenizer import (
-    IncrementalDetokenizer,
-    StopStringMatcher,
-    load_tokenizer,
-)
-
-if TYPE_CHECKING:
-    import xgrammar
+from hybridserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class _Sequence:
-    """One generated sequence plus what turns its tokens into user-facing output, and how much of it was handed
-    out already (each step's output carries only what is new)."""
-
-    request: Request
-    index: int
-    detokenizer: IncrementalDetokenizer
-    text: StopStringMatcher
-    new_logprobs: list[dict[int, float]] | None = None  # of the tokens not handed out yet
-    cumulative_logprob: float | None = None
-    grammar: GrammarState | None = None  # where its output stands in the request's grammar (structured output)
-    num_reported: int = 0  # output tokens handed out
-    announced: bool = False  # handed out at least once (an empty sequence is announced too)
-    reported_finish: bool = False
-
-
-@dataclass(eq=False)
-class _Group:
-    """A user's request: one prompt and its n sequences (the first forks the others once the prompt is done)."""
-
-    request_id: str
-    prompt: str | None
-    params: SamplingParams
-    sequences: list[_Sequence]
-    prompt_logprobs: list[dict[int, float] | None] | None
-    grammar: xgrammar.CompiledGrammar | None = None  # structured output: each sequence matches it
-    error: str | None = None  # set when the request failed (and was aborted) while the others kept running
-    started: bool = False  # a delta was built (the prompt logprobs go out with the first)
-    total: RequestOutput | None = None  # the deltas so far, folded (CUMULATIVE and FINAL_ONLY requests)
-
-    @property
-    def finished(self) -> bool:
-        return self.error is not None or (
-            len(self.sequences) == self.params.n and all(s.request.finished for s in self.sequences))
 
 
 class LLMEngine:
@@ -112,10 +67,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.cache_manager, config.max_num_batched_tokens, config.chunked_prefill_size,
                                    config.state_checkpoint_interval, self.max_model_len, speculation)
         self._seeds = random.Random(config.seed)
-        self._groups: dict[str, _Group] = {}
-        self._sequences: dict[str, tuple[_Group, _Sequence]] = {}  # by the scheduler's request id
+        self.output_processor = OutputProcessor(self.scheduler, self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
         self.num_verify_rows = 0  # speculative decoding: rows that verified drafts, drafts proposed, accepted
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -162,7 +115,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         """Queue a request; bad prompts raise ValueError (nothing is queued then)."""
-        if request_id in self._groups:
+        if request_id in self.output_processor.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(token_ids)
@@ -171,25 +124,9 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         request = Request(request_id=request_id, prompt_token_ids=token_ids, params=params, seed=seed,
                           eos_token_ids=self.eos_token_ids, num_forks=params.n - 1)
-        group = _Group(request_id, prompt if isinstance(prompt, str) else None, params, [],
-                       [None] if params.prompt_logprobs is not None else None, grammar)
-        self._groups[request_id] = group
-        self._track(group, request)
+        self.output_processor.add(request, prompt if isinstance(prompt, str) else None, grammar)
         self.num_prompt_tokens += len(token_ids)
         self.scheduler.add(request)
-
-    def _track(self, group: _Group, request: Request) -> _Sequence:
-        params = group.params
-        sequence = _Sequence(request, len(group.sequences),
-                             IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
-                                                    params.skip_special_tokens),
-                             StopStringMatcher(params.stop, params.include_stop_str_in_output),
-                             grammar=GrammarState(group.grammar) if group.grammar is not None else None,
-                             new_logprobs=[] if params.logprobs is not None else None,
-                             cumulative_logprob=0.0 if params.logprobs is not None else None)
-        group.sequences.append(sequence)
-        self._sequences[request.request_id] = (group, sequence)
-        return sequence
 
     def validate_params(self, params: SamplingParams) -> None:
         """The checks of a request's parameters that depend on the model and this engine's limits."""
@@ -208,14 +145,8 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request wherever it is; its pages and state slots are freed at once."""
-        group = self._groups.pop(request_id, None)
-        if group is None:
-            return
-        for sequence in group.sequences:
-            self._sequences.pop(sequence.request.request_id, None)
-            if not sequence.request.finished:
-                self.scheduler.finish(sequence.request, "abort")
-        self._settle_discarded()
+        if self.output_processor.abort(request_id):
+            self._settle_discarded()
 
     def set_draft_source(self, source: DraftSource, force_acceptance: bool = False) -> None:
         """Replace where drafts come from (speculative decoding must be on): benchmarks and tests feed chosen drafts
@@ -250,7 +181,7 @@ class LLMEngine:
             "state_slots_cached": counts["slots_evictable"], "state_slots_total": counts["slots_total"],
             "prefix_cache_query_tokens": cache.prefix_query_tokens, "prefix_cache_hit_tokens": cache.prefix_hit_tokens,
             "prefix_cache_kv_match_tokens": cache.prefix_kv_match_tokens,
-            "prompt_tokens": self.num_prompt_tokens, "generation_tokens": self.num_generation_tokens,
+            "prompt_tokens": self.num_prompt_tokens, "generation_tokens": self.output_processor.num_generation_tokens,
             "preemptions": self.scheduler.num_preemptions,
             "spec_verify_rows": self.num_verify_rows, "spec_draft_tokens": self.num_draft_tokens,
             "spec_accepted_tokens": self.num_accepted_tokens,
@@ -299,13 +230,13 @@ class LLMEngine:
         draws are discarded); a request whose grammar fails here fails alone (its output is returned)."""
         if not handle.awaits_mask:
             return []
-        constrained: list[tuple[_Group, GrammarState, int]] = []  # (group, state, draws), a row per draw
+        constrained: list[tuple[Group, GrammarState, int]] = []  # (group, state, draws), a row per draw
         draw_rows: list[int] = []
         draw = 0
         for request, rows in zip(scheduled.requests, scheduled.plan.samples):
-            tracked = self._sequences.get(request.request_id)
-            if rows and tracked is not None and tracked[1].grammar is not None and not request.finished:
-                constrained.append((tracked[0], tracked[1].grammar, len(rows)))
+            sequence = self.output_processor.sequences.get(request.request_id)
+            if rows and sequence is not None and sequence.grammar is not None and not request.finished:
+                constrained.append((sequence.group, sequence.grammar, len(rows)))
                 draw_rows += range(draw, draw + len(rows))
             draw += len(rows)
         mask = TokenMask.allocate(draw_rows, self.vocab_size) if draw_rows else None
@@ -316,13 +247,13 @@ class LLMEngine:
             for i, ((group, _, count), row) in enumerate(zip(constrained, firsts)):
                 if i in errors:  # its draws are discarded: leave them unconstrained
                     if group.error is None:
-                        self._fail(group, errors[i])
+                        self.output_processor.fail(group, errors[i])
                         failed.append(group)
                     mask.bits[row] = -1
                 if count > 1:  # a prompt's forks draw from the same (initial) state
                     mask.bits[row + 1:row + count] = mask.bits[row]
         self.runner.draw_masked(mask)
-        return self._outputs(failed)
+        return self.output_processor.outputs(failed)
 
     def _mask_filler(self) -> MaskFiller:
         """Created on first use: xgrammar is imported only by engines that serve a grammar."""
@@ -339,45 +270,10 @@ class LLMEngine:
             self._process(scheduled, self.runner.collect(handle))
 
     def _process(self, scheduled: ScheduledStep, results: list[ChunkResult]) -> list[RequestOutput]:
-        """Append a finished step's tokens (stop checks, forks, failures) and build the outputs it produced."""
+        """Settle a finished step in the caches and turn its tokens into outputs."""
         accepted = self._accept_drafts(scheduled, results)
         self.cache_manager.settle(scheduled.cache, scheduled.requests)
-        progressed: dict[str, _Group] = {}
-        for request, result, chunk in zip(scheduled.requests, results, scheduled.plan.chunks):
-            tracked = self._sequences.get(request.request_id)
-            if tracked is None or request.finished:
-                continue  # aborted, or finished by the step before while this one ran: its work is discarded
-            group, sequence = tracked
-            if group.error is not None:
-                continue  # another sequence of the group failed earlier in this step
-            try:
-                if result.error is not None:
-                    raise result.error
-                if result.prompt_logprobs:
-                    group.prompt_logprobs.extend(result.prompt_logprobs)
-                if result.sampled:
-                    request.draft_token_ids = result.drafts
-                if chunk.num_drafts and result.sampled:  # the drawn tokens as far as they confirm the drafts
-                    request.num_pending -= 1
-                    for sampled in result.sampled[:accepted[request.serial] + 1]:
-                        self._append_token(sequence, sampled)
-                        if request.finished:
-                            break  # a stop inside the accepted run: the rest is dropped
-                    progressed[group.request_id] = group
-                elif result.sampled:
-                    first, *forks = result.sampled
-                    for sampled in forks:  # fork before the parent can finish and free what the children copy
-                        self._append_token(self._fork(group, request), sampled)
-                    for _ in range(request.num_forks - len(forks)):  # not drawn in this step: they draw later
-                        self._fork(group, request, drawn=False)
-                    request.num_forks = 0
-                    request.num_pending -= 1
-                    self._append_token(sequence, first)
-                    progressed[group.request_id] = group
-            except Exception as err:  # this request's failure: abort it alone, everyone else keeps going
-                self._fail(group, err)
-                progressed[group.request_id] = group
-        return self._outputs(list(progressed.values()))
+        return self.output_processor.process(scheduled, results, accepted)
 
     def _accept_drafts(self, scheduled: ScheduledStep, results: list[ChunkResult]) -> dict[int, int]:
         """Count each live verify row's accepted drafts (the same count the runner committed its state by) and roll
@@ -397,94 +293,3 @@ class LLMEngine:
             self.num_draft_tokens += len(drafts)
             self.num_accepted_tokens += n
         return accepted
-
-    def _outputs(self, progressed: list[_Group]) -> list[RequestOutput]:
-        """The outputs of groups that progressed; finished groups are forgotten."""
-        outputs = [output for group in progressed if (output := self._output(group)) is not None]
-        for group in progressed:
-            if group.finished:
-                del self._groups[group.request_id]
-                for sequence in group.sequences:
-                    del self._sequences[sequence.request.request_id]
-        return outputs
-
-    def _fork(self, group: _Group, parent: Request, drawn: bool = True) -> _Sequence:
-        index = len(group.sequences)
-        child = Request(request_id=f"{group.request_id}#{index}", prompt_token_ids=parent.prompt_token_ids,
-                        params=group.params, seed=parent.seed + index, eos_token_ids=self.eos_token_ids)
-        sequence = self._track(group, child)
-        self.scheduler.fork(parent, child, drawn)
-        return sequence
-
-    def _fail(self, group: _Group, err: Exception) -> None:
-        logger.error("request %s failed; aborting it alone", group.request_id, exc_info=err)
-        group.error = f"{type(err).__name__}: {err}"
-        for sequence in group.sequences:
-            if not sequence.request.finished:
-                self.scheduler.finish(sequence.request, "abort")
-
-    def _append_token(self, tracked: _Sequence, sampled: SampledToken) -> None:
-        request, params = tracked.request, tracked.request.params
-        stops = request.stop_token_hit(sampled.token_id)
-        request.output_token_ids.append(sampled.token_id)
-        self.num_generation_tokens += 1
-        if tracked.new_logprobs is not None:
-            entry = dict(sampled.top_logprobs or [])
-            entry[sampled.token_id] = sampled.logprob
-            tracked.new_logprobs.append(entry)
-            tracked.cumulative_logprob += sampled.logprob
-        if tracked.grammar is not None:
-            tracked.grammar.accept(sampled.token_id)
-        if tracked.text.add(tracked.detokenizer.add(sampled.token_id)):
-            request.stop_reason = tracked.text.matched
-            self.scheduler.finish(request, "stop")
-        elif stops:
-            request.stop_reason = None if sampled.token_id in self.eos_token_ids and \
-                sampled.token_id not in params.stop_token_ids else sampled.token_id
-            self.scheduler.finish(request, "stop")
-        elif tracked.grammar is not None and tracked.grammar.terminated:  # its stop token, under ignore_eos
-            self.scheduler.finish(request, "stop")
-        elif (params.max_tokens is not None and len(request.output_token_ids) >= params.max_tokens) \
-                or request.num_tokens >= self.max_model_len:
-            self.scheduler.finish(request, "length")
-
-    def _output(self, group: _Group) -> RequestOutput | None:
-        """This step's output of a group that progressed, by its output kind (None: nothing to hand out yet)."""
-        delta = self._delta(group)
-        kind = group.params.output_kind
-        if kind is RequestOutputKind.DELTA:
-            return delta
-        if group.total is None:
-            group.total = delta
-        else:
-            group.total.add(delta)
-        if kind is RequestOutputKind.CUMULATIVE:
-            return group.total.copy()
-        return group.total if group.finished else None
-
-    def _delta(self, group: _Group) -> RequestOutput:
-        """What is new in a group since its previous delta: per sequence the new tokens, their logprobs and the text
-        that became safe to show, in time proportional to that (sequences with nothing new are left out)."""
-        completions = []
-        for seq in group.sequences:
-            request = seq.request
-            if seq.reported_finish:
-                continue
-            tokens = request.output_token_ids[seq.num_reported:]
-            text = seq.text.release(request.finished)
-            if seq.announced and not (tokens or text or request.finished):
-                continue
-            logprobs = seq.new_logprobs
-            if logprobs is not None:
-                seq.new_logprobs = []
-            seq.num_reported += len(tokens)
-            seq.announced, seq.reported_finish = True, request.finished
-            completions.append(CompletionOutput(seq.index, text, tokens, request.finish_reason, request.stop_reason,
-                                                seq.cumulative_logprob, logprobs))
-        prompt_logprobs = list(group.prompt_logprobs) if group.prompt_logprobs and not group.started else None
-        group.started = True
-        first = group.sequences[0].request
-        return RequestOutput(request_id=group.request_id, prompt=group.prompt,
-                             prompt_token_ids=first.prompt_token_ids, outputs=completions, finished=group.finished,
-                             num_cached_tokens=first.num_cached_tokens or 0, prompt_logprobs=prompt_logprobs,
-                             error=group.error)

@@ -183,7 +183,7 @@ def test_an_uncompilable_spec_is_refused_before_anything_is_queued(demo_dir):
     for fields in ({"regex": "(unclosed"}, {"json": {"type": "nope"}}, {"regex": r"[^\s\S]"}):
         with pytest.raises(StructuredOutputError, match=f"invalid structured output {next(iter(fields))}="):
             engine.add_request("bad", "x", SamplingParams(structured_output=_spec(**fields)))
-        assert not engine.has_unfinished_requests() and "bad" not in engine._groups
+        assert not engine.has_unfinished_requests() and "bad" not in engine.output_processor.groups
     _run(engine, {"bad": ("x", SamplingParams(max_tokens=2))})  # the id was never taken
 
 
