@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from hybridserve.cache.kv_pool import KVPool
-from hybridserve.cache.memory import GiB, MemoryPlan, plan_memory
+from hybridserve.cache.memory import MemoryPlan, plan_memory
 from hybridserve.cache.state_pool import StatePool
 from hybridserve.config import EngineConfig
 from hybridserve.core.batch import (
@@ -21,10 +20,11 @@ from hybridserve.core.batch import (
 from hybridserve.core.parallel import tp_rank
 from hybridserve.core.step import CacheOps, ChunkResult, StepPlan
 from hybridserve.core.upload import upload
-from hybridserve.layers.sampler import Draws, Sampler, logprob_dicts, penalty_rows
+from hybridserve.layers.sampler import Draws, Sampler, logprob_dicts
 from hybridserve.loader import read_config
 from hybridserve.ops.backends import all_triton, select_kernels
 from hybridserve.runtime.cuda_graphs import DecodeGraphs, capture_sizes
+from hybridserve.runtime.memory_profile import cache_budget
 from hybridserve.runtime.model_loader import build_model, resolve_dtype
 from hybridserve.runtime.prefill_graphs import MAX_ROWS, PrefillGraphs, prefill_sizes
 from hybridserve.runtime.tensor_parallel import ControlChannel
@@ -67,11 +67,6 @@ class StepHandle:
     def awaits_mask(self) -> bool:
         return self.pending is not None
 
-_CPU_CACHE_BYTES = 1 * GiB
-_GRAPH_POOL_HEADROOM = 64 << 20
-_NON_TORCH_HEADROOM = 1 * GiB  # the CUDA context, cuBLAS workspaces and the like, outside torch's allocator
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: str, channel: ControlChannel | None = None):
         """`channel`: with tensor parallelism, the control channel to the other ranks (rank 0 sends them every call
@@ -101,8 +96,10 @@ class ModelRunner:
         page_bytes = full_spec.bytes_per_token() * config.page_size
         if self.page_footers:
             page_bytes += state_spec.bytes_per_slot()
+        budget = cache_budget(self)
+        self.graph_reserve = budget.graph_reserve  # of the device memory left beside the caches
         self.memory = plan_memory(
-            self._agreed(self._cache_budget()), page_bytes, state_spec.bytes_per_slot(),
+            self._agreed(budget.bytes), page_bytes, state_spec.bytes_per_slot(),
             max_running_requests=config.max_running_requests, state_to_kv_ratio=config.state_to_kv_ratio,
             slots_per_request=1 + config.checkpoint_slots_per_request if self.sparse_checkpoints else 1,
             num_speculative_tokens=config.num_speculative_tokens, max_state_slots=config.max_state_slots,
@@ -125,7 +122,7 @@ class ModelRunner:
         self.state_pool = StatePool(state_spec, self.memory.num_state_slots + k * self.memory.max_running_requests,
                                     self.device)
         self.footer_pool = StatePool(state_spec, self.memory.num_pages, self.device) if self.page_footers else None
-        self._bind(self.kv_pool, self.window_pool, self.state_pool, self.footer_pool)
+        self.bind_pools(self.kv_pool, self.window_pool, self.state_pool, self.footer_pool)
         self.sampler = Sampler(config.max_running_requests)
         self.tables: PageTables | None = None
         self.graphs: DecodeGraphs | None = None
@@ -181,9 +178,9 @@ class ModelRunner:
     def create_tables(self, max_rows: int, max_model_len: int) -> None:
         """The persistent device page/slot tables: one row per running sequence, wide enough for max_model_len."""
         self._tell_workers("create_tables", max_rows, max_model_len)
-        self.tables = self._page_tables(max_rows, max_model_len, window=self.window_pool is not None)
+        self.tables = self.page_tables(max_rows, max_model_len, window=self.window_pool is not None)
 
-    def _page_tables(self, rows: int, max_model_len: int, window: bool) -> PageTables:
+    def page_tables(self, rows: int, max_model_len: int, window: bool) -> PageTables:
         """Page/slot tables of `rows` rows wide enough for max_model_len (with a window group's table if asked)."""
         # Speculative rows reach up to 2k positions past their last token (verify padding, an MTP chain).
         width = -(-(max_model_len + 2 * self.config.num_speculative_tokens) // self.config.page_size) + 1
@@ -196,10 +193,10 @@ class ModelRunner:
         self._tell_workers("capture_graphs", max_rows, max_model_len)
         if not self.use_graphs:
             return
-        self.prefill_graphs, self.verify_graphs, self.graphs = self._capture(
+        self.prefill_graphs, self.verify_graphs, self.graphs = self.build_graphs(
             self.tables, min(self.graph_rows(), max_rows), max_model_len)
 
-    def _capture(self, tables: PageTables, rows: int, max_model_len: int
+    def build_graphs(self, tables: PageTables, rows: int, max_model_len: int
                  ) -> tuple[PrefillGraphs | None, DecodeGraphs | None, DecodeGraphs | None]:
         """(prefill, verify, decode) graphs over `tables`, decode graphs of up to `rows` rows, all in one pool."""
         k = self.config.num_speculative_tokens
@@ -218,7 +215,7 @@ class ModelRunner:
                                   self.device, capture=True, pool=pool)
         return prefill, verify, decode
 
-    def _with_window_pages(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+    def with_window_pages(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
         """Chunks that run outside the scheduler (warm-up, profiling) use the same page ids in the window group.
         Keyed on `sliding_window`, which is set before the pools (the profiling forward runs before they exist)."""
         if self.sliding_window is not None:
@@ -233,7 +230,7 @@ class ModelRunner:
         steps = warmup_batches(self.config.max_num_batched_tokens, max_rows, max_model_len, self.config.page_size,
                                self.config.num_speculative_tokens)
         for chunks in steps:
-            batch = build_forward_batch(self._with_window_pages(chunks), self.config.page_size, self.device,
+            batch = build_forward_batch(self.with_window_pages(chunks), self.config.page_size, self.device,
                                         self.model.history_len)
             hidden = self.model(batch)
             self.model.compute_logits(hidden[batch.logits_indices])
@@ -256,96 +253,12 @@ class ModelRunner:
     def memory_plan(self) -> MemoryPlan:
         return self.memory
 
-    def _bind(self, kv: KVPool, window: KVPool | None, state: StatePool, footers: StatePool | None) -> None:
+    def bind_pools(self, kv: KVPool, window: KVPool | None, state: StatePool, footers: StatePool | None) -> None:
         """Bind every layer to its caches: a sliding-window layer's KV to the window group's pool."""
         layers = range(state.spec.num_layers)
         footer_layers = [footers.layer(i) for i in layers] if footers is not None else None
         kv_layers = [(window if in_window else kv).layer(i) for in_window, i in self.kv_spec.layer_groups()]
         self.model.bind_caches(kv_layers, [state.layer(i) for i in layers], footer_layers)
-
-    def _bind_temporary(self, pages: int, state_slots: int, footers: bool) -> tuple:
-        """Caches of `pages` pages and `state_slots` state slots (and as many footer slots as pages, if asked),
-        bound to the layers for a forward outside the engine's own caches (memory profiling); -> (kv, window,
-        state, footers), to be dropped by the caller."""
-        full_spec, window_spec = self.kv_spec.groups()
-        size = self.config.page_size
-        kv = KVPool(full_spec, pages, size, self.device)
-        window = KVPool(window_spec, pages, size, self.device) if window_spec is not None else None
-        state_spec = self.model.state_spec(self.dtype)
-        state = StatePool(state_spec, state_slots, self.device)
-        footer_pool = StatePool(state_spec, pages, self.device) if footers else None
-        self._bind(kv, window, state, footer_pool)
-        return kv, window, state, footer_pool
-
-    def _cache_budget(self) -> int:
-        """Bytes for the caches: the CPU budget, or on CUDA this engine's share of the device minus what it holds,
-        the activation peak of a profiling forward at the largest batch, the sampler's penalty counts and, with
-        CUDA graphs, what a trial capture of them took (their memory pool stays held beside the activations of
-        eager steps)."""
-        self.graph_reserve = 0
-        if self.device.type == "cpu":
-            return self.config.kv_cache_memory_bytes or _CPU_CACHE_BYTES
-        tokens = self.config.max_num_batched_tokens
-        peak = self._profile_activations([ScheduledChunk([0] * tokens, 0, [], 1, False, [tokens - 1])],
-                                         min(tokens, self.config.max_running_requests))
-        if self.use_graphs:
-            self.graph_reserve = _GRAPH_POOL_HEADROOM + self._graph_pool_bytes()
-            logger.info("memory plan: %.0f MiB reserved for the CUDA graphs (what a trial capture of them took)",
-                        self.graph_reserve / 2**20)
-            peak += self.graph_reserve
-        # The sampler's penalty counts (fp32 count + bool flag per vocabulary entry and penalty row), allocated
-        # when a request first uses a penalty.
-        peak += penalty_rows(self.config.max_running_requests) * self.model_config.vocab_size * 5
-        # Per instance: gpu_memory_utilization caps what this engine holds (its tensors, the headroom for what is
-        # not torch's), whatever other processes on the device use; the caches never take more than is free.
-        free, total = torch.cuda.mem_get_info(self.device)
-        held = torch.cuda.memory_reserved(self.device) + _NON_TORCH_HEADROOM
-        return int(min(total * self.config.gpu_memory_utilization - held, free - _NON_TORCH_HEADROOM) - peak)
-
-    @torch.inference_mode()
-    def _graph_pool_bytes(self) -> int:
-        """Device memory that capturing every graph takes, measured by capturing them once on temporary one-page
-        caches (their padding touches only the dummy page and slot) with the largest row counts and context the
-        engine may get, then releasing them. A profiled peak of live tensors undercounts the pool: the graphs of
-        all sizes share its blocks only in part (the pool's segments split and fragment), and the shortfall was a
-        fifth to a half of it (H200: 400 MiB of prefill graphs against a 341 MiB reserve at two layers, 1,252 MiB
-        against 906 MiB at 40 layers)."""
-        caches = self._bind_temporary(1, 1, self.page_footers)
-        rows = self.graph_rows()
-        max_model_len = self.config.max_model_len or self.model_config.max_position_embeddings
-        tables = self._page_tables(rows, max_model_len, window=caches[1] is not None)  # [1]: the window pool
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        before = torch.cuda.memory_reserved(self.device)
-        graphs = self._capture(tables, rows, max_model_len)
-        torch.cuda.synchronize(self.device)
-        taken = torch.cuda.memory_reserved(self.device) - before
-        del graphs, tables, caches
-        gc.collect()  # the graphs (and their pool) go with their last reference
-        torch.cuda.empty_cache()
-        return taken
-
-    @torch.inference_mode()
-    def _profile_activations(self, chunks: list[ScheduledChunk], logits_rows: int) -> int:
-        """Peak extra memory of one forward over `chunks` (given pages here, on temporary caches) plus the logits
-        of `logits_rows` rows."""
-        size = self.config.page_size
-        pages = 1
-        for chunk in chunks:
-            chunk.page_ids = list(range(pages, pages + -(-len(chunk.token_ids) // size)))
-            pages += len(chunk.page_ids)
-        caches = self._bind_temporary(pages, 2, footers=False)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        batch = build_forward_batch(self._with_window_pages(chunks), size, self.device, self.model.history_len)
-        hidden = self.model(batch)
-        self.model.compute_logits(hidden[:logits_rows])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - before
-        del caches, batch, hidden
-        torch.cuda.empty_cache()
-        return peak
 
     def _before_forward(self, ops: CacheOps) -> None:
         """The cache manager's work that precedes the forward (its snapshots follow it): new and truncated table

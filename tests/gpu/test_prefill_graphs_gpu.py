@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hybridserve import LLM, SamplingParams
+from hybridserve.runtime.memory_profile import graph_pool_bytes
 from tests.gpu.models import largest_logprob_difference, write_two_layer_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -89,8 +90,8 @@ def test_graph_prefill_matches_eager(tmp_path: Path) -> None:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     held = torch.cuda.memory_reserved()
-    taken = runner._graph_pool_bytes()
-    runner._bind(runner.kv_pool, runner.window_pool, runner.state_pool, runner.footer_pool)
+    taken = graph_pool_bytes(runner)
+    runner.bind_pools(runner.kv_pool, runner.window_pool, runner.state_pool, runner.footer_pool)
     print(f"trial capture: {taken / 2**20:.0f} MiB; reserved before {held / 2**20:.0f} MiB, after "
           f"{torch.cuda.memory_reserved() / 2**20:.0f} MiB")
     assert pool <= taken and torch.cuda.memory_reserved() <= held + (16 << 20)
