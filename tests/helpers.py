@@ -8,7 +8,8 @@ import torch
 
 from hybridserve.cache.kv_pool import KVPool
 from hybridserve.cache.state_pool import StatePool
-from hybridserve.core.batch import ForwardBatch, ScheduledChunk, build_forward_batch
+from hybridserve.core.batch import ForwardBatch, build_forward_batch
+from hybridserve.core.chunk import ScheduledChunk
 from hybridserve.demo import copy_bundled_tokenizer
 
 

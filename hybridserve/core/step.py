@@ -1,11 +1,11 @@
 """StepPlan: everything the model runner needs for one step, as host data (what rank 0 would broadcast), and what
-the runner hands back per chunk. Imports only `core.batch` and the leaf `sampling` module, so the scheduler and the
+the runner hands back per chunk. Imports only `core.chunk` and the leaf `sampling` module, so the scheduler and the
 runner share it without either importing the other (or `layers/`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybridserve.core.batch import ScheduledChunk
+from hybridserve.core.chunk import ScheduledChunk
 from hybridserve.sampling import SamplingParams
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from hybridserve.core.batch import FUTURE_TOKEN, ScheduledChunk
+from hybridserve.core.chunk import FUTURE_TOKEN, ScheduledChunk
 from hybridserve.core.step import PromptLogprobTargets, SamplingRow, StepPlan
 from hybridserve.engine.cache_manager import HybridCacheManager, StepCache
 from hybridserve.engine.request import Request, RequestStatus

@@ -39,13 +39,13 @@ from hybridserve.core.batch import (
     ForwardBatch,
     HostPack,
     PageTables,
-    ScheduledChunk,
     VerifyLayout,
     decode_token_history,
     future_inputs,
     kv_row,
     resolve_future_inputs,
 )
+from hybridserve.core.chunk import ScheduledChunk
 from hybridserve.core.staging import StagingBuffers
 from hybridserve.core.upload import upload
 from hybridserve.runtime.warmup import DUMMY_PAGE, DUMMY_SLOT

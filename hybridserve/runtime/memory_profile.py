@@ -19,7 +19,8 @@ from hybridserve.cache.kv_pool import KVCacheSpec, KVPool
 from hybridserve.cache.memory import GiB
 from hybridserve.cache.state_pool import StatePool
 from hybridserve.config import EngineConfig
-from hybridserve.core.batch import PageTables, ScheduledChunk, build_forward_batch
+from hybridserve.core.batch import PageTables, build_forward_batch
+from hybridserve.core.chunk import ScheduledChunk
 from hybridserve.layers.sampler import penalty_rows
 
 logger = logging.getLogger(__name__)

@@ -11,12 +11,8 @@ from hybridserve.cache.kv_pool import KVPool
 from hybridserve.cache.memory import MemoryPlan, plan_memory
 from hybridserve.cache.state_pool import StatePool
 from hybridserve.config import EngineConfig
-from hybridserve.core.batch import (
-    ForwardBatch,
-    PageTables,
-    ScheduledChunk,
-    build_forward_batch,
-)
+from hybridserve.core.batch import ForwardBatch, PageTables, build_forward_batch
+from hybridserve.core.chunk import ScheduledChunk
 from hybridserve.core.parallel import tp_rank
 from hybridserve.core.step import CacheOps, ChunkResult, StepPlan
 from hybridserve.core.upload import upload

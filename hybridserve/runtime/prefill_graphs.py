@@ -36,7 +36,6 @@ import torch
 from hybridserve.core.batch import (
     ForwardBatch,
     PageTables,
-    ScheduledChunk,
     future_inputs,
     host_tensor,
     kv_rows,
@@ -44,6 +43,7 @@ from hybridserve.core.batch import (
     resolve_future_inputs,
     token_history,
 )
+from hybridserve.core.chunk import ScheduledChunk
 from hybridserve.core.staging import StagingBuffers
 from hybridserve.core.upload import upload
 from hybridserve.ops.backends import all_triton

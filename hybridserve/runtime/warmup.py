@@ -11,7 +11,7 @@ request's cache; the caller zeroes those dummies afterwards.
 """
 from __future__ import annotations
 
-from hybridserve.core.batch import ScheduledChunk
+from hybridserve.core.chunk import ScheduledChunk
 
 DUMMY_PAGE = 0
 DUMMY_SLOT = 0

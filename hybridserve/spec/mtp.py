@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridserve.core.batch import ForwardBatch, HostPack, ScheduledChunk
+from hybridserve.core.batch import ForwardBatch, HostPack
+from hybridserve.core.chunk import ScheduledChunk
 
 
 @dataclass

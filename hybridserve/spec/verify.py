@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridserve.cache.state_pool import StatePool
-from hybridserve.core.batch import ScheduledChunk
+from hybridserve.core.chunk import ScheduledChunk
 from hybridserve.core.upload import upload
 
 

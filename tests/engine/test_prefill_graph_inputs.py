@@ -14,7 +14,7 @@ import torch
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.config import EngineConfig
-from hybridserve.core.batch import ScheduledChunk
+from hybridserve.core.chunk import ScheduledChunk
 from hybridserve.runtime.prefill_graphs import PrefillGraphs, prefill_sizes
 
 

@@ -10,7 +10,8 @@ import torch
 import torch.multiprocessing as mp
 
 from hybridserve.config import EngineConfig
-from hybridserve.core.batch import ScheduledChunk, build_forward_batch
+from hybridserve.core.batch import build_forward_batch
+from hybridserve.core.chunk import ScheduledChunk
 from hybridserve.runtime.tensor_parallel import free_local_port
 
 PAGE = 4

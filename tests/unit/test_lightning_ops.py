@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridserve.core.batch import ScheduledChunk, build_forward_batch
+from hybridserve.core.batch import build_forward_batch
+from hybridserve.core.chunk import ScheduledChunk
 from hybridserve.layers.norm import GroupRMSNorm
 from hybridserve.ops.reference import lightning as reference
 from hybridserve.ops.reference.lightning import lightning_decode, lightning_prefill

@@ -6,7 +6,8 @@ from unittest import mock
 
 import torch
 
-from hybridserve.core.batch import HostPack, PageTables, ScheduledChunk
+from hybridserve.core.batch import HostPack, PageTables
+from hybridserve.core.chunk import ScheduledChunk
 
 
 def _row(table_row: int, pages: list[int], slot: int, window: list[int] | None = None) -> ScheduledChunk:

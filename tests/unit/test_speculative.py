@@ -10,7 +10,7 @@ import torch
 from hybridserve.cache.state_pool import StateField, StatePool, StateSpec
 from hybridserve.cli import _engine_kwargs, build_parser
 from hybridserve.config import EngineConfig, SpeculativeConfig
-from hybridserve.core.batch import ScheduledChunk
+from hybridserve.core.chunk import ScheduledChunk
 from hybridserve.core.step import SamplingRow
 from hybridserve.layers.sampler import Sampler
 from hybridserve.models.registry import check_speculative
