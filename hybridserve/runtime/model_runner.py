@@ -14,7 +14,7 @@ from hybridserve.config import EngineConfig
 from hybridserve.core.batch import ForwardBatch, PageTables, build_forward_batch
 from hybridserve.core.chunk import ScheduledChunk
 from hybridserve.core.parallel import tp_rank
-from hybridserve.core.step import CacheOps, ChunkResult, StepPlan
+from hybridserve.core.step import CacheOps, ChunkResult, SamplingRow, StepPlan
 from hybridserve.core.upload import upload
 from hybridserve.layers.sampler import Draws, Sampler, logprob_dicts
 from hybridserve.loader import read_config
@@ -45,6 +45,26 @@ class DraftWork:
 
 
 @dataclass
+class ChunkDraws:
+    """One chunk's draws: where its results go, its sampling rows and the logits row each row draws from."""
+
+    result: ChunkResult
+    rows: list[SamplingRow]
+    logits_rows: list[int]
+
+
+@dataclass
+class StepDraws:
+    """A launched step's draws to make from its wanted logits rows, in plan order; its verify rows (chunk, index of
+    its first draw), whose state is committed after the draws; and each chunk's first draw (None: no draw)."""
+
+    logits: torch.Tensor
+    chunks: list[ChunkDraws]
+    verify: list[tuple[ScheduledChunk, int]]
+    first_draws: list[int | None]
+
+
+@dataclass
 class StepHandle:
     """A launched step: its chunks' results (filled by `collect`), the draws still on their way to the host, and
     how many of them (in plan order) each result takes. A step with grammar rows keeps its logits, sampling rows
@@ -54,7 +74,7 @@ class StepHandle:
     results: list[ChunkResult]
     draws: list[Draws] = field(default_factory=list)
     draw_counts: list[tuple[ChunkResult, int]] = field(default_factory=list)
-    pending: tuple[torch.Tensor, list[tuple[ChunkResult, list, list[int]]], list] | None = None
+    pending: StepDraws | None = None
     draft_work: DraftWork | None = None
     drafts: torch.Tensor | None = None  # [R, k] the draft layer's proposals (MTP)
     draft_results: list[ChunkResult | None] = field(default_factory=list)  # whose each row is (None: nobody's)
@@ -308,17 +328,17 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[batch.logits_indices])
         # Snapshots: before a verify row's commit (at the draws) changes its working slot.
         self._copy_slots(plan.cache_ops.snapshots, self.state_pool)
-        sampling, verify, first_draws = self._score(plan, handle, logits)
+        draws = self._score(plan, handle, logits)
         if self.drafter is not None:
-            handle.draft_work = DraftWork(chunks, first_draws, graphs=graphs) if graphs is not None else \
-                DraftWork(chunks, first_draws, batch, hidden)
-        if not sampling:
+            handle.draft_work = DraftWork(chunks, draws.first_draws, graphs=graphs) if graphs is not None else \
+                DraftWork(chunks, draws.first_draws, batch, hidden)
+        if not draws.chunks:
             self._draft(handle, None)
             if logits.shape[0]:
                 self.sampler.end_step()
             return handle
-        handle.pending = (logits, sampling, verify)
-        if any(row.params.structured_output is not None for _, rows, _ in sampling for row in rows):
+        handle.pending = draws
+        if any(row.params.structured_output is not None for entry in draws.chunks for row in entry.rows):
             self._awaiting_mask = handle  # the engine fills the masks while the forward runs: draw_masked
         else:
             self._draw(handle, None)
@@ -337,12 +357,12 @@ class ModelRunner:
 
     def _draw(self, handle: StepHandle, mask: TokenMask | None) -> None:
         """The step's draws, then (speculative decoding) the verify rows' commit and the draft layer's drafts."""
-        logits, sampling, verify = handle.pending
-        handle.pending = None
-        handle.draws = self._sample(logits, sampling, mask)
-        handle.draw_counts = [(result, len(rows)) for result, rows, _ in sampling]
+        pending, handle.pending = handle.pending, None
+        handle.draws = self._sample(pending.logits, pending.chunks, mask)
+        handle.draw_counts = [(entry.result, len(entry.rows)) for entry in pending.chunks]
         tokens = [draws.tokens for draws in handle.draws]
         self._drawn_tokens = tokens[0] if len(tokens) == 1 else torch.cat(tokens)
+        verify = pending.verify
         accepted = commit_states(self.state_pool, self._drawn_tokens, verify) if verify else None
         self._draft(handle, accepted)
         for draws in handle.draws:
@@ -378,10 +398,8 @@ class ModelRunner:
             return verify
         return None
 
-    def _score(self, plan: StepPlan, handle: StepHandle, logits: torch.Tensor) -> tuple[list, list, list]:
-        """Prompt logprobs from `logits` (the wanted rows, in plan order), and the step's draws to make ->
-        (sampling entries (result, rows, logits rows), verify entries (chunk, its first draw), each chunk's first
-        draw in the step's draws or None)."""
+    def _score(self, plan: StepPlan, handle: StepHandle, logits: torch.Tensor) -> StepDraws:
+        """Prompt logprobs from `logits` (the wanted rows, in plan order), and the step's draws to make."""
         row, sampling, verify, first_draw, first_draws = 0, [], [], 0, []
         for chunk, result, targets, rows in zip(plan.chunks, handle.results, plan.prompt_logprobs, plan.samples):
             first_draws.append(first_draw if rows else None)
@@ -398,12 +416,13 @@ class ModelRunner:
             if rows:
                 # Forks draw from the prompt's last logits row; a verify row draws at each of its positions.
                 span = len(rows) if chunk.num_drafts else 1
-                sampling.append((result, rows, list(range(row, row + span)) if span > 1 else [row] * len(rows)))
+                sampling.append(ChunkDraws(result, rows, list(range(row, row + span)) if span > 1 else
+                                           [row] * len(rows)))
                 if chunk.num_drafts:
                     verify.append((chunk, first_draw))
                 row += span
                 first_draw += len(rows)
-        return sampling, verify, first_draws
+        return StepDraws(logits, sampling, verify, first_draws)
 
     def collect(self, handle: StepHandle) -> list[ChunkResult]:
         """Wait for a launched step's sampled tokens and hand them to each chunk's result."""
@@ -418,29 +437,28 @@ class ModelRunner:
                     result.drafts = drafts
         return handle.results
 
-    def _sample(self, logits: torch.Tensor, sampling: list[tuple[ChunkResult, list, list[int]]],
-                mask: TokenMask | None) -> list[Draws]:
+    def _sample(self, logits: torch.Tensor, sampling: list[ChunkDraws], mask: TokenMask | None) -> list[Draws]:
         """All draws of the step in one sampler call, in plan order (the order `future_token` indexes). If that
         fails, chunk by chunk: a failure then stays with the request that caused it (its result's `error`; its
         draws are placeholder tokens 0, which the engine discards) and every other request still gets its tokens
         (draws depend only on their own row, so they are the same either way)."""
-        def draw(entries: list[tuple[ChunkResult, list, list[int]]], entry_mask: TokenMask | None) -> list[Draws]:
-            draw_rows = [row for _, _, logits_rows in entries for row in logits_rows]
+        def draw(entries: list[ChunkDraws], entry_mask: TokenMask | None) -> list[Draws]:
+            draw_rows = [row for entry in entries for row in entry.logits_rows]
             contiguous = draw_rows == list(range(draw_rows[0], draw_rows[0] + len(draw_rows)))
             picked = logits[draw_rows[0]:draw_rows[0] + len(draw_rows)] if contiguous else \
                 logits[upload(draw_rows, logits.device, torch.long)]
-            return self.sampler.draw(picked, [r for _, rows, _ in entries for r in rows], entry_mask)
+            return self.sampler.draw(picked, [r for entry in entries for r in entry.rows], entry_mask)
 
         try:
             return draw(sampling, mask)
         except Exception:
             out, first = [], 0
             for entry in sampling:
-                count = len(entry[1])
+                count = len(entry.rows)
                 try:
                     out += draw([entry], mask.restrict(first, first + count) if mask is not None else None)
                 except Exception as err:
-                    entry[0].error = err
+                    entry.result.error = err
                     out.append(Draws.placeholder(count, logits.device))
                 first += count
             return out
