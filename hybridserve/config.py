@@ -1,7 +1,7 @@
 """EngineConfig: every engine knob with its default and validation, in one place."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -162,9 +162,6 @@ class EngineConfig:
               "weight scales, per-token activation scales); FP8 checkpoints (compressed-tensors, block FP8) need "
               "nothing: their config.json says so", flags=("--quantization", "-q"),
         choices=[q for q in QUANTIZATIONS if q is not None], default_help="none: as the checkpoint is")
-    state_dtype: str = option("auto", "the recurrent state's dtype: auto = each model's own (the ZAYA1 conv window in "
-                                      "the model dtype, the Ling lightning state in fp32), the only value so far",
-                              choices=["auto"])
     kv_cache_dtype: str = option("auto", "the KV cache's dtype: auto = the model's (FP8 KV caches are not served yet)",
                                  choices=["auto"])  # the only value served so far
     max_logprobs: int = option(MAX_LOGPROBS, "most logprobs a request may ask for per token (logprobs, "
@@ -218,8 +215,6 @@ class EngineConfig:
             fail("load_format", f"must be one of {', '.join(LOAD_FORMATS)}")
         if self.quantization not in QUANTIZATIONS:
             fail("quantization", f"must be one of {', '.join(map(str, QUANTIZATIONS))}")
-        if self.state_dtype != "auto":
-            fail("state_dtype", "must be auto (each model's own state dtype)")
         if self.kv_cache_dtype != "auto":
             fail("kv_cache_dtype", "must be auto (the model's dtype): FP8 KV caches are not served yet")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -16,7 +16,7 @@ def test_serve_help_documents_every_contract_option(capsys):
     help_text = capsys.readouterr().out
     for option in ("MODEL", "--host", "--port", "--tp", "--tensor-parallel-size", "--max-model-len",
                    "--max-running-requests", "--chunked-prefill-size", "--enable-prefix-caching",
-                   "--disable-prefix-caching", "--state-dtype", "--state-to-kv-ratio", "--max-state-slots",
+                   "--disable-prefix-caching", "--state-to-kv-ratio", "--max-state-slots",
                    "--gpu-memory-utilization", "--served-model-name", "--dtype", "--device", "--enforce-eager",
                    "--cuda-graph-max-bs", "--load-format", "--disable-overlap-schedule"):
         assert option in help_text, option
