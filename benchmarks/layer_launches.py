@@ -54,9 +54,10 @@ class CountedModel:
 
 
 MODELS = {
-    "zaya": CountedModel(tiny_zaya_config, ("attention", "conv", "norm", "zaya_router", "moe", "linear")),
+    "zaya": CountedModel(tiny_zaya_config, ("attention", "conv", "norm", "zaya_router", "moe", "linear",
+                                            "fp8_linear", "fp8_moe")),
     "ling": CountedModel(tiny_ling_config, ("attention", "moe", "router", "lightning", "ling_norm", "activation",
-                                            "linear")),
+                                            "linear", "fp8_linear", "fp8_moe")),
 }
 
 
@@ -131,9 +132,10 @@ def _counted(spec: CountedModel, model: torch.nn.Module, counter: _AtenCounter):
         yield
 
 
-def decode_step_launches(name: str, num_layers: int, batch_size: int) -> dict[int | str, Counter]:
+def decode_step_launches(name: str, num_layers: int, batch_size: int, quantization: str | None = None
+                         ) -> dict[int | str, Counter]:
     """Launch counts of one decode forward by layer index (and "outside"): rows at prefix 3 over zeroed caches (the
-    values do not matter)."""
+    values do not matter). `quantization`: the engine's option ("fp8": the projections and experts online FP8)."""
     from hybridserve.cache.kv_pool import KVPool
     from hybridserve.cache.state_pool import StatePool
     from hybridserve.core.batch import ScheduledChunk, build_forward_batch
@@ -145,7 +147,7 @@ def decode_step_launches(name: str, num_layers: int, batch_size: int) -> dict[in
     dtype, device, page_size = torch.float16, torch.device("cpu"), 16
     with tempfile.TemporaryDirectory() as directory:
         write_random_checkpoint(Path(directory), spec.config(num_layers))
-        model, _ = build_model(directory, dtype, device)
+        model, _ = build_model(directory, dtype, device, quantization=quantization)
     kv_layers = model.kv_cache_spec(dtype).num_layers
     state_layers = model.state_spec(dtype).num_layers
     kv = KVPool(model.kv_cache_spec(dtype), batch_size + 1, page_size, device)

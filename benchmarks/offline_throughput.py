@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import random
 import shutil
 import statistics
@@ -432,6 +433,7 @@ def main() -> None:
                         help="with FP8: also run our engine on the 16-bit weights and report FP8 / bf16")
     parser.add_argument("--out", default=None, help="write the results here as JSON")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the engine's weights and memory plan
     args.load_format = args.load_format or ("dummy" if args.model_type == "ling" else "auto")
     fp8 = args.quantization is not None or args.fp8_checkpoint is not None
     if args.fp8_checkpoint is not None and (args.load_format != "dummy" or args.model is not None):

@@ -1,8 +1,9 @@
 """Where one engine step's time goes: wall time per step, split into prefill and decode steps, and a torch.profiler
 table of a few decode steps (host time by op, device time by kernel), on the offline benchmark's workload.
 
-The model is the offline benchmark's ZAYA1-8B widths (`--layers` of them) with random weights drawn on the device
-(`load_format="dummy"`: the timing does not depend on the values) and the workload its scenario (`--scenario`,
+The model is the offline benchmark's random one at full widths (ZAYA1-8B, or Ling-2.6-flash with `--model-type ling`;
+`--layers` of them, its MTP layer with `--mtp-layer`) with random weights drawn on the device (`load_format="dummy"`:
+the timing does not depend on the values; FP8 ones with `--quantization fp8` or `--fp8-checkpoint channel|block`) and the workload its scenario (`--scenario`,
 seeded sampling at temperature 0.6), so the numbers explain that benchmark's rates. The profiled steps are decode
 steps in the middle of a run, or for the prefill scenario the first steps (all prefill). The summary's
 `device_busy_ms_per_step` (kernel time summed over the profiled steps) next to `wall_ms_per_step` says whether a
@@ -14,6 +15,7 @@ the prefill scenario `host` is that split for the whole scenario's prompts (its 
 (where the time of a constrained step goes). Prefix caching is off, as in the offline benchmark.
 
     python benchmarks/profile_step.py --layers 40 --scenario b64 [--json-grammar] [--out profile.json]
+    python benchmarks/profile_step.py --model-type ling --mtp-layer --fp8-checkpoint block --scenario b1
 """
 from __future__ import annotations
 
@@ -24,7 +26,6 @@ import json
 import pstats
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,9 +35,9 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.offline_throughput import BENCH_GRAMMAR, SCENARIOS, workload, zaya1_8b_config  # noqa: E402
+from benchmarks.offline_throughput import BENCH_GRAMMAR, FP8_CHECKPOINTS, SCENARIOS, make_random_model, \
+    workload  # noqa: E402
 from hybridserve import LLM, SamplingParams  # noqa: E402
-from hybridserve.demo import copy_bundled_tokenizer  # noqa: E402
 from hybridserve.outputs import RequestOutputKind  # noqa: E402
 
 
@@ -149,7 +150,12 @@ def _table(trace, key: str, limit: int) -> list[tuple[str, int, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=40)
+    parser.add_argument("--model-type", default="zaya", choices=["zaya", "ling"])
+    parser.add_argument("--layers", type=int, default=None, help="default: the model's real depth")
+    parser.add_argument("--mtp-layer", action="store_true", help="the Ling model carries its MTP layer")
+    parser.add_argument("--quantization", default=None, choices=["fp8"], help="online FP8 (random FP8 weights)")
+    parser.add_argument("--fp8-checkpoint", default=None, choices=sorted(FP8_CHECKPOINTS),
+                        help="the random model is an FP8 checkpoint of this layout")
     parser.add_argument("--scenario", default="b64", choices=list(SCENARIOS))
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--profile-steps", type=int, default=4)
@@ -163,11 +169,9 @@ def main() -> None:
     args = parser.parse_args()
     grammar = BENCH_GRAMMAR if args.json_grammar else None
 
-    directory = Path(tempfile.mkdtemp(prefix="zaya-profile-"))
+    directory = make_random_model(args.model_type, "full", args.layers, "dummy", args.mtp_layer, args.fp8_checkpoint)
     try:
-        (directory / "config.json").write_text(json.dumps(zaya1_8b_config(args.layers), indent=2))
-        copy_bundled_tokenizer(directory)
-        llm = LLM(str(directory), use_tqdm=False, dtype="bfloat16", load_format="dummy",
+        llm = LLM(directory, use_tqdm=False, dtype="bfloat16", load_format="dummy", quantization=args.quantization,
                   device="cuda" if torch.cuda.is_available() else "cpu", enable_prefix_caching=False)
         prompts, outputs = workload(SCENARIOS[args.scenario], 0)
         _timed_steps(llm, prompts[:2], [4] * len(prompts[:2]), args.temperature, grammar)  # warm-up, compile

@@ -7,6 +7,8 @@ selection, each split by columns), the experts' gate/up and down GEMVs (down wit
 Before the norm and merge epilogues it was 13, before the conv's q/k epilogue 10."""
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from benchmarks.layer_launches import decode_step_launches
@@ -66,3 +68,13 @@ def test_ling_decode_layer_launch_budget():
     counts = decode_step_launches("ling", num_layers=4, batch_size=3)
     assert counts == LING_BUDGET
     assert sum(sum(c.values()) for c in counts.values()) == 54  # 57 before the MoE decode form dropped alignment
+
+
+@pytest.mark.skipif(ON_GPU, reason="counts interpreted launches; on a GPU: benchmarks/decode_launches.py")
+@pytest.mark.parametrize("name, layers", [("zaya", 3), ("ling", 4)])
+def test_fp8_decode_step_has_the_16bit_launches(name: str, layers: int):
+    """Online FP8 (every projection but MLA's kv_b_proj, and the routed experts): each e4m3 GEMV quantizes x in its
+    own launch (ops.triton.gemv.dot_rows), so a decode step launches exactly what the 16-bit step does."""
+    decode_step_launches(name, num_layers=layers, batch_size=3)  # allocates the epilogues' arrival counters
+    plain = decode_step_launches(name, num_layers=layers, batch_size=3)
+    assert decode_step_launches(name, num_layers=layers, batch_size=3, quantization="fp8") == plain

@@ -17,6 +17,13 @@ import torch.nn.functional as F
 from hybridserve.core.quant import FP8_DTYPE, FP8_MAX, SCALE_EPS, Fp8Scheme, dequantize
 
 
+def dynamic_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The scale of values whose largest magnitude is `amax`: amax / 448 correctly rounded, at least SCALE_EPS.
+    The divisor is a tensor because torch on CUDA divides by a Python number as a multiply by its reciprocal,
+    which rounds differently from the CPU's (and the kernels') true division for some amax."""
+    return (amax / torch.full_like(amax, FP8_MAX)).clamp_min(SCALE_EPS)
+
+
 def quantize_activations(x: torch.Tensor, scheme: Fp8Scheme, input_scale: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] -> (e4m3 values [T, K], scales): [T] per row ("token"), [T, ceil(K/g)] per group ("group"), or
@@ -28,13 +35,13 @@ def quantize_activations(x: torch.Tensor, scheme: Fp8Scheme, input_scale: torch.
         scale = input_scale.float().reshape(())
         return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
     if scheme.activation == "token":
-        scale = (x.abs().amax(-1) / FP8_MAX).clamp_min(SCALE_EPS)
+        scale = dynamic_scale(x.abs().amax(-1))
         return (x / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
     group = scheme.group
     tokens, k = x.shape
     groups = -(-k // group)
     padded = F.pad(x, (0, groups * group - k)).view(tokens, groups, group)
-    scale = (padded.abs().amax(-1) / FP8_MAX).clamp_min(SCALE_EPS)
+    scale = dynamic_scale(padded.abs().amax(-1))
     q = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).view(tokens, -1)[:, :k]
     return q.to(FP8_DTYPE), scale
 
@@ -56,7 +63,7 @@ def fake_quantize(x: torch.Tensor, scheme: Fp8Scheme, input_scale: torch.Tensor 
 def quantize_weight_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A 16-bit weight [..., N, K] -> (e4m3 [..., N, K], one fp32 scale per row [..., N]): online quantization."""
     w = weight.float()
-    scale = (w.abs().amax(-1) / FP8_MAX).clamp_min(SCALE_EPS)
+    scale = dynamic_scale(w.abs().amax(-1))
     return (w / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
@@ -67,7 +74,7 @@ def quantize_weight(weight: torch.Tensor, scheme: Fp8Scheme) -> tuple[torch.Tens
     (bn, bk), (n, k) = scheme.block, weight.shape
     nb, kb = -(-n // bn), -(-k // bk)
     tiles = F.pad(weight.float(), (0, kb * bk - k, 0, nb * bn - n)).view(nb, bn, kb, bk)
-    scale = (tiles.abs().amax((1, 3)) / FP8_MAX).clamp_min(SCALE_EPS)
+    scale = dynamic_scale(tiles.abs().amax((1, 3)))
     values = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(nb * bn, kb * bk)[:n, :k]
     return values.to(FP8_DTYPE), scale
 
