@@ -3,9 +3,10 @@ table of a few decode steps (host time by op, device time by kernel), on the off
 
 The model is the offline benchmark's random one at full widths (ZAYA1-8B, or Ling-2.6-flash with `--model-type ling`;
 `--layers` of them, its MTP layer with `--mtp-layer`) with random weights drawn on the device (`load_format="dummy"`:
-the timing does not depend on the values; FP8 ones with `--quantization fp8` or `--fp8-checkpoint channel|block`) and the workload its scenario (`--scenario`,
-seeded sampling at temperature 0.6), so the numbers explain that benchmark's rates. The profiled steps are decode
-steps in the middle of a run, or for the prefill scenario the first steps (all prefill). The summary's
+the timing does not depend on the values; FP8 ones with `--quantization fp8` or `--fp8-checkpoint channel|block`)
+and the workload its scenario (`--scenario`, seeded sampling at temperature 0.6), so the numbers explain that
+benchmark's rates. The profiled steps are decode steps in the middle of a run, or for the prefill scenario the first
+steps (all prefill). The summary's
 `device_busy_ms_per_step` (kernel time summed over the profiled steps) next to `wall_ms_per_step` says whether a
 step is bound by the GPU or by the host; so does `host` (decode scenarios): steady steps of the overlapped loop
 timed unsynchronised, split into time blocked on the device and the host's own work, and a cProfile of it; and

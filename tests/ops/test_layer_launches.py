@@ -7,8 +7,6 @@ selection, each split by columns), the experts' gate/up and down GEMVs (down wit
 Before the norm and merge epilogues it was 13, before the conv's q/k epilogue 10."""
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 
 from benchmarks.layer_launches import decode_step_launches
