@@ -12,6 +12,11 @@ Three sources, one description (`Fp8Scheme`):
 - online (`quantization="fp8"` on a 16-bit checkpoint): per-channel weight scales computed at load, activations
   per token at run time.
 
+Decode-sized products keep x in 16 bits (weight-only, W8A16) on every backend: up to WEIGHT_ONLY_MAX_ROWS rows
+of a linear layer's x, or WEIGHT_ONLY_MAX_PAIRS (token, choice) pairs of routed experts. There a step streams each
+weight byte for a handful of multiply-adds, so quantizing x would only add work, and rounding (and errors) to
+what the weights already carry; larger products quantize x as the scheme says (W8A8) for the FP8 tensor cores.
+
 A scheme applies to the linear layers and experts a model marks quantizable; embeddings, the LM head, routers and
 norms are never quantized. Anything in a quantization_config outside these forms is refused with an error that
 names the field and its value.
@@ -27,6 +32,8 @@ import torch
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
 SCALE_EPS = 1e-12  # a floor for dynamic scales: an all-zero row quantizes to zeros, not NaN
+WEIGHT_ONLY_MAX_ROWS = 16  # FP8 linear layers keep x 16-bit up to this many rows (the decode GEMV's bound)
+WEIGHT_ONLY_MAX_PAIRS = 8  # FP8 routed experts keep x 16-bit up to this many (token, choice) pairs
 
 WeightGranularity = Literal["channel", "tensor", "block"]
 ActivationScaling = Literal["token", "group", "static"]

@@ -6,17 +6,17 @@ everything else, and the reference the kernel is tested against, is torch's F.li
 (ZAYA1's router) always take F.linear. `linear_residual_norm` hands the GEMV kernel the residual norm that follows
 the projection, so that it runs in the same launch.
 
-FP8 weights (`fp8` given: e4m3 weight, its scales and scheme) run W8A8 as `ops.reference.fp8.fp8_linear` defines
-(backend op "fp8_linear"): on CUDA `ops.triton.fp8_linear` (the GEMV kernel up to its GEMV_MAX_TOKENS rows, with a
-residual norm in its launch as for 16-bit weights; a quantization launch and an FP8 GEMM beyond), elsewhere that
-reference.
+FP8 weights (`fp8` given: e4m3 weight, its scales and scheme) run as `ops.reference.fp8.fp8_linear` defines
+(backend op "fp8_linear"): weight-only up to `core.quant.WEIGHT_ONLY_MAX_ROWS` rows, W8A8 beyond. On CUDA
+`ops.triton.fp8_linear` (the weight-only GEMV kernel, with a residual norm in its launch as for 16-bit weights; a
+quantization launch and an FP8 GEMM beyond), elsewhere that reference.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from hybridserve.core.quant import Fp8Scales
+from hybridserve.core.quant import WEIGHT_ONLY_MAX_ROWS, Fp8Scales
 from hybridserve.ops import backends
 from hybridserve.ops.norm import ResidualNorm
 from hybridserve.ops.reference import fp8 as fp8_reference
@@ -47,15 +47,14 @@ def _fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if backends.use_triton("fp8_linear", x.device):
         from hybridserve.ops.triton import fp8_linear as kernel
         return kernel.fp8_linear(x, weight, fp8.scale, fp8.scheme, bias, fp8.input_scale)
-    return fp8_reference.fp8_linear(x, weight, fp8.scale, fp8.scheme, bias, fp8.input_scale)
+    weight_only = x.numel() <= WEIGHT_ONLY_MAX_ROWS * x.shape[-1]
+    return fp8_reference.fp8_linear(x, weight, fp8.scale, fp8.scheme, bias, fp8.input_scale, weight_only)
 
 
 def _fp8_takes_gemv(x: torch.Tensor) -> bool:
-    """Whether the GEMV kernel runs this FP8 product (on CUDA, decode-sized x)."""
-    if not backends.use_triton("fp8_linear", x.device):
-        return False
-    from hybridserve.ops.triton import fp8_linear as kernel
-    return kernel.takes_gemv(x)
+    """Whether the GEMV kernel runs this FP8 product (on CUDA, decode-sized x of unit last stride)."""
+    return backends.use_triton("fp8_linear", x.device) and x.numel() <= WEIGHT_ONLY_MAX_ROWS * x.shape[-1] \
+        and x.stride(-1) == 1
 
 
 def linear_residual_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: ResidualNorm,

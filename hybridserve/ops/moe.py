@@ -1,14 +1,15 @@
 """Routed SwiGLU experts: each token's weighted sum over its chosen experts.
 
-FP8 experts (`fp8` given: the gate_up and down stacks' scales) run W8A8 as `ops.reference.fp8.fp8_fused_experts`
-defines (backend op "fp8_moe"): on CUDA `ops.triton.fp8_moe` (the same two forms and switch as the 16-bit
-kernels, the residual-norm epilogue of the GEMV form included), elsewhere that reference.
+FP8 experts (`fp8` given: the gate_up and down stacks' scales) run as `ops.reference.fp8.fp8_fused_experts`
+defines (backend op "fp8_moe"): weight-only up to `core.quant.WEIGHT_ONLY_MAX_PAIRS` (token, choice) pairs, W8A8
+beyond. On CUDA `ops.triton.fp8_moe` (the weight-only GEMV form, its residual-norm epilogue included, then the
+grouped W8A8 form), elsewhere that reference.
 """
 from __future__ import annotations
 
 import torch
 
-from hybridserve.core.quant import Fp8Scales
+from hybridserve.core.quant import WEIGHT_ONLY_MAX_PAIRS, Fp8Scales
 from hybridserve.ops import backends
 from hybridserve.ops.norm import ResidualNorm
 from hybridserve.ops.reference import fp8 as fp8_reference
@@ -48,7 +49,7 @@ def _fp8_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids:
         return fp8_moe.fused_experts(x, w13, gate_up.scale, w2, down.scale, topk_ids, topk_weights, gate_up.scheme,
                                      input_scales, reduce=reduce)
     out = fp8_reference.fp8_fused_experts(x, w13, gate_up.scale, w2, down.scale, topk_ids, topk_weights,
-                                          gate_up.scheme, input_scales)
+                                          gate_up.scheme, input_scales, topk_ids.numel() <= WEIGHT_ONLY_MAX_PAIRS)
     return out if reduce else out[:, None]
 
 
@@ -57,6 +58,6 @@ def fused_experts_residual_norm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Te
     """`norm`(fused_experts(...)): in the GEMV form's down launch where that form runs. -> `norm`'s (x, h, h32)."""
     if backends.use_triton("moe" if fp8 is None else "fp8_moe", x.device):
         from hybridserve.ops.triton import moe_gemv
-        if moe_gemv.takes(x, w13, w2, topk_ids):
+        if moe_gemv.takes(x, w13, w2, topk_ids) and (fp8 is None or topk_ids.numel() <= WEIGHT_ONLY_MAX_PAIRS):
             return moe_gemv.fused_experts(x, w13, w2, topk_ids, topk_weights, norm=norm, fp8=fp8)
     return norm(fused_experts(x, w13, w2, topk_ids, topk_weights, fp8=fp8))

@@ -1,10 +1,11 @@
-"""FP8 (e4m3) W8A8 kernels on CUDA at the real model widths, bf16 activations, both weight-scale layouts (per row,
+"""FP8 (e4m3) kernels on CUDA at the real model widths, bf16 activations, both weight-scale layouts (per row,
 per 128x128 block with per-group activations) and a static activation scale: the linear layers
-(`ops.triton.fp8_linear`, GEMV and GEMM forms) and the routed experts (`ops.triton.fp8_moe`, GEMV and grouped
-forms) vs the torch references of `ops.reference.fp8`, which compute in fp32 on the same e4m3 values.
+(`ops.triton.fp8_linear`, weight-only GEMV and W8A8 GEMM forms) and the routed experts (`ops.triton.fp8_moe`,
+weight-only GEMV and W8A8 grouped forms) vs the torch references of `ops.reference.fp8`, which compute in fp32 on
+the same e4m3 values (weight-only where the kernels are).
 
 Linear bound: the e4m3 values are the reference's bit for bit (tests/ops/test_fp8_linear_kernel.py), the products
-exact, so both round nearly the same fp32 value once to bf16: within one bf16 ulp of each other plus 1e-5 of the
+exact (e4m3 by e4m3, or by bf16 x), so both round nearly the same fp32 value once to bf16: within one bf16 ulp of each other plus 1e-5 of the
 largest output; the GEMM form also 2^-10 of the sum of the products' magnitudes, for the FP8 tensor cores'
 narrower accumulation inside a K tile (about 14 bits measured for DeepSeek-V3; each tile is then added in fp32).
 The printed errors say how much of that bound is used.
@@ -19,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridserve.core.quant import Fp8Scheme, dequantize
+from hybridserve.core.quant import WEIGHT_ONLY_MAX_PAIRS, Fp8Scheme, dequantize
 from hybridserve.ops.reference import fp8 as reference
 from tests.gpu.sync import no_host_sync
 from tests.gpu.test_decode_gemv_gpu import _graphed
@@ -81,8 +82,8 @@ def test_linear_within_one_rounding_deterministic_and_graphed(linear_weight, tok
     x = x.bfloat16()
     input_scale = _input_scale(scheme)
     got = kernel.fp8_linear(x, weight, scale, scheme, None, input_scale)
-    want = reference.fp8_linear(x, weight, scale, scheme, None, input_scale)
     gemv = kernel.takes_gemv(x)
+    want = reference.fp8_linear(x, weight, scale, scheme, None, input_scale, weight_only=gemv)
     magnitudes = None if gemv else \
         reference.fake_quantize(x, scheme, input_scale).abs() @ dequantize(weight, scale, scheme).abs().T
     used = _within_one_rounding(got, want, magnitudes)
@@ -106,7 +107,7 @@ def test_linear_bias_and_strided_x() -> None:
     for tokens in (3, 300):
         x = wide[:tokens, 20:2068]
         got = kernel.fp8_linear(x, weight, scale, scheme, bias)
-        want = reference.fp8_linear(x, weight, scale, scheme, bias)
+        want = reference.fp8_linear(x, weight, scale, scheme, bias, weight_only=kernel.takes_gemv(x))
         magnitudes = reference.fake_quantize(x, scheme).abs() @ dequantize(weight, scale, scheme).abs().T
         _within_one_rounding(got, want, None if kernel.takes_gemv(x) else magnitudes)
 
@@ -126,7 +127,6 @@ def fp8_experts(request):
 
 def test_experts_match_reference_deterministic_and_graphed(fp8_experts) -> None:
     from hybridserve.ops.triton import fp8_moe as kernel
-    from hybridserve.ops.triton import moe_gemv
     name, top_k, scheme, w13, s13, w2, s2, input_scales = fp8_experts
     hidden = w13.shape[2]
 
@@ -139,8 +139,9 @@ def test_experts_match_reference_deterministic_and_graphed(fp8_experts) -> None:
         ids, weights = _routing(tokens, w13.shape[0], top_k, seed=tokens)
         got = run(x, ids, weights)
         rows = run(x, ids, weights, reduce=False)
-        want = reference.fp8_fused_experts(x, w13, s13, w2, s2, ids, weights, scheme, input_scales)
-        form = "GEMV" if tokens * top_k <= moe_gemv.MAX_PAIRS else "grouped"
+        gemv = tokens * top_k <= WEIGHT_ONLY_MAX_PAIRS
+        want = reference.fp8_fused_experts(x, w13, s13, w2, s2, ids, weights, scheme, input_scales, weight_only=gemv)
+        form = "GEMV" if gemv else "grouped"
         err = _rel(got, want)
         print(f"{name} {scheme.weight}/{scheme.activation} T={tokens} ({form}): {err:.2e}")
         assert got.dtype == torch.bfloat16 and got.shape == x.shape and err <= 1e-2

@@ -7,7 +7,9 @@ e4m3 values), so the one other rounding FP8 brings is that of the activations, t
 and expert projection (3 mantissa bits: up to 2^-4 relative per element, which moves these random models'
 logits by 5% (ZAYA1) to 45% (Ling, whose routing flips)). The oracle run rounds its activations at the same
 places the same way (`fake_quantize`, hooked onto the matching layers), so the two agree to fp32 summation order:
-logits within 1e-4 relative. A scale applied to the wrong rows or blocks, a piece's scale on another piece, or an
+logits within 1e-4 relative. PROMPTS run as one step of 17 tokens, past the weight-only sizes (core/quant.py), so
+every product there rounds x; a step of SHORT_PROMPT's 3 tokens (and 3 or 6 expert pairs) is decode-sized, where
+the products take x as it is: there the FP8 model is the unrounded dequantized model, within the same 1e-4. A scale applied to the wrong rows or blocks, a piece's scale on another piece, or an
 activation left unrounded moves them by whole percents. The online test needs no tolerance: quantizing at load is
 bit for bit the per-channel checkpoint.
 """
@@ -35,6 +37,7 @@ from tests.models.zaya_fixtures import random_hf_zaya, save_hf, tiny_config
 from tests.reference.ling_naive import random_ling_checkpoint, tiny_ling_config, write_checkpoint
 
 PROMPTS = [[5, 9, 1, 44, 3, 7, 100, 12, 60, 2, 33], [8, 2, 2, 61, 90, 17]]
+SHORT_PROMPT = [8, 2, 61]
 ORACLE_TOLERANCE = 1e-4  # relative L2 of the logits: fp32 summation order only
 
 
@@ -51,9 +54,9 @@ def sources(tmp_path_factory) -> dict[str, Path]:
     return {"zaya": zaya, "ling": ling}
 
 
-def _run(model: torch.nn.Module) -> torch.Tensor:
+def _run(model: torch.nn.Module, prompts: list[list[int]] = PROMPTS) -> torch.Tensor:
     harness = CacheHarness(model)
-    return harness.run([harness.chunk(i + 1, p, 0) for i, p in enumerate(PROMPTS)])
+    return harness.run([harness.chunk(i + 1, p, 0) for i, p in enumerate(prompts)])
 
 
 def _logits(directory: Path, **options) -> tuple[torch.Tensor, torch.nn.Module]:
@@ -120,14 +123,15 @@ def _quantized(model_name: str):
 
 
 def _check_against_oracle(fp8_dir: Path, oracle_dir: Path) -> tuple[torch.nn.Module, float]:
-    """The FP8 model's logits against its dequantized oracle rounding activations alike -> (the FP8 model, the
-    plain oracle's relative error, for the record)."""
+    """The FP8 model's logits against its dequantized oracle rounding activations alike, and on a decode-sized step
+    against the oracle as it is -> (the FP8 model, the plain oracle's relative error on PROMPTS, for the record)."""
     got, model = _logits(fp8_dir)
     plain, oracle = _logits(oracle_dir)
     assert not _fp8_params(oracle)
     with _rounding_activations_like(oracle, model):
         want = _run(oracle)
     assert _relative_error(got, want) <= ORACLE_TOLERANCE
+    assert _relative_error(_run(model, [SHORT_PROMPT]), _run(oracle, [SHORT_PROMPT])) <= ORACLE_TOLERANCE
     return model, _relative_error(got, plain)
 
 

@@ -1,13 +1,15 @@
-"""FP8 (e4m3) W8A8 linear kernels (`ops.triton.fp8_linear`: the GEMV decode form in `ops.triton.linear`, the
-quantization launch + tl.dot GEMM beyond) vs `ops.reference.fp8`, and the e4m3 rounding they share.
+"""FP8 (e4m3) linear kernels (`ops.triton.fp8_linear`: the weight-only GEMV decode form in `ops.triton.linear`, the
+W8A8 quantization launch + tl.dot GEMM beyond) vs `ops.reference.fp8`, and the e4m3 rounding they share.
 
 Exactness. The kernels round to e4m3 in fp32 arithmetic (`fp8_quant.round_to_e4m3`) and divide correctly rounded,
 so their e4m3 values and scales are the reference's bit for bit: checked against torch's own conversion on every
 e4m3 value, every midpoint between neighbours and the fp32 values either side of it; the quantization launch
-against `quantize_activations`; and the quantization inside the GEMV and GEMM launches through an identity weight,
-whose product must be `fake_quantize(x)` exactly (one nonzero term per output, scaled as the reference scales it).
+against `quantize_activations`; and how the GEMV and GEMM launches take x through an identity weight, whose product
+must be x itself (weight-only) and `fake_quantize(x)` (W8A8) exactly: one nonzero term per output, scaled as the
+reference scales it.
 
-Tolerance of the products. The e4m3 products are exact in fp32 in both; the kernels sum them in another order
+Tolerance of the products. The products are exact in fp32 in both (e4m3 by e4m3, or by 16-bit x; an fp32 x's
+product rounds once, as the reference's); the kernels sum them in another order
 (per K lane, per tl.dot tile) and multiply the scales at another place (after the sum, or on a tile), each an fp32
 rounding, so before the last rounding the two differ by about K * 2^-24 of the sum of the terms' magnitudes. Both
 then round once to x's dtype: within one unit in the last place of each other (2^-10 relative in fp16), plus 1e-5
@@ -25,7 +27,7 @@ import torch
 from tests.ops.conftest import DEVICE, KERNEL_DTYPES, ON_GPU
 from tests.ops.fp8_cases import BLOCK, MANTISSA_BITS, SCHEMES, gemm_config, nan_padded
 from tests.ops.test_decode_gemv_kernel import _assert_same, _exact, _residual_norm, _standalone
-from hybridserve.core.quant import FP8_DTYPE, FP8_MAX, Fp8Scales, Fp8Scheme, dequantize
+from hybridserve.core.quant import FP8_DTYPE, FP8_MAX, WEIGHT_ONLY_MAX_ROWS, Fp8Scales, Fp8Scheme, dequantize
 from hybridserve.ops import backends
 from hybridserve.ops import linear as linear_op
 from hybridserve.ops.reference import fp8 as reference
@@ -112,9 +114,9 @@ def test_quantization_launch_equals_reference(scheme: str, dtype: torch.dtype) -
 
 
 @pytest.mark.parametrize("scheme", ["channel/token", "block/group", "block/token", "tensor/static"])
-def test_launches_quantize_x_as_the_reference(scheme: str) -> None:
-    """Through an identity weight (e4m3 ones, unit scales) each output is one product, q * scale, as the
-    reference's `fake_quantize` makes it: bit for bit in fp32, GEMV (in-launch quantization) and GEMM form."""
+def test_launches_take_x_as_the_reference(scheme: str) -> None:
+    """Through an identity weight (e4m3 ones, unit scales) each output is one product: x itself in the weight-only
+    GEMV form, q * scale as the reference's `fake_quantize` makes it in the W8A8 GEMM form, bit for bit in fp32."""
     scheme = SCHEMES[scheme]
     k = 300
     eye = torch.eye(k).to(DEVICE, FP8_DTYPE)
@@ -122,9 +124,9 @@ def test_launches_quantize_x_as_the_reference(scheme: str) -> None:
     fp8 = _scales(scheme, ones)
     x = _randn(3, k, seed=2).to(DEVICE)
     x[1] *= 50
-    want = reference.fake_quantize(x, scheme, fp8.input_scale)
-    assert torch.equal(gemv_linear.linear(x, eye, fp8=fp8, config=Tiles(4, 64, 128, 2)), want)
-    assert torch.equal(fp8_linear.gemm(x, eye, fp8, config=gemm_config(16, 64, 64)), want)
+    assert torch.equal(gemv_linear.linear(x, eye, fp8=fp8, config=Tiles(4, 64, 128, 2)), x)
+    assert torch.equal(fp8_linear.gemm(x, eye, fp8, config=gemm_config(16, 64, 64)),
+                       reference.fake_quantize(x, scheme, fp8.input_scale))
 
 
 # ----------------------------------------------------------------------------------------------------- products
@@ -167,21 +169,23 @@ def test_forms_match_reference(form: str, case: str, scheme: str, dtype: torch.d
 
     got = run()
     slack = MMA_SLACK * _magnitudes(x, weight, scale, scheme, fp8.input_scale) if form == "gemm" else 0.0
-    _assert_close(got, reference.fp8_linear(x, weight, scale, scheme, bias, fp8.input_scale), slack)
+    want = reference.fp8_linear(x, weight, scale, scheme, bias, fp8.input_scale, weight_only=form == "gemv")
+    _assert_close(got, want, slack)
     assert torch.equal(got, run())  # deterministic
 
 
 @pytest.mark.parametrize("scheme", ["channel/token", "block/group"])
 def test_strided_and_batched_x(scheme: str) -> None:
     """x rows further apart than K (a column slice) and leading dims [2, 3] flattened and restored, both forms
-    through `fp8_linear`; a last stride other than 1 takes the GEMM form, on a copy."""
+    through `fp8_linear`; a last stride other than 1 takes its form on a copy."""
     scheme = SCHEMES[scheme]
     weight, scale = _weight(20, 136, scheme, seed=4)
     wide = _randn(136, 150, seed=5).to(DEVICE)
-    for x in (wide[:6, 7:143], wide[:40, 7:143], wide[:136, :6].t()):  # the last: unit row stride
-        slack = 0.0 if fp8_linear.takes_gemv(x) else MMA_SLACK * _magnitudes(x, weight, scale, scheme)
-        _assert_close(fp8_linear.fp8_linear(x, weight, scale, scheme), reference.fp8_linear(x, weight, scale, scheme),
-                      slack)
+    for x in (wide[:6, 7:143], wide[:40, 7:143], wide[:136, :6].t(), wide[:136, :40].t()):  # the last two: unit
+        gemv = fp8_linear.takes_gemv(x)                                                          # row stride
+        slack = 0.0 if gemv else MMA_SLACK * _magnitudes(x, weight, scale, scheme)
+        _assert_close(fp8_linear.fp8_linear(x, weight, scale, scheme),
+                      reference.fp8_linear(x, weight, scale, scheme, weight_only=gemv), slack)
     batched = fp8_linear.fp8_linear(wide[:6, 7:143].reshape(2, 3, 136), weight, scale, scheme)
     assert batched.shape == (2, 3, 20) and torch.equal(batched.reshape(6, 20),
                                                        fp8_linear.fp8_linear(wide[:6, 7:143], weight, scale, scheme))
@@ -226,19 +230,20 @@ def test_norm_epilogue_equals_the_norm_kernel(scheme: str, dtype: torch.dtype) -
 
 
 def test_entry_points_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """fp8_linear: the GEMV form up to GEMV_MAX_TOKENS rows of unit last stride, the GEMM beyond; ops.linear: the
-    kernels where the backend says so (the norm in the GEMV launch), the reference otherwise."""
+    """fp8_linear: the GEMV form up to WEIGHT_ONLY_MAX_ROWS rows (a last stride other than 1 on a copy), the GEMM
+    beyond; ops.linear: the kernels where the backend says so (the norm in the GEMV launch), the reference
+    otherwise, weight-only at the same sizes."""
     scheme = SCHEMES["channel/token"]
     weight, scale = _weight(8, 16, scheme, seed=11)
     fp8 = _scales(scheme, scale)
     calls: list[str] = []
     monkeypatch.setattr(gemv_linear, "linear", lambda *a, **k: calls.append("gemv" + ("+norm" * ("norm" in k))))
     monkeypatch.setattr(fp8_linear, "gemm", lambda *a, **k: calls.append("gemm"))
-    most = fp8_linear.GEMV_MAX_TOKENS
+    most = WEIGHT_ONLY_MAX_ROWS
     for tokens in (1, most, most + 1):
         fp8_linear.fp8_linear(torch.zeros(tokens, 16, device=DEVICE), weight, scale, scheme)
     fp8_linear.fp8_linear(torch.zeros(16, 2, device=DEVICE).t(), weight, scale, scheme)  # last stride 2
-    assert calls == ["gemv", "gemv", "gemm", "gemm"]
+    assert calls == ["gemv", "gemv", "gemm", "gemv"]
     x = torch.zeros(2, 16, device=DEVICE)
     norm = _residual_norm(2, 8, torch.float32, seed=12, skip=False, fp32_copy=False)
     monkeypatch.setattr(backends, "use_triton", lambda op, device: op == "fp8_linear")
@@ -247,5 +252,8 @@ def test_entry_points_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     linear_op.linear_residual_norm(x, weight, None, norm, fp8)
     assert calls == ["gemv", "gemv+norm"]
     monkeypatch.setattr(backends, "use_triton", lambda op, device: False)
-    assert torch.equal(linear_op.linear(x, weight, fp8=fp8), reference.fp8_linear(x, weight, scale, scheme))
+    assert torch.equal(linear_op.linear(x, weight, fp8=fp8), reference.fp8_linear(x, weight, scale, scheme,
+                                                                                  weight_only=True))
+    wide = torch.ones(most + 1, 16, device=DEVICE)
+    assert torch.equal(linear_op.linear(wide, weight, fp8=fp8), reference.fp8_linear(wide, weight, scale, scheme))
     assert calls == ["gemv", "gemv+norm"]

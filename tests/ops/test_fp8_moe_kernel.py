@@ -1,9 +1,10 @@
-"""FP8 (e4m3) W8A8 routed experts (`ops.triton.fp8_moe`: the GEMV decode form through `ops.triton.moe_gemv`, the
-grouped form) vs `ops.reference.fp8.fp8_fused_experts`; the entry points' switches.
+"""FP8 (e4m3) routed experts (`ops.triton.fp8_moe`: the weight-only GEMV decode form through `ops.triton.moe_gemv`,
+the W8A8 grouped form) vs `ops.reference.fp8.fp8_fused_experts` (weight-only for the GEMV form); the entry points'
+switches.
 
-Why most data here are a lattice. The SwiGLU rows are quantized again before the down projection, and a value within
-an fp32 rounding of an e4m3 midpoint rounds one way or the other depending on the order of its gate and up sums (and
-on SiLU's formula): a one-step change of one activation, which moves its token's whole output row by about 1% at
+Why most data here are a lattice. In W8A8 the SwiGLU rows are quantized again before the down projection, and a
+value within an fp32 rounding of an e4m3 midpoint rounds one way or the other depending on the order of its gate and
+up sums (and on SiLU's formula): a one-step change of one activation, which moves its token's whole output row by about 1% at
 these widths. No tight bound holds on random data. So the exactness tests take x and gate/up weights whose e4m3
 values are small integers (x: |q| <= 4, and 448 on the first column of each 128-column group, so every dynamic
 scale is exactly 2^-4; gate/up weights |q| <= 1, the gates' column 0 14) with power-of-two weight scales: every
@@ -28,7 +29,7 @@ import torch
 from tests.ops.conftest import DEVICE, KERNEL_DTYPES, ON_GPU
 from tests.ops.fp8_cases import BLOCK, MANTISSA_BITS, SCHEMES, gemm_config, nan_padded
 from tests.ops.test_decode_gemv_kernel import _assert_same, _exact, _residual_norm, _standalone
-from hybridserve.core.quant import FP8_DTYPE, Fp8Scales, Fp8Scheme
+from hybridserve.core.quant import FP8_DTYPE, WEIGHT_ONLY_MAX_PAIRS, Fp8Scales, Fp8Scheme
 from hybridserve.ops import backends
 from hybridserve.ops import moe as moe_op
 from hybridserve.ops.reference import fp8 as reference
@@ -113,8 +114,10 @@ def _run(form: str, x, w13, w2, ids, weights, fp8, reduce: bool, config):
     return fp8_moe.grouped_experts(x, w13, w2, ids, weights, fp8, reduce, config[1])
 
 
-def _reference(x, w13, s13, w2, s2, ids, weights, scheme) -> torch.Tensor:
-    return reference.fp8_fused_experts(x, w13, s13, w2, s2, ids, weights, scheme, _input_scales(scheme))
+def _reference(form: str, x, w13, s13, w2, s2, ids, weights, scheme) -> torch.Tensor:
+    """The reference of `form`: weight-only for the GEMV form, W8A8 for the grouped one."""
+    return reference.fp8_fused_experts(x, w13, s13, w2, s2, ids, weights, scheme, _input_scales(scheme),
+                                       weight_only=form == "gemv")
 
 
 def _choice_sum(rows: torch.Tensor) -> torch.Tensor:
@@ -132,8 +135,8 @@ def _check_lattice(form: str, x, w13, s13, w2, s2, ids, weights, scheme, config)
     got = _run(form, x, w13, w2, ids, weights, fp8, True, config)
     rows = _run(form, x, w13, w2, ids, weights, fp8, False, config)
     assert got.shape == x.shape and rows.shape == (*ids.shape, x.shape[1]) and got.dtype == rows.dtype == x.dtype
-    want = _reference(x, w13, s13, w2, s2, ids, weights, scheme).double()
-    alone = [_reference(x, w13, s13, w2, s2, ids[:, k:k + 1], weights[:, k:k + 1], scheme).double()
+    want = _reference(form, x, w13, s13, w2, s2, ids, weights, scheme).double()
+    alone = [_reference(form, x, w13, s13, w2, s2, ids[:, k:k + 1], weights[:, k:k + 1], scheme).double()
              for k in range(ids.shape[1])]
     ulp, slack = 2.0 ** -MANTISSA_BITS[x.dtype], (1e-5 + (MMA_SLACK if form == "grouped" else 0)) * want.abs().max()
     for k, row in enumerate(alone):
@@ -202,7 +205,7 @@ def test_random_data_norm_error(form: str, scheme: str) -> None:
     weights = _routing_weights(ids.shape, seed=19)
     x = torch.randn(4, 160, generator=_gen(20)).to(DEVICE)
     got = _run(form, x, w13, w2, ids, weights, _scales(s13, s2, scheme), True, (None, None))
-    want = reference.fp8_fused_experts(x, w13, s13, w2, s2, ids, weights, scheme)
+    want = _reference(form, x, w13, s13, w2, s2, ids, weights, scheme)
     assert ((got - want).norm() / want.norm()).item() <= 1e-2
 
 
@@ -261,8 +264,9 @@ def test_bad_input_is_refused() -> None:
 
 
 def test_entry_points_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """fp8_moe.fused_experts: the GEMV form up to MAX_PAIRS pairs, the grouped form beyond; ops.moe: the FP8 kernels
-    where the backend says so (the norm in the GEMV launch), the reference otherwise ([T, 1, H] unreduced)."""
+    """fp8_moe.fused_experts: the GEMV form up to WEIGHT_ONLY_MAX_PAIRS pairs, the grouped form beyond; ops.moe: the
+    FP8 kernels where the backend says so (the norm in the GEMV launch), the reference otherwise ([T, 1, H]
+    unreduced), weight-only at the same sizes."""
     scheme = SCHEMES["channel/token"]
     w13, s13, w2, s2 = _lattice_stacks(4, 16, 8, scheme, seed=28)
     fp8 = _scales(s13, s2, scheme)
@@ -270,7 +274,7 @@ def test_entry_points_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(moe_gemv, "fused_experts",
                         lambda *a, **k: calls.append("gemv" + ("+norm" * ("norm" in k)) + ("+fp8" * ("fp8" in k))))
     monkeypatch.setattr(fp8_moe, "grouped_experts", lambda *a, **k: calls.append("grouped"))
-    for tokens in (moe_gemv.MAX_PAIRS // 2, moe_gemv.MAX_PAIRS // 2 + 1):
+    for tokens in (WEIGHT_ONLY_MAX_PAIRS // 2, WEIGHT_ONLY_MAX_PAIRS // 2 + 1):
         ids = torch.zeros(tokens, 2, dtype=torch.long, device=DEVICE)
         fp8_moe.fused_experts(torch.zeros(tokens, 16, device=DEVICE), w13, s13, w2, s2, ids, ids.float(), scheme)
     assert calls == ["gemv+fp8", "grouped"]
@@ -283,6 +287,10 @@ def test_entry_points_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     moe_op.fused_experts_residual_norm(x, w13, w2, ids, weights, norm, fp8)
     assert calls == ["gemv+fp8", "gemv+norm+fp8"]
     monkeypatch.setattr(backends, "use_triton", lambda op, device: False)
-    want = reference.fp8_fused_experts(x, w13, s13, w2, s2, ids, weights, scheme)
+    want = reference.fp8_fused_experts(x, w13, s13, w2, s2, ids, weights, scheme, weight_only=True)
     assert torch.equal(moe_op.fused_experts(x, w13, w2, ids, weights, reduce=False, fp8=fp8), want[:, None])
+    many = torch.tensor([[1]] * (WEIGHT_ONLY_MAX_PAIRS + 1), device=DEVICE)
+    x = _lattice_x(many.shape[0], 16, torch.float32, seed=31)
+    assert torch.equal(moe_op.fused_experts(x, w13, w2, many, many.float(), fp8=fp8),
+                       reference.fp8_fused_experts(x, w13, s13, w2, s2, many, many.float(), scheme))
     assert calls == ["gemv+fp8", "gemv+norm+fp8"]

@@ -132,9 +132,15 @@ def test_quantize_weight_scales_and_rounding(scheme):
     assert _nearest_on_grid(w / per_element, q.float())
 
 
-def _linear64(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, scheme: Fp8Scheme, input_scale=None):
-    """fp8_linear from its definition, in float64: per K block, (x values . w values) x the two scales."""
-    q, xs = quantize_activations(x, scheme, input_scale)
+def _linear64(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, scheme: Fp8Scheme, input_scale=None,
+              weight_only: bool = False):
+    """fp8_linear from its definition, in float64: per K block, (x values . w values) x the two scales (x as it
+    is, with a unit scale, when `weight_only`)."""
+    if weight_only:
+        scheme = Fp8Scheme(scheme.weight, "static", scheme.block)
+        q, xs = x, torch.tensor(1.0)
+    else:
+        q, xs = quantize_activations(x, scheme, input_scale)
     qx, qw = q.double(), w.double()
     out = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)
     for k0 in range(0, x.shape[1], 128):
@@ -153,20 +159,22 @@ def _linear64(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, scheme: Fp8
     return out
 
 
+@pytest.mark.parametrize("weight_only", [False, True], ids=["W8A8", "weight-only"])
 @pytest.mark.parametrize("scheme", [ROWS, BLOCK, STATIC])
-def test_fp8_linear_against_its_definition(scheme):
+def test_fp8_linear_against_its_definition(scheme, weight_only):
     gen = torch.Generator().manual_seed(2)
     x, w = torch.randn(7, 300, generator=gen), torch.randn(260, 300, generator=gen) * 0.05
     bias = torch.randn(260, generator=gen)
     q, scale = quantize_weight(w, scheme)
-    got = fp8_linear(x, q, scale, scheme, bias, torch.tensor(0.01))
-    want = _linear64(x, q, scale, scheme, torch.tensor(0.01)) + bias.double()
+    got = fp8_linear(x, q, scale, scheme, bias, torch.tensor(0.01), weight_only)
+    want = _linear64(x, q, scale, scheme, torch.tensor(0.01), weight_only) + bias.double()
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
     assert fp8_linear(x.half(), q, scale, scheme, None, torch.tensor(0.01)).dtype == torch.float16
 
 
+@pytest.mark.parametrize("weight_only", [False, True], ids=["W8A8", "weight-only"])
 @pytest.mark.parametrize("scheme", [ROWS, BLOCK])
-def test_fp8_experts_against_a_loop_over_choices(scheme):
+def test_fp8_experts_against_a_loop_over_choices(scheme, weight_only):
     gen = torch.Generator().manual_seed(3)
     tokens, hidden, inter, experts = 6, 256, 160, 4
     x = torch.randn(tokens, hidden, generator=gen)
@@ -176,14 +184,15 @@ def test_fp8_experts_against_a_loop_over_choices(scheme):
     weights = torch.rand(tokens, 2, generator=gen)
     weights[1, 1] = 0.0  # a zero-weight choice adds exactly nothing
     got = fp8_fused_experts(x, torch.stack([q for q, _ in w13]), torch.stack([s for _, s in w13]),
-                            torch.stack([q for q, _ in w2]), torch.stack([s for _, s in w2]), ids, weights, scheme)
+                            torch.stack([q for q, _ in w2]), torch.stack([s for _, s in w2]), ids, weights, scheme,
+                            weight_only=weight_only)
     want = torch.zeros(tokens, hidden, dtype=torch.float64)
     for t in range(tokens):
         for k in range(2):
             e = int(ids[t, k])
-            gate, up = _linear64(x[t:t + 1], *w13[e], scheme).chunk(2, dim=-1)
+            gate, up = _linear64(x[t:t + 1], *w13[e], scheme, weight_only=weight_only).chunk(2, dim=-1)
             h = (torch.nn.functional.silu(gate) * up).float()
-            want[t] += weights[t, k].double() * _linear64(h, *w2[e], scheme)[0]
+            want[t] += weights[t, k].double() * _linear64(h, *w2[e], scheme, weight_only=weight_only)[0]
     assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-5)
 
 

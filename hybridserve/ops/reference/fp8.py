@@ -1,6 +1,7 @@
 """FP8 (e4m3) linear layers and routed experts in pure torch: the definition the Triton kernels are tested against.
 
-W8A8, as the checkpoint formats prescribe: the activation is quantized to e4m3 first (one scale per row,
+W8A8, as the checkpoint formats prescribe (or weight-only, `weight_only=True`, the decode sizes' form: x is not
+quantized, core/quant.py says when): the activation is quantized to e4m3 first (one scale per row,
 `activation="token"`; per row and 128 columns, `"group"`; or the checkpoint's static scale, `"static"`), and the
 product of the e4m3 values is taken exactly (fp32 here; fp32 accumulation in the kernels), then scaled by the
 activation's and the weight's scales (per output row, or per 128x128 block). Scales are fp32. A dynamic scale is
@@ -79,11 +80,19 @@ def quantize_weight(weight: torch.Tensor, scheme: Fp8Scheme) -> tuple[torch.Tens
     return values.to(FP8_DTYPE), scale
 
 
+def _activations(x: torch.Tensor, scheme: Fp8Scheme, input_scale: torch.Tensor | None, weight_only: bool
+                 ) -> torch.Tensor:
+    """x [T, K] in fp32 as the product sees it: as it is (weight-only) or rounded as the scheme quantizes it."""
+    return x.float() if weight_only else fake_quantize(x, scheme, input_scale)
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scheme: Fp8Scheme,
-               bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ dequantized(weight [N, K])^T (+ bias) with x quantized per `scheme` -> [..., N] in x's dtype."""
+               bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None,
+               weight_only: bool = False) -> torch.Tensor:
+    """x [..., K] @ dequantized(weight [N, K])^T (+ bias) with x quantized per `scheme` (`weight_only`: not
+    quantized) -> [..., N] in x's dtype."""
     flat = x.reshape(-1, x.shape[-1])
-    out = fake_quantize(flat, scheme, input_scale) @ dequantize(weight, scale, scheme).T
+    out = _activations(flat, scheme, input_scale, weight_only) @ dequantize(weight, scale, scheme).T
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
@@ -91,17 +100,19 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, schem
 
 def fp8_fused_experts(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
                       topk_ids: torch.Tensor, topk_weights: torch.Tensor, scheme: Fp8Scheme,
-                      input_scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)) -> torch.Tensor:
+                      input_scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+                      weight_only: bool = False) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] (gate rows first) and w2 [E, H, I] e4m3 with their scales; topk_ids / weights
     [T, K] -> [T, H] in x's dtype. x is quantized once per token, the SwiGLU output (rounded to x's dtype, as
-    the 16-bit path keeps it) per row before the down projection; the weighted sum over the K choices is fp32,
-    rounded once. `input_scales`: the static scheme's scales of the two projections (one per stack)."""
-    xq = fake_quantize(x, scheme, input_scales[0])
+    the 16-bit path keeps it) per row before the down projection (`weight_only`: neither is); the weighted sum
+    over the K choices is fp32, rounded once. `input_scales`: the static scheme's scales of the two projections
+    (one per stack)."""
+    xq = _activations(x, scheme, input_scales[0], weight_only)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for expert in topk_ids.unique().tolist():
         token, choice = (topk_ids == expert).nonzero(as_tuple=True)
         gate, up = (xq[token] @ dequantize(w13[expert], s13[expert], scheme).T).chunk(2, dim=-1)
         h = (F.silu(gate) * up).to(x.dtype)
-        y = fake_quantize(h, scheme, input_scales[1]) @ dequantize(w2[expert], s2[expert], scheme).T
+        y = _activations(h, scheme, input_scales[1], weight_only) @ dequantize(w2[expert], s2[expert], scheme).T
         out.index_add_(0, token, y * topk_weights[token, choice, None].float())
     return out.to(x.dtype)

@@ -1,11 +1,12 @@
-"""W8A8 linear layers with e4m3 weights on CUDA: `ops.reference.fp8.fp8_linear`'s product, in two forms chosen by
-the host-known token count (no device->host sync, grids from sizes only: CUDA-graph capturable).
+"""Linear layers with e4m3 weights on CUDA: `ops.reference.fp8.fp8_linear`'s product, in two forms chosen by the
+host-known token count (no device->host sync, grids from sizes only: CUDA-graph capturable).
 
-- Decode (at most `GEMV_MAX_TOKENS` tokens): the GEMV launch of `ops.triton.linear`, whose programs quantize x
-  themselves and stream each e4m3 weight byte once: one launch a projection, half the bytes of a 16-bit one.
-- Otherwise two launches: `fp8_quant.quantize_activations` (e4m3 x and its scales), then a tiled GEMM of e4m3
-  tl.dot products (Hopper's FP8 tensor cores) accumulated in fp32 (`scaled_dot`): each BLOCK_K tile's dot starts
-  from zero and is added to the fp32 accumulator, because the FP8 MMA keeps fewer bits than fp32 while it
+- Decode (at most `core.quant.WEIGHT_ONLY_MAX_ROWS` tokens), weight-only: the GEMV launch of `ops.triton.linear`,
+  which streams each e4m3 weight byte once and multiplies it, widened to fp32, with x as it is: one launch a
+  projection, half the bytes of a 16-bit one.
+- Otherwise W8A8 in two launches: `fp8_quant.quantize_activations` (e4m3 x and its scales), then a tiled GEMM of
+  e4m3 tl.dot products (Hopper's FP8 tensor cores) accumulated in fp32 (`scaled_dot`): each BLOCK_K tile's dot
+  starts from zero and is added to the fp32 accumulator, because the FP8 MMA keeps fewer bits than fp32 while it
   accumulates (DeepSeek-V3 adds to fp32 every 128 products for that reason); the tile's block scales (weight blocks,
   activation groups) multiply it there, per-row, per-token and static scales the sum, then the bias in fp32 and one
   rounding to x's dtype.
@@ -19,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridserve.core.quant import Fp8Scales, Fp8Scheme
+from hybridserve.core.quant import WEIGHT_ONLY_MAX_ROWS, Fp8Scales, Fp8Scheme
 from hybridserve.ops.triton import linear, pdl
 from hybridserve.ops.triton.fp8_quant import JIT_SCALE_BLOCK, SCALE_BLOCK, block_stride, check_scales, check_scheme, \
     constexprs, group_stride, quantize_activations
@@ -27,7 +28,7 @@ from hybridserve.ops.triton.moe import grouped_tile
 from hybridserve.ops.triton.pdl import wait_for_previous
 from hybridserve.ops.triton.sizes import cdiv, next_power_of_2
 
-GEMV_MAX_TOKENS = linear.MAX_TOKENS  # the decode form's bound (its register tiles take up to 16 tokens)
+assert WEIGHT_ONLY_MAX_ROWS <= linear.MAX_TOKENS, "the weight-only rows must fit the GEMV kernel's register tiles"
 _TARGET_PROGRAMS = 128  # GEMM programs to aim for at decode-like sizes: about one per H200 SM
 _MIN_BLOCK_K = 32  # the K step of an e4m3 MMA
 _COUNTS = ("GROUP_M", "num_warps", "num_stages")
@@ -124,17 +125,18 @@ def launch_args(tiles: dict[str, int], scheme: Fp8Scheme, device: torch.device) 
 
 
 def takes_gemv(x: torch.Tensor) -> bool:
-    """Whether the decode form runs x [..., K]: at most GEMV_MAX_TOKENS rows of unit last stride."""
-    return x.numel() <= GEMV_MAX_TOKENS * x.shape[-1] and x.stride(-1) == 1
+    """Whether the weight-only decode form runs x [..., K]: at most WEIGHT_ONLY_MAX_ROWS rows."""
+    return x.numel() <= WEIGHT_ONLY_MAX_ROWS * x.shape[-1]
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scheme: Fp8Scheme,
                bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K] (e4m3, `scale` per row or block)^T (+ bias [N]) -> [..., N] in x's dtype, x
-    quantized per `scheme` (`input_scale`: the static scheme's 0-d scale): `ops.reference.fp8.fp8_linear`."""
+    quantized per `scheme` beyond the decode sizes (`input_scale`: the static scheme's 0-d scale):
+    `ops.reference.fp8.fp8_linear`."""
     fp8 = Fp8Scales(scale, scheme, input_scale)
     if takes_gemv(x):
-        return linear.linear(x, weight, bias, fp8=fp8)
+        return linear.linear(x if x.stride(-1) == 1 else x.contiguous(), weight, bias, fp8=fp8)
     return gemm(x, weight, fp8, bias)
 
 

@@ -1,10 +1,10 @@
-"""W8A8 routed SwiGLU experts with e4m3 weights on CUDA: `ops.reference.fp8.fp8_fused_experts`, in the two forms of
+"""Routed SwiGLU experts with e4m3 weights on CUDA: `ops.reference.fp8.fp8_fused_experts`, in the two forms of
 the 16-bit kernels and with their contract (`reduce=False`: the K weighted rows per token, each rounded to x's
 dtype, whose fp32 sum rounded once is the reduced output; a pair of weight 0, ZAYA1's MOD skip, is an exact zero).
 
-- Decode (`moe_gemv.takes`: at most MAX_PAIRS pairs): `ops.triton.moe_gemv`'s two launches with e4m3 weights, each
-  gate/up program quantizing its token's x row and each down program its pair's SwiGLU row in-launch.
-- Otherwise the grouped form of `ops.triton.moe`: its alignment (pairs sorted by expert, padded to BLOCK_M), x
+- Decode (at most `core.quant.WEIGHT_ONLY_MAX_PAIRS` pairs), weight-only: `ops.triton.moe_gemv`'s two launches with
+  e4m3 weights widened to fp32 against x and the SwiGLU rows as they are.
+- Otherwise W8A8, the grouped form of `ops.triton.moe`: its alignment (pairs sorted by expert, padded to BLOCK_M), x
   quantized once per token (`fp8_quant.quantize_activations`), the gate/up GEMM (`fp8_linear.scaled_dot` over
   the gate and up rows interleaved in one weight tile, so one K loop serves both; SiLU(gate) * up in fp32, rounded
   to x's dtype by pair), those rows quantized per row (per group), the down GEMM (the routing weight in fp32, by
@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridserve.core.quant import FP8_DTYPE, Fp8Scales, Fp8Scheme
+from hybridserve.core.quant import FP8_DTYPE, WEIGHT_ONLY_MAX_PAIRS, Fp8Scales, Fp8Scheme
 from hybridserve.ops.triton import moe_gemv
 from hybridserve.ops.triton.fp8_linear import check_tiles, launch_args, scaled_dot
 from hybridserve.ops.triton.fp8_quant import block_stride, check_scales, check_scheme, group_stride, \
@@ -80,8 +80,9 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: tor
     (see `ops.moe.fused_experts`). `input_scales`: the static scheme's scales of the two projections. Every id must
     lie in [0, E) (as `ops.triton.moe.fused_experts`)."""
     fp8 = (Fp8Scales(s13, scheme, input_scales[0]), Fp8Scales(s2, scheme, input_scales[1]))
-    if moe_gemv.takes(x, w13, w2, topk_ids):
-        return moe_gemv.fused_experts(x, w13, w2, topk_ids, topk_weights, reduce=reduce, fp8=fp8)
+    if topk_ids.numel() <= WEIGHT_ONLY_MAX_PAIRS:
+        return moe_gemv.fused_experts(x if x.stride(1) == 1 else x.contiguous(), w13, w2, topk_ids, topk_weights,
+                                      reduce=reduce, fp8=fp8)
     return grouped_experts(x, w13, w2, topk_ids, topk_weights, fp8, reduce)
 
 

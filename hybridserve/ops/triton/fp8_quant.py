@@ -1,5 +1,5 @@
-"""FP8 (e4m3) activation quantization for the W8A8 kernels (`ops.triton.fp8_linear`, `ops.triton.fp8_moe`, and
-the decode GEMVs of `ops.triton.gemv` with e4m3 weights): the same e4m3 values and scales as
+"""FP8 (e4m3) activation quantization for the W8A8 kernels (`ops.triton.fp8_linear`'s GEMM, `ops.triton.fp8_moe`'s
+grouped form), and the checks and scale layouts every FP8 kernel shares: the same e4m3 values and scales as
 `ops.reference.fp8.quantize_activations`, bit for bit, both in Triton's interpreter and on the GPU.
 
 A dynamic scale is amax / 448 floored at SCALE_EPS and a value is x / scale clamped to [-448, 448], both divisions

@@ -12,11 +12,10 @@ A loop of several chunks pipelines their loads (cp.async, `PIPELINE_STAGES` deep
 tile) has every load in flight at once. Every choice is a pure function of host-known sizes: the same tiles at
 every CUDA-graph replay, one compiled variant per token-count bucket.
 
-e4m3 weights (`ACT` set, `fp8_args`): the same loop reads a byte a weight element and quantizes x itself as
-`ops.reference.fp8` does (`ops.triton.fp8_quant`), so a projection stays one launch: each program takes the amax
-of every token over K first (per-token scales; x is small and read from L2), or of each 128-column group as its
-chunk comes in; the products of e4m3 values are exact in fp32 and scaled as the scales change: per-row and
-per-token scales on the sum, block and group scales (128 lanes each) on their chunk's operands.
+e4m3 weights (`W_SCALES` set, `fp8_args`) are weight-only, as `ops.reference.fp8` defines the decode sizes: the
+same loop reads a byte a weight element, widens it to fp32 (exact) and multiplies it with x as it is, so a
+projection stays one launch of half the 16-bit bytes with no work on x. Per-row scales multiply the sum, 128x128
+block scales their 128-lane piece of the weight chunk.
 """
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ import triton
 import triton.language as tl
 
 from hybridserve.core.quant import Fp8Scales
-from hybridserve.ops.triton.fp8_quant import JIT_SCALE_BLOCK, SCALE_BLOCK, block_stride, check_scales, check_scheme, \
-    constexprs, quantize_chunk, row_scales
+from hybridserve.ops.triton.fp8_quant import JIT_SCALE_BLOCK, SCALE_BLOCK, block_stride, check_scales, check_scheme
 from hybridserve.ops.triton.sizes import cdiv, next_power_of_2
 
 PROGRAMS = 256  # programs per launch to aim for: about two per SM of an H200
@@ -77,53 +75,42 @@ def tiles(tokens: int, rows: int, depth: int, min_rows: int = 1, min_chunk: int 
 
 
 @triton.jit
-def dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, stride_w, rows, row_ok, xs_ptr, ws_ptr, stride_ws,
-             K: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-             ACT: tl.constexpr, W_BLOCK: tl.constexpr):
+def dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, stride_w, rows, row_ok, ws_ptr, stride_ws, K: tl.constexpr,
+             BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, W_SCALES: tl.constexpr):
     """[BT, BN] fp32: sum over k < K of x[tokens, k] * w[rows, k] (rows `stride_x` / `stride_w` apart, unit K
     stride; masked tokens and rows give 0), products in fp32 accumulated per K lane and summed once at the end.
 
-    With ACT (e4m3 w, `fp8_args`), x quantized as ACT says (`fp8_quant.row_scales`; "static": the scale at xs_ptr)
-    times w, scaled by the weight's scales: per row (ws_ptr[row]) or per 128x128 block
-    (ws_ptr[row // 128 * stride_ws + k // 128]; each chunk then runs in 128-lane pieces, one block each)."""
-    SUB: tl.constexpr = JIT_SCALE_BLOCK if W_BLOCK and BK > JIT_SCALE_BLOCK else BK
+    W_SCALES: "" for a 16-bit w; for an e4m3 w its scales, "row" (ws_ptr[row] on the sum) or "block"
+    (ws_ptr[row // 128 * stride_ws + k // 128] on the weights; each chunk then runs in 128-lane pieces)."""
+    SUB: tl.constexpr = JIT_SCALE_BLOCK if W_SCALES == "block" and BK > JIT_SCALE_BLOCK else BK
     acc = tl.zeros((BT, BN, SUB), dtype=tl.float32)
     x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_x
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
-    if ACT != "":
-        x_scale = row_scales(x_rows, token_ok, xs_ptr, K, BT, BK, STAGES, ACT)
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
         for sub in tl.static_range(0, BK, SUB):
             k = k0 + sub + tl.arange(0, SUB)
             k_ok = k < K
             x = tl.load(x_rows + k[None, :], mask=token_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            if ACT != "":
-                x, x_scale = quantize_chunk(x, x_scale, ACT)
-                if ACT == "group":
-                    x = x * x_scale[:, None]
-                if W_BLOCK:  # (a piece wholly past K has no scale block: its weights are masked zeros)
-                    w = w * tl.load(ws_ptr + (rows // JIT_SCALE_BLOCK) * stride_ws + (k0 + sub) // JIT_SCALE_BLOCK,
-                                    mask=row_ok & (k0 + sub < K), other=0.0)[:, None]
+            if W_SCALES == "block":  # (a piece wholly past K has no scale block: its weights are masked zeros)
+                w = w * tl.load(ws_ptr + (rows // JIT_SCALE_BLOCK) * stride_ws + (k0 + sub) // JIT_SCALE_BLOCK,
+                                mask=row_ok & (k0 + sub < K), other=0.0)[:, None]
             acc += x[:, None, :] * w[None, :, :]
     out = tl.sum(acc, axis=2)
-    if ACT != "":
-        if ACT != "group":
-            out = out * x_scale[:, None]
-        if not W_BLOCK:
-            out = out * tl.load(ws_ptr + rows, mask=row_ok, other=0.0)[None, :]
+    if W_SCALES == "row":
+        out = out * tl.load(ws_ptr + rows, mask=row_ok, other=0.0)[None, :]
     return out
 
 
 def fp8_args(fp8: Fp8Scales | None, weight: torch.Tensor, tiles: Tiles) -> tuple[tuple, dict]:
-    """`dot_rows`' FP8 arguments for `weight` ([..., N, K]) launched with `tiles`: (static activation scale,
-    weight scales, their stride between 128-row blocks) and the ACT / W_BLOCK constexprs; for a 16-bit weight
-    (`fp8` None) unread placeholders and ACT = ''."""
+    """`dot_rows`' FP8 arguments for `weight` ([..., N, K]) launched with `tiles`: (weight scales, their stride
+    between 128-row blocks) and the W_SCALES constexpr; for a 16-bit weight (`fp8` None) unread placeholders and
+    W_SCALES = ''."""
     if fp8 is None:
-        return (weight, weight, 0), constexprs(None)
+        return (weight, 0), {"W_SCALES": ""}
     check_scheme(fp8.scheme, fp8.input_scale)
     check_scales(weight, fp8.scale, fp8.scheme)
     if fp8.scheme.weight == "block" and tiles.BK < min(SCALE_BLOCK, weight.shape[-1]):
         raise ValueError(f"GEMV tiles {tiles} split the {SCALE_BLOCK}-column scale blocks of an FP8 weight")
-    static = fp8.input_scale if fp8.scheme.activation == "static" else weight
-    return (static, fp8.scale, block_stride(fp8.scale, fp8.scheme)), constexprs(fp8.scheme)
+    return (fp8.scale, block_stride(fp8.scale, fp8.scheme)), {"W_SCALES": "block" if fp8.scheme.weight == "block"
+                                                              else "row"}

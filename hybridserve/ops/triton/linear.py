@@ -8,8 +8,8 @@ in flight together (`gemv.dot_rows`). fp32 accumulation; bias added in fp32; the
 No split-K: the shapes served (ZAYA1 and Ling-2.6 projections, 1536 to 16384 columns) give enough programs by
 columns alone, and a sum never leaves its program (deterministic, no second launch).
 
-e4m3 weights (`fp8`: W8A8 as `ops.reference.fp8.fp8_linear`) take the same launch: each program quantizes x itself
-(`gemv.dot_rows`), so the projection stays one launch of half the weight bytes (ops.triton.fp8_linear's decode form).
+e4m3 weights (`fp8`: weight-only, as `ops.reference.fp8.fp8_linear` defines decode sizes) take the same launch,
+reading half the weight bytes (`gemv.dot_rows`; ops.triton.fp8_linear's decode form).
 
 With a `ResidualNorm` (ZAYA1's o_proj: its residual update and the post-attention norm) the launch also runs the
 norm: each program bumps the launch's arrival counter after storing its columns (acq_rel), and the last to
@@ -40,23 +40,23 @@ FASTER_UP_TO_WEIGHT_BYTES = 64 << 20
 
 
 @triton.jit(do_not_specialize=["num_tokens"])  # one variant per token bucket (BT), not per token count
-def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, n, stride_x, stride_o, counter_ptr, xs_ptr, ws_ptr,
-                   stride_ws, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0, nw_ptr, x_out_ptr,
+def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, n, stride_x, stride_o, counter_ptr, ws_ptr, stride_ws,
+                   r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0, nw_ptr, x_out_ptr,
                    h_ptr, h32_ptr, width, eps, K: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr, STAGES: tl.constexpr, ACT: tl.constexpr, W_BLOCK: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
+                   BK: tl.constexpr, STAGES: tl.constexpr, W_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   NORM: tl.constexpr, BLOCK: tl.constexpr,
                    HAS_RESIDUAL: tl.constexpr, HAS_UB: tl.constexpr, HAS_US: tl.constexpr, HAS_RB: tl.constexpr,
                    HAS_RS: tl.constexpr, HAS_SKIP: tl.constexpr, FP32_COPY: tl.constexpr, USE_PDL: tl.constexpr):
-    """out = x @ w^T (+ b) for this program's BN columns of every token (ACT: w e4m3, `gemv.dot_rows`); with NORM,
-    then the residual norm of every row by the last program (module docstring; its arguments are
+    """out = x @ w^T (+ b) for this program's BN columns of every token (W_SCALES: w e4m3, `gemv.dot_rows`); with
+    NORM, then the residual norm of every row by the last program (module docstring; its arguments are
     `norm.residual_norm_row`'s)."""
     wait_for_previous(USE_PDL)
     tokens = tl.arange(0, BT)
     token_ok = tokens < num_tokens
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     row_ok = rows < n
-    acc = dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, K, rows, row_ok, xs_ptr, ws_ptr, stride_ws, K, BT, BN,
-                   BK, STAGES, ACT, W_BLOCK)
+    acc = dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, K, rows, row_ok, ws_ptr, stride_ws, K, BT, BN, BK,
+                   STAGES, W_SCALES)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + tokens[:, None] * stride_o + rows[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -75,7 +75,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            config: Tiles | None = None, norm: ResidualNorm | None = None, fp8: Fp8Scales | None = None):
     """x [..., K] (at most MAX_TOKENS rows; unit last stride) @ weight [N, K]^T (+ bias [N]) -> [..., N] in x's
     dtype; with `norm`, x [T, K] and `norm` applied to the [T, N] result in the same launch: -> its (x, h, h32).
-    `fp8`: the e4m3 weight's scales and scheme (W8A8). `config` overrides `gemv.tiles`' choice (tests, tuning)."""
+    `fp8`: the e4m3 weight's scales and scheme (weight-only). `config` overrides `gemv.tiles`' choice (tests, tuning)."""
     n, k = weight.shape
     if x.shape[-1] != k or weight.stride(1) != 1 or weight.stride(0) != k:
         raise ValueError(f"linear: x {tuple(x.shape)} and a contiguous weight [N, {x.shape[-1]}] needed; got "

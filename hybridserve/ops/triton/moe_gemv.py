@@ -18,9 +18,8 @@ decode step padded to its CUDA-graph size computes what the eager step does. A p
 skip) or an expert id outside [0, E) reads no weights: its row is an exact zero. Grids come from T, K and the weight
 shapes only: CUDA-graph capturable, no host sync, deterministic.
 
-e4m3 experts (`fp8`: W8A8 as `ops.reference.fp8.fp8_fused_experts`; the decode form of `ops.triton.fp8_moe`) run
-the same two launches: the gate/up programs quantize their token's x row themselves and the down programs their
-pair's SwiGLU row, already rounded to x's dtype (`gemv.dot_rows`).
+e4m3 experts (`fp8`: weight-only, as `ops.reference.fp8.fp8_fused_experts` defines decode sizes; the decode form
+of `ops.triton.fp8_moe`) run the same two launches on half the weight bytes (`gemv.dot_rows`).
 
 With a `ResidualNorm` (ZAYA1: the post-MoE residual update and the next layer's input norm) the down launch also
 runs the norm, row by row: a program bumps its row's arrival counter after storing its columns (acq_rel), and the
@@ -58,12 +57,11 @@ def _pair(ids_ptr, weights_ptr, pair, EXPERTS: tl.constexpr):
 
 
 @triton.jit
-def _gemv_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, weights_ptr, act_ptr, stride_x, inter, xs_ptr, ws_ptr, stride_se,
+def _gemv_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, weights_ptr, act_ptr, stride_x, inter, ws_ptr, stride_se,
                          stride_ws, TOP_K: tl.constexpr, EXPERTS: tl.constexpr, H: tl.constexpr, BN: tl.constexpr,
-                         BK: tl.constexpr, STAGES: tl.constexpr, ACT: tl.constexpr, W_BLOCK: tl.constexpr,
-                         USE_PDL: tl.constexpr):
+                         BK: tl.constexpr, STAGES: tl.constexpr, W_SCALES: tl.constexpr, USE_PDL: tl.constexpr):
     """act[pair, cols] = SiLU(gate) * up of BN / 2 intermediate columns; w13 rows 2j (gate) and 2j + 1 (up) of the
-    tile are column j's (ACT: e4m3 weights with scales `stride_se` apart per expert, `gemv.dot_rows`)."""
+    tile are column j's (W_SCALES: e4m3 weights with scales `stride_se` apart per expert, `gemv.dot_rows`)."""
     wait_for_previous(USE_PDL)
     pair = tl.program_id(0)
     expert, _, live = _pair(ids_ptr, weights_ptr, pair, EXPERTS)
@@ -72,8 +70,8 @@ def _gemv_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, weights_ptr, act_ptr, stride_x
         col = tl.program_id(1) * (BN // 2) + lane // 2
         one = tl.arange(0, 1)
         dots = dot_rows(x_ptr + (pair // TOP_K).to(tl.int64) * stride_x, 0, one, one == 0,
-                        w13_ptr + expert * 2 * inter * H, H, col + (lane % 2) * inter, col < inter, xs_ptr,
-                        ws_ptr + expert * stride_se, stride_ws, H, 1, BN, BK, STAGES, ACT, W_BLOCK)
+                        w13_ptr + expert * 2 * inter * H, H, col + (lane % 2) * inter, col < inter,
+                        ws_ptr + expert * stride_se, stride_ws, H, 1, BN, BK, STAGES, W_SCALES)
         gate, up = tl.split(tl.reshape(dots, (BN // 2, 2)))
         out = (gate / (1.0 + tl.exp(-gate)) * up).to(act_ptr.dtype.element_ty)  # the grouped form's SiLU(gate)*up
         half = tl.program_id(1) * (BN // 2) + tl.arange(0, BN // 2)
@@ -81,11 +79,11 @@ def _gemv_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, weights_ptr, act_ptr, stride_x
 
 
 @triton.jit
-def _gemv_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, counter_ptr, xs_ptr, ws_ptr, stride_se,
+def _gemv_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, counter_ptr, ws_ptr, stride_se,
                       stride_ws, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0, nw_ptr, x_out_ptr,
                       h_ptr, h32_ptr, width, eps, CHOICES: tl.constexpr, EXPERTS: tl.constexpr, I: tl.constexpr,
-                      BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, ACT: tl.constexpr,
-                      W_BLOCK: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
+                      BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, W_SCALES: tl.constexpr,
+                      NORM: tl.constexpr, BLOCK: tl.constexpr,
                       HAS_RESIDUAL: tl.constexpr, HAS_UB: tl.constexpr, HAS_US: tl.constexpr, HAS_RB: tl.constexpr,
                       HAS_RS: tl.constexpr, HAS_SKIP: tl.constexpr, FP32_COPY: tl.constexpr, USE_PDL: tl.constexpr):
     """out[row, cols] = the sum over the row's CHOICES pairs, in order, of (act[pair] @ w2[e]^T * weight) rounded
@@ -102,8 +100,7 @@ def _gemv_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, co
         expert, weight, live = _pair(ids_ptr, weights_ptr, pair, EXPERTS)
         if live:
             dots = dot_rows(act_ptr + pair.to(tl.int64) * I, 0, one, one == 0, w2_ptr + expert * hidden * I, I,
-                            col, col_ok, xs_ptr, ws_ptr + expert * stride_se, stride_ws, I, 1, BN, BK, STAGES, ACT,
-                            W_BLOCK)
+                            col, col_ok, ws_ptr + expert * stride_se, stride_ws, I, 1, BN, BK, STAGES, W_SCALES)
             total += tl.reshape(dots * weight, (BN,)).to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row.to(tl.int64) * hidden + col, total.to(out_ptr.dtype.element_ty), mask=col_ok)
     if NORM:
@@ -132,8 +129,8 @@ def takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.
 
 def _expert_scales(scales: tuple) -> tuple:
     """`gemv.fp8_args`' scale arguments for a stack: the scales' stride between experts after their base."""
-    static, scale, stride_ws = scales
-    return static, scale, scale.stride(0), stride_ws
+    scale, stride_ws = scales
+    return scale, scale.stride(0), stride_ws
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
