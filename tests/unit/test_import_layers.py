@@ -69,9 +69,9 @@ def import_edges(sources: dict[str, tuple[str, bool]]) -> list[Edge]:
                 targets = [known(alias.name) for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
-                if node.level:
-                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join(anchor + ([node.module] if node.module else []))
+                if node.level:  # `from ..x import y` in package a.b.c: a.b.x
+                    parts = package.split(".")
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
                 targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in sources else known(base)
                            for alias in node.names]
             edges += [Edge(importer, target, node.lineno) for target in dict.fromkeys(targets)
