@@ -74,8 +74,8 @@ from hybridserve.demo import (  # noqa: E402
     demo_zaya_config,
     write_random_checkpoint,
 )
+from hybridserve.engine.drafts import ReplayDrafts  # noqa: E402
 from hybridserve.models.ling_config import parse_ling_config  # noqa: E402
-from hybridserve.spec.drafts import ReplayDrafts  # noqa: E402
 from hybridserve.structured import StructuredOutputParams  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12  # H200 device-to-device copy bandwidth measured on the lent machines (KINDS.md)

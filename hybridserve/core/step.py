@@ -1,17 +1,43 @@
 """StepPlan: everything the model runner needs for one step, as host data (what rank 0 would broadcast), and what
-the runner hands back per chunk. Imports only `core.chunk` and the leaf `sampling` module, so the scheduler and the
-runner share it without either importing the other (or `layers/`)."""
+the runner hands back per chunk. Imports only `core.chunk`, so the scheduler and the runner share it without either
+importing the other (or `layers/`); a request's SamplingParams (`hybridserve.sampling`, a level above) reach the
+sampler as `DrawParams`, which they satisfy."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from hybridserve.core.chunk import ScheduledChunk
-from hybridserve.sampling import SamplingParams
+
+
+class DrawParams(Protocol):
+    """What the runner and the sampler read of a row's SamplingParams."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: dict[int, float]
+    allowed_token_ids: list[int]
+    logprobs: int | None
+
+    @property
+    def greedy(self) -> bool: ...
+
+    @property
+    def uses_penalties(self) -> bool: ...
+
+    @property
+    def structured_output(self) -> object | None:
+        """The request's grammar, if any: its rows are drawn only once the host has filled their mask."""
 
 
 @dataclass
 class SamplingRow:
-    params: SamplingParams
+    params: DrawParams
     seed: int
     output_token_ids: list[int]
     prompt_token_ids: list[int]

@@ -11,6 +11,7 @@ from pathlib import Path
 from hybridserve.config import EngineConfig
 from hybridserve.core.step import ChunkResult
 from hybridserve.engine.cache_manager import HybridCacheManager
+from hybridserve.engine.drafts import DraftSource, Speculation, draft_source
 from hybridserve.engine.output_processor import Group, OutputProcessor
 from hybridserve.engine.request import Request
 from hybridserve.engine.scheduler import ScheduledStep, Scheduler
@@ -21,7 +22,6 @@ from hybridserve.outputs import RequestOutput
 from hybridserve.runtime.model_runner import ModelRunner, StepHandle
 from hybridserve.runtime.tensor_parallel import rank_config, start_workers, stop_workers
 from hybridserve.sampling import SamplingParams
-from hybridserve.spec.drafts import DraftSource, Speculation, draft_source
 from hybridserve.spec.verify import accepted_length
 from hybridserve.structured.bitmask import TokenMask
 from hybridserve.structured.compiler import shared_compiler
@@ -150,7 +150,7 @@ class LLMEngine:
 
     def set_draft_source(self, source: DraftSource, force_acceptance: bool = False) -> None:
         """Replace where drafts come from (speculative decoding must be on): benchmarks and tests feed chosen drafts
-        (`spec.drafts.ReplayDrafts`) to measure verification alone or pin acceptance. `force_acceptance`: every
+        (`engine.drafts.ReplayDrafts`) to measure verification alone or pin acceptance. `force_acceptance`: every
         draft is accepted whatever the target draws (the output is then the drafts', not the model's): the cost of
         verification at full acceptance, for benchmarks, where bf16 verify rows need not draw what a plain run
         drew."""

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from hybridserve.core.chunk import FUTURE_TOKEN, ScheduledChunk
 from hybridserve.core.step import PromptLogprobTargets, SamplingRow, StepPlan
 from hybridserve.engine.cache_manager import HybridCacheManager, StepCache
+from hybridserve.engine.drafts import Speculation
 from hybridserve.engine.request import Request, RequestStatus
-from hybridserve.spec.drafts import Speculation
 
 # Prompt-logprob chunks produce [tokens, vocab] fp32 logits; this bounds them per step, across all requests.
 PROMPT_LOGPROB_TOKENS_PER_STEP = 512

@@ -33,8 +33,8 @@ from hybridserve.models.zaya_config import ZayaConfig
 from hybridserve.ops import backends
 from hybridserve.ops.attention import paged_attention
 from hybridserve.ops.conv import cca_conv_to_cache
-from hybridserve.ops.reference.zaya_qk import QKCache
 from hybridserve.ops.norm import ResidualNorm, residual_rms_norm
+from hybridserve.ops.qk_cache import QKCache
 from hybridserve.ops.zaya_router import Routing, eda_route
 
 

@@ -8,9 +8,9 @@ import torch
 
 from hybridserve.core.batch import ForwardBatch
 from hybridserve.ops import backends
+from hybridserve.ops.qk_cache import QKCache
 from hybridserve.ops.reference import conv as reference
 from hybridserve.ops.reference import zaya_qk
-from hybridserve.ops.reference.zaya_qk import QKCache
 
 
 def cca_conv(proj: torch.Tensor, weight0: torch.Tensor, bias0: torch.Tensor, weight1: torch.Tensor,

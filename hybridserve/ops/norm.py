@@ -9,12 +9,11 @@ term added to the routed update); a plain pre-norm residual add is the form with
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from hybridserve.ops import backends
 from hybridserve.ops.reference import norm as reference
+from hybridserve.ops.residual_norm_args import ResidualNormArgs
 
 
 def residual_rms_norm(update: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -34,28 +33,12 @@ def residual_rms_norm(update: torch.Tensor, norm_weight: torch.Tensor, eps: floa
     return reference.residual_rms_norm(*args)
 
 
-@dataclass(frozen=True)
-class ResidualNorm:
+class ResidualNorm(ResidualNormArgs):
     """A `residual_rms_norm` waiting for its update, handed to the projection that computes the update: a decode
     GEMV kernel applies it in its epilogue (its last program, once the whole row is written), saving the norm's own
     launch (`ops.linear.linear_residual_norm`, `ops.moe.fused_experts_residual_norm`); any other path calls it on
     the finished update. Either way the result is the same (the same kernel code on the same stored update: the
     same bits in 16-bit dtypes; fp32, whose update nothing rounds, may differ by where the compiler places FMAs)."""
-
-    norm_weight: torch.Tensor
-    eps: float
-    residual: torch.Tensor | None = None
-    update_bias: torch.Tensor | None = None
-    update_scale: torch.Tensor | None = None
-    residual_bias: torch.Tensor | None = None
-    residual_scale: torch.Tensor | None = None
-    skip_weight: torch.Tensor | None = None
-    skip_input: torch.Tensor | None = None
-    fp32_copy: bool = False
-
-    def __post_init__(self):
-        if (self.skip_weight is None) != (self.skip_input is None):
-            raise ValueError("skip_weight and skip_input come together")
 
     def __call__(self, update: torch.Tensor):
         """-> (x fp32, h, h as fp32 or None), as `residual_rms_norm`."""

@@ -48,6 +48,7 @@ from hybridserve.core.batch import (
 from hybridserve.core.chunk import ScheduledChunk
 from hybridserve.core.staging import StagingBuffers
 from hybridserve.core.upload import upload
+from hybridserve.models.base import CausalLM
 from hybridserve.runtime.warmup import DUMMY_PAGE, DUMMY_SLOT
 from hybridserve.spec.mtp import DraftInputs, MtpDrafter
 
@@ -85,7 +86,7 @@ class DecodeGraphs:
     """Static inputs for up to `sizes[-1]` rows of `row_tokens` tokens (1: decode; 1 + k: verify), and (with
     `capture`) a CUDA graph per size; with `drafter` (verify graphs only) a draft graph per size."""
 
-    def __init__(self, model, tables: PageTables, page_size: int, max_model_len: int, sizes: list[int],
+    def __init__(self, model: CausalLM, tables: PageTables, page_size: int, max_model_len: int, sizes: list[int],
                  device: torch.device, capture: bool, row_tokens: int = 1, drafter: MtpDrafter | None = None,
                  pool=None):
         if drafter is not None and row_tokens == 1:

@@ -22,6 +22,7 @@ from hybridserve.config import EngineConfig
 from hybridserve.core.batch import PageTables, build_forward_batch
 from hybridserve.core.chunk import ScheduledChunk
 from hybridserve.layers.sampler import penalty_rows
+from hybridserve.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ class ProfiledRunner(Protocol):
     config: EngineConfig
     device: torch.device
     dtype: torch.dtype
-    model: torch.nn.Module
+    model: CausalLM
     model_config: object
     kv_spec: KVCacheSpec
     page_footers: bool

@@ -11,6 +11,7 @@ from torch import nn
 
 from hybridserve.core.quant import FP8_DTYPE, QuantConfig, parse_quantization
 from hybridserve.loader import load_weights, read_config
+from hybridserve.models.base import CausalLM
 from hybridserve.models.registry import model_family
 from hybridserve.runtime.dummy_weights import init_dummy_weights
 
@@ -44,7 +45,7 @@ def _default_dtype(dtype: torch.dtype):
 
 def build_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                 hf_overrides: dict | None = None, progress: bool = False, load_format: str = "auto",
-                seed: int = 0, quantization: str | None = None) -> tuple[nn.Module, object]:
+                seed: int = 0, quantization: str | None = None) -> tuple[CausalLM, object]:
     """(model with weights loaded, parsed model config); `progress` shows a bar while the weights load.
 
     load_format auto / safetensors: the checkpoint's *.safetensors (the only format read); dummy: random weights

@@ -19,11 +19,11 @@ from hybridserve.core.upload import upload
 from hybridserve.layers.sampler import Draws, Sampler, logprob_dicts
 from hybridserve.loader import read_config
 from hybridserve.ops.backends import all_triton, select_kernels
+from hybridserve.runtime.control_channel import ControlChannel
 from hybridserve.runtime.cuda_graphs import DecodeGraphs, capture_sizes
 from hybridserve.runtime.memory_profile import cache_budget
 from hybridserve.runtime.model_loader import build_model, resolve_dtype
 from hybridserve.runtime.prefill_graphs import MAX_ROWS, PrefillGraphs, prefill_sizes
-from hybridserve.runtime.tensor_parallel import ControlChannel
 from hybridserve.runtime.warmup import DUMMY_PAGE, DUMMY_SLOT, warmup_batches
 from hybridserve.spec.mtp import MtpDrafter
 from hybridserve.spec.verify import IntermediateSlots, commit_states

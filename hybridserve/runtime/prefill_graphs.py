@@ -46,6 +46,7 @@ from hybridserve.core.batch import (
 from hybridserve.core.chunk import ScheduledChunk
 from hybridserve.core.staging import StagingBuffers
 from hybridserve.core.upload import upload
+from hybridserve.models.base import CausalLM
 from hybridserve.ops.backends import all_triton
 from hybridserve.runtime.cuda_graphs import capture_logits
 from hybridserve.runtime.warmup import DUMMY_PAGE, DUMMY_SLOT, dummy_row
@@ -112,7 +113,7 @@ class PrefillGraphs:
     """Static inputs for up to `max_rows` rows of `sizes[-1]` tokens in all plus the padding row and (with
     `capture`) a CUDA graph per size, all in one memory pool."""
 
-    def __init__(self, model, tables: PageTables, page_size: int, max_model_len: int, sizes: list[int],
+    def __init__(self, model: CausalLM, tables: PageTables, page_size: int, max_model_len: int, sizes: list[int],
                  max_rows: int, device: torch.device, capture: bool, pool=None, placeholders: bool | None = None):
         """`placeholders`: give the batch host fields bounded by the size (default: when captured, or when every op
         runs its kernel; the torch references need the step's own)."""

@@ -22,6 +22,8 @@ import torch.multiprocessing as mp
 
 from hybridserve.config import EngineConfig
 from hybridserve.core.parallel import set_tensor_parallel_group
+from hybridserve.runtime.control_channel import ControlChannel
+from hybridserve.runtime.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -55,27 +57,6 @@ def _node_ranks(config: EngineConfig) -> range:
 
 def _address(config: EngineConfig) -> str:
     return f"tcp://{config.dist_init_addr}" if config.dist_init_addr else f"tcp://127.0.0.1:{free_local_port()}"
-
-
-class ControlChannel:
-    """Rank 0 -> all ranks: the runner calls to make, as pickled host objects over a gloo group."""
-
-    def __init__(self, group: dist.ProcessGroup):
-        self.group = group
-
-    def send(self, message: tuple) -> None:
-        dist.broadcast_object_list([message], src=0, group=self.group)
-
-    def receive(self) -> tuple:
-        box = [None]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
-
-    def min_int(self, value: int) -> int:
-        """The smallest of every rank's value (the cache budget every rank can afford)."""
-        tensor = torch.tensor([value], dtype=torch.long)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
-        return int(tensor.item())
 
 
 def set_nccl_defaults() -> None:
@@ -141,8 +122,6 @@ def stop_workers(workers: list[mp.Process], channel: ControlChannel) -> None:
 
 def _worker_main(rank: int, size: int, address: str, config: EngineConfig) -> None:
     """A worker rank: build the runner on its shard, then make the calls rank 0 sends until told to stop."""
-    from hybridserve.runtime.model_runner import ModelRunner
-
     config = rank_config(config, rank)
     if config.torch_device().type == "cpu":  # the node's ranks share its cores
         torch.set_num_threads(max(1, torch.get_num_threads() // len(_node_ranks(config))))

@@ -25,7 +25,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -36,9 +36,7 @@ from hybridserve.server.async_engine import EngineDead, EngineRequest, OutputMai
 from hybridserve.server.errors import APIError, shutting_down
 from hybridserve.server.metrics import RequestTimer
 from hybridserve.server.protocol import invalid_field
-
-if TYPE_CHECKING:
-    from hybridserve.server.state import ServerState
+from hybridserve.server.state import ServerState
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from hybridserve.parsers import ReasoningFormat, ToolFormat, model_tool_format, reasoning_format, tool_format
 from hybridserve.sampling import SamplingParamError, SamplingParams
@@ -19,8 +19,13 @@ from hybridserve.server.settings import ServerOptions
 from hybridserve.server.protocol import invalid_field, structured_output_error
 from hybridserve.structured import StructuredOutputError
 
-if TYPE_CHECKING:
-    from hybridserve.server.generation import Generation
+
+class InFlight(Protocol):
+    """An API call with requests in the engine (`server.generation.Generation`), as the shutdown drain sees it:
+    the state names only this, so that the calls, which read the state, are not imported by it."""
+
+    def interrupt(self, error: APIError) -> None:
+        """End the call now with `error`."""
 
 
 @dataclass
@@ -30,7 +35,7 @@ class ServerState:
     options: ServerOptions
     prompts: PromptWorker = field(default_factory=PromptWorker)
     created: int = field(default_factory=lambda: int(time.time()))
-    generations: set[Generation] = field(default_factory=set)  # API calls with requests in the engine
+    generations: set[InFlight] = field(default_factory=set)  # API calls with requests in the engine
     draining: bool = False  # shutting down: nothing new is admitted
     loop: asyncio.AbstractEventLoop | None = None  # the event loop serving the app, once it started
     responses: ResponseStore = field(init=False)  # finished Responses-API responses

@@ -30,6 +30,7 @@ import torch
 
 from hybridserve.core.batch import ForwardBatch, HostPack
 from hybridserve.core.chunk import ScheduledChunk
+from hybridserve.models.base import DraftModel
 
 
 @dataclass
@@ -43,7 +44,7 @@ class DraftInputs:
 
 
 class MtpDrafter:
-    def __init__(self, model, num_drafts: int, page_size: int):
+    def __init__(self, model: DraftModel, num_drafts: int, page_size: int):
         self.model, self.k, self.page_size = model, num_drafts, page_size
 
     def inputs(self, batch: ForwardBatch, chunks: list[ScheduledChunk], first_draws: list[int | None],

@@ -10,8 +10,8 @@ import torch
 
 from hybridserve import SamplingParams
 from hybridserve.config import EngineConfig
+from hybridserve.engine.drafts import ModelDrafts, ReplayDrafts
 from hybridserve.engine.engine import LLMEngine
-from hybridserve.spec.drafts import ModelDrafts, ReplayDrafts
 from tests.helpers import finish_all
 from tests.reference.ling_naive import NaiveLing, load_checkpoint
 

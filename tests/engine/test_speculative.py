@@ -19,8 +19,8 @@ import torch
 from hybridserve import SamplingParams
 from hybridserve.config import EngineConfig
 from hybridserve.demo import ensure_demo_checkpoint
+from hybridserve.engine.drafts import ReplayDrafts
 from hybridserve.engine.engine import LLMEngine
-from hybridserve.spec.drafts import ReplayDrafts
 from hybridserve.tokenizer import load_tokenizer
 from tests.helpers import finish_all
 

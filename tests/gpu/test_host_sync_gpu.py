@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hybridserve import LLM, SamplingParams
-from hybridserve.spec.drafts import ReplayDrafts
+from hybridserve.engine.drafts import ReplayDrafts
 from tests.gpu.models import write_two_layer_model
 from tests.gpu.sync import no_host_sync
 

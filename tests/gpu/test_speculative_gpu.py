@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from hybridserve import LLM, SamplingParams
-from hybridserve.spec.drafts import ReplayDrafts
+from hybridserve.engine.drafts import ReplayDrafts
 from tests.gpu.models import largest_logprob_difference, write_two_layer_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -20,7 +20,7 @@ if torch.cuda.is_available():
     from hybridserve.core.batch import ScheduledChunk, build_forward_batch
     from hybridserve.ops.reference import norm as norm_reference
     from hybridserve.ops.reference import zaya_router as router_reference
-    from hybridserve.ops.reference.zaya_qk import QKCache
+    from hybridserve.ops.qk_cache import QKCache
     from hybridserve.ops.triton import conv, norm, zaya_router
     from tests.ops.test_conv_kernel import run_conv_case
     from tests.ops.test_zaya_router_kernel import biased_probs, check_routing, router_inputs

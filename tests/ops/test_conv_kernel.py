@@ -17,9 +17,9 @@ import torch
 
 from hybridserve.core.batch import ScheduledChunk, build_forward_batch
 from hybridserve.layers.rotary import RotaryEmbedding
+from hybridserve.ops.qk_cache import QKCache
 from hybridserve.ops.reference import conv as reference
 from hybridserve.ops.reference import zaya_qk
-from hybridserve.ops.reference.zaya_qk import QKCache
 from hybridserve.ops.triton import conv as kernel
 from tests.ops.conftest import DEVICE, KERNEL_DTYPES, ON_GPU
 

@@ -9,9 +9,9 @@ import torch
 
 from hybridserve import SamplingParams
 from hybridserve.config import EngineConfig
+from hybridserve.engine.drafts import ReplayDrafts
 from hybridserve.engine.engine import LLMEngine
 from hybridserve.ops import backends
-from hybridserve.spec.drafts import ReplayDrafts
 from tests.helpers import add_tokenizer, finish_all
 from tests.models.zaya_fixtures import random_hf_zaya, save_hf, tiny_config
 from tests.ops.conftest import ON_GPU

@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 
 from hybridserve.cache.memory import MemoryPlan
 from hybridserve.engine.cache_manager import HybridCacheManager
+from hybridserve.engine.drafts import Speculation
 from hybridserve.engine.request import Request
 from hybridserve.engine.scheduler import ScheduledStep, Scheduler
 from hybridserve.sampling import SamplingParams
-from hybridserve.spec.drafts import Speculation
 from hybridserve.spec.verify import IntermediateSlots, accepted_length
 
 VOCAB = 4  # small, so prompts share prefixes and drafts are sometimes right

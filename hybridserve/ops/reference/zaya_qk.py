@@ -7,22 +7,10 @@ the model dtype; K and the (raw) V go to the paged cache rows of `slot_mapping`.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 
 from hybridserve.ops.reference.rotary import apply_rotary
-
-
-class QKCache(NamedTuple):
-    """qk_norm_rope_cache's arguments besides q, k, v and the positions: where the CCA conv's outputs go when the
-    two are one op (ops.conv.cca_conv_to_cache)."""
-    temp: torch.Tensor  # [Hk]
-    inv_freq: torch.Tensor  # [rotary_dim / 2] fp32
-    slot_mapping: torch.Tensor  # [T] K/V cache rows
-    k_cache: torch.Tensor  # [rows, Hk, D]
-    v_cache: torch.Tensor  # [rows, Hk, D]
-    out_dtype: torch.dtype  # q's
 
 
 def qk_norm_rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, temp: torch.Tensor,

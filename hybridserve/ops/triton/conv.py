@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from hybridserve.core.batch import ForwardBatch
-from hybridserve.ops.reference.zaya_qk import QKCache
+from hybridserve.ops.qk_cache import QKCache
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.counters import arrival_counters
 from hybridserve.ops.triton.pdl import wait_for_previous

@@ -4,8 +4,8 @@ The reference's rounding is kept: the normalised row is rounded to the weight's 
 the weight in that dtype (computed in fp32, rounded again), exactly as `weight * normalized.to(dtype)` does.
 
 The row itself is `residual_norm_row`, which the decode GEMV kernels also run as an epilogue (`ops.norm.
-ResidualNorm`): `epilogue_args` packs a ResidualNorm's tensors into that function's arguments, after the update's
-pointer and row stride, which the calling kernel supplies.
+ResidualNorm`): `epilogue_args` packs a ResidualNorm's tensors (its `ResidualNormArgs`) into that function's
+arguments, after the update's pointer and row stride, which the calling kernel supplies.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridserve.ops.norm import ResidualNorm
+from hybridserve.ops.residual_norm_args import ResidualNormArgs
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.pdl import wait_for_previous
 from hybridserve.ops.triton.sizes import next_power_of_2
@@ -67,11 +67,11 @@ def _residual_rms_norm_kernel(u_ptr, u_s0, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, 
                       HAS_RB, HAS_RS, HAS_SKIP, FP32_COPY, "")
 
 
-def epilogue_args(norm: ResidualNorm | None, rows: int, width: int, like: torch.Tensor):
+def epilogue_args(norm: ResidualNormArgs | None, rows: int, width: int, like: torch.Tensor):
     """(the arguments of `residual_norm_row` after u_ptr and u_s0, its constexprs, (x, h, h32) outputs) of `norm`
     over `rows` rows of `width`; `norm` None: placeholders (`like` for every pointer), every flag off, no outputs."""
     if norm is None:
-        absent = ResidualNorm(like, 0.0)  # every optional tensor absent: each flag off, `like` in each pointer
+        absent = ResidualNormArgs(like, 0.0)  # every optional tensor absent: each flag off, `like` in each pointer
         return _pack(absent, 1, (like, like, None), like), _flags(absent, 1, False), None
     for name, t in (("residual", norm.residual), ("skip_input", norm.skip_input)):
         if t is not None and (t.stride(-1) != 1 or t.shape != (rows, width)):
@@ -86,7 +86,7 @@ def epilogue_args(norm: ResidualNorm | None, rows: int, width: int, like: torch.
     return _pack(norm, width, outputs, like), _flags(norm, width, h32 is not None and h32 is not h), outputs
 
 
-def _pack(norm: ResidualNorm, width: int, outputs: tuple, like: torch.Tensor) -> tuple:
+def _pack(norm: ResidualNormArgs, width: int, outputs: tuple, like: torch.Tensor) -> tuple:
     """`residual_norm_row`'s runtime arguments after u_ptr and u_s0 (`like` for an absent tensor)."""
     def pointer(t: torch.Tensor | None) -> torch.Tensor:
         return like if t is None else t
@@ -101,7 +101,7 @@ def _pack(norm: ResidualNorm, width: int, outputs: tuple, like: torch.Tensor) ->
             pointer(norm.skip_input), row_stride(norm.skip_input), norm.norm_weight, x, h, h32, width, norm.eps)
 
 
-def _flags(norm: ResidualNorm, width: int, fp32_copy: bool) -> dict:
+def _flags(norm: ResidualNormArgs, width: int, fp32_copy: bool) -> dict:
     """`residual_norm_row`'s constexprs (FP32_COPY: a separate fp32 copy to store)."""
     return dict(BLOCK=next_power_of_2(width), HAS_RESIDUAL=norm.residual is not None,
                 HAS_UB=norm.update_bias is not None, HAS_US=norm.update_scale is not None,
@@ -117,8 +117,8 @@ def residual_rms_norm(update: torch.Tensor, norm_weight: torch.Tensor, eps: floa
     rows, width = update.shape
     if update.stride(-1) != 1:
         raise ValueError("update needs a unit column stride")
-    norm = ResidualNorm(norm_weight, eps, residual, update_bias, update_scale, residual_bias, residual_scale,
-                        skip_weight, skip_input, fp32_copy)
+    norm = ResidualNormArgs(norm_weight, eps, residual, update_bias, update_scale, residual_bias, residual_scale,
+                            skip_weight, skip_input, fp32_copy)
     args, flags, outputs = epilogue_args(norm, rows, width, update)
     if rows:
         _residual_rms_norm_kernel[(rows,)](update, update.stride(0), *args, **flags,
