@@ -15,8 +15,8 @@ the prefill scenario `host` is that split for the whole scenario's prompts (its 
 `--json-grammar` puts the offline benchmark's JSON grammar on every request
 (where the time of a constrained step goes). Prefix caching is off, as in the offline benchmark.
 
-    python benchmarks/profile_step.py --layers 40 --scenario b64 [--json-grammar] [--out profile.json]
-    python benchmarks/profile_step.py --model-type ling --mtp-layer --fp8-checkpoint block --scenario b1
+    python -m benchmarks.offline profile --layers 40 --scenario b64 [--json-grammar] [--out profile.json]
+    python -m benchmarks.offline profile --model-type ling --mtp-layer --fp8-checkpoint block --scenario b1
 """
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ import itertools
 import json
 import pstats
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,12 +33,11 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.offline_throughput import BENCH_GRAMMAR, FP8_CHECKPOINTS, SCENARIOS, make_random_model, \
-    workload  # noqa: E402
-from hybridserve import LLM, SamplingParams  # noqa: E402
-from hybridserve.outputs import RequestOutputKind  # noqa: E402
+from benchmarks.offline.scenarios import BENCH_GRAMMAR, SCENARIOS, workload
+from hybridserve import LLM, SamplingParams
+from hybridserve.demo import make_random_model
+from hybridserve.models.released import FP8_CHECKPOINTS
+from hybridserve.outputs import RequestOutputKind
 
 
 def _sync() -> None:
@@ -237,7 +235,3 @@ def main() -> None:
             Path(args.out).write_text(json.dumps({"summary": summary, "host": host, "device": device}, indent=1))
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-
-
-if __name__ == "__main__":
-    main()

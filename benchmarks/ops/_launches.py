@@ -5,13 +5,12 @@ lightning + MLA layers, dense FFN and MoE), a batch of sequences is prefilled, t
 The count is the number of CUDA kernels (and memcpy/memset) the step runs, divided by the number of decoder
 layers for the per-layer figure; the most frequent kernel names are listed to show where launches come from.
 
-    python benchmarks/decode_launches.py [--batch 8] [--zaya-layers 4] [--out launches.json]
+    python -m benchmarks.ops launches [--batch 8] [--zaya-layers 4] [--ling-layers 4] [--out launches.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -19,15 +18,12 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.ling_decode_agreement import FLASH_2_LAYERS  # noqa: E402
-from benchmarks.offline_throughput import zaya1_8b_config  # noqa: E402
-from hybridserve.demo import write_random_checkpoint  # noqa: E402
-from hybridserve.ops.backends import select_kernels  # noqa: E402
-from hybridserve.runtime.model_loader import build_model  # noqa: E402
-from tests.helpers import CacheHarness  # noqa: E402
-from tests.reference.ling_naive import random_ling_checkpoint, write_checkpoint  # noqa: E402
+from hybridserve.demo import write_random_checkpoint
+from hybridserve.models.released import zaya1_8b_config
+from hybridserve.ops.backends import select_kernels
+from hybridserve.runtime.model_loader import build_model
+from tests.helpers import CacheHarness
+from tests.reference.ling_naive import flash_config, random_ling_checkpoint, write_checkpoint
 
 
 def _zaya_dir(layers: int) -> Path:
@@ -39,8 +35,8 @@ def _zaya_dir(layers: int) -> Path:
 
 def _ling_dir(layers: int) -> Path:
     directory = Path(tempfile.mkdtemp(prefix="ling-launches-"))
-    config = FLASH_2_LAYERS | {"num_hidden_layers": layers, "layer_group_size": layers,
-                               "first_k_dense_replace": 1, "vocab_size": 32768}
+    config = flash_config(num_hidden_layers=layers, layer_group_size=layers, first_k_dense_replace=1,
+                          vocab_size=32768, lightning_decay_variant="hf_remote_code", max_position_embeddings=4096)
     write_checkpoint(directory, config, {n: t.bfloat16() for n, t in random_ling_checkpoint(config, 0).items()})
     return directory
 
@@ -83,7 +79,3 @@ def main() -> None:
             print(f"    {n:5d}  {kernel[:110]}")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
-
-
-if __name__ == "__main__":
-    main()

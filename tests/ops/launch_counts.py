@@ -4,17 +4,13 @@ The model's Triton kernels run through Triton's interpreter and each launch coun
 would launch a CUDA kernel is counted by a dispatch mode (views and allocations launch nothing); entry points kept
 opaque (ZAYA1's attention and MoE, whose kernels have their own launch accounting) count as calls, reported apart.
 Forward hooks on the decoder layers attribute every launch to the layer running it ("outside" for the embedding and
-the final norm). This checks the design without a GPU; on one, benchmarks/decode_launches.py counts the real CUDA
-launches (cuBLAS may add a split-K reduction per GEMM, which no CPU count can see).
-
-    python benchmarks/layer_launches.py [--model ling] [--batch 4]
+the final norm). This checks the design without a GPU; on one, `python -m benchmarks.ops launches` counts the real
+CUDA launches (cuBLAS may add a split-K reduction per GEMM, which no CPU count can see). The budgets are pinned by
+tests/ops/test_layer_launches.py; `python -m benchmarks.ops layer-launches` prints the counts.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import os
-import sys
 import tempfile
 from collections import Counter
 from collections.abc import Callable
@@ -24,8 +20,6 @@ from unittest import mock
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 _NO_LAUNCH = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh", "detach",
               "alias", "_unsafe_view", "_reshape_alias", "promote_types"}
@@ -39,8 +33,8 @@ def tiny_zaya_config(num_layers: int) -> dict:
 
 
 def tiny_ling_config(num_layers: int) -> dict:
-    """The layout benchmarks/decode_launches.py measures on the GPU: one group of `num_layers` layers (the last MLA,
-    the others lightning), layer 0 with the dense FFN, the rest MoE with a shared expert."""
+    """The layout `python -m benchmarks.ops launches` measures on the GPU: one group of `num_layers` layers (the last
+    MLA, the others lightning), layer 0 with the dense FFN, the rest MoE with a shared expert."""
     from tests.reference.ling_naive import tiny_ling_config as ling_config
     return ling_config(num_hidden_layers=num_layers, layer_group_size=num_layers, first_k_dense_replace=1,
                        num_nextn_predict_layers=0)
@@ -161,21 +155,3 @@ def decode_step_launches(name: str, num_layers: int, batch_size: int, quantizati
         model(batch)
     return counter.ops
 
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=sorted(MODELS), default="ling")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=4, help="decode rows")
-    args = parser.parse_args()
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-    by_layer = decode_step_launches(args.model, args.layers, args.batch)
-    for label, counts in by_layer.items():
-        print(f"{label}: {sum(counts.values())} launches")
-        for op, count in sorted(counts.items()):
-            print(f"    {count:4d}  {op}")
-    print(f"total {sum(sum(c.values()) for c in by_layer.values())} per step over {args.layers} layers")
-
-
-if __name__ == "__main__":
-    main()

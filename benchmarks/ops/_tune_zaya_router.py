@@ -3,22 +3,18 @@
 as a CUDA graph of 40 layers' calls with their own weights (as a decode step runs them), and the fastest per size.
 The module's constants are what it ships; this prints whether another candidate is faster (edit them by hand).
 
-    python benchmarks/tune_zaya_router.py [--tokens 1 16 64 256]
+    python -m benchmarks.ops tune-zaya-router [--tokens 1 16 64 256]
 """
 from __future__ import annotations
 
 import argparse
 import itertools
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.op_microbench import graphed, time_ms  # noqa: E402
-from benchmarks.ops.zaya_router import LAYERS, _inputs  # noqa: E402
-from hybridserve.ops.triton import zaya_router as kernel  # noqa: E402
+from benchmarks.op_microbench import graphed, time_ms
+from benchmarks.ops.zaya_router import LAYERS, _inputs
+from hybridserve.ops.triton import zaya_router as kernel
 
 KNOBS = ("PROGRAMS", "TILE_ELEMENTS", "PIPELINE_STAGES")
 CANDIDATES = list(itertools.product((64, 128, 256), (4096, 8192), (3, 6)))
@@ -44,7 +40,3 @@ def main() -> None:
         best = min(times, key=times.get)
         print(f"T={tokens:<4} shipped {times.get(shipped, float('nan')):7.2f} us   best {times[best]:7.2f} us "
               f"{dict(zip(KNOBS, best))}   all: " + " ".join(f"{v}:{t:.1f}" for v, t in sorted(times.items())))
-
-
-if __name__ == "__main__":
-    main()

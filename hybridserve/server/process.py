@@ -1,5 +1,5 @@
-"""`hybridserve serve` in a child process on a free localhost port, its log in a file: what the serving benchmark
-and the server tests start."""
+"""`hybridserve serve` in a child process on a free localhost port, its log in a file, ready once /health says so:
+what the serving benchmark and the server tests start."""
 from __future__ import annotations
 
 import ctypes
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hybridserve.runtime.tensor_parallel import free_local_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the folder holding this hybridserve package
 
 
 def _stop_with_parent() -> None:
@@ -25,7 +25,7 @@ def _stop_with_parent() -> None:
 
 
 class ServerProcess:
-    """Started on construction with this checkout's hybridserve first on the path; `env` adds to the environment."""
+    """Started on construction with this hybridserve first on the child's path; `env` adds to the environment."""
 
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
         self.port = free_local_port()

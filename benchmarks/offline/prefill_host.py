@@ -8,7 +8,7 @@ the finished logits, and the device's own time (the work queued behind a long `t
 never waits for the host). Triton's launch path (`JITFunction.run`) is timed and counted separately; a cProfile of
 one run names the rest.
 
-    python benchmarks/prefill_host.py --layers 40 --tokens 128 512 2048 [--rows 16] [--out prefill_host.json]
+    python -m benchmarks.offline prefill-host --layers 40 --tokens 128 512 2048 [--rows 16] [--out prefill_host.json]
 """
 from __future__ import annotations
 
@@ -18,20 +18,17 @@ import json
 import pstats
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.offline_throughput import zaya1_8b_config  # noqa: E402
-from hybridserve import LLM  # noqa: E402
-from hybridserve.core.batch import ScheduledChunk, build_forward_batch  # noqa: E402
-from hybridserve.demo import copy_bundled_tokenizer  # noqa: E402
-from hybridserve.runtime.warmup import DUMMY_PAGE, DUMMY_SLOT  # noqa: E402
+from hybridserve import LLM
+from hybridserve.core.batch import ScheduledChunk, build_forward_batch
+from hybridserve.demo import copy_bundled_tokenizer
+from hybridserve.models.released import zaya1_8b_config
+from hybridserve.runtime.warmup import DUMMY_PAGE, DUMMY_SLOT
 
 SLEEP_CYCLES = 400_000_000  # ~0.2 s at the H200's clocks: longer than the host needs to queue one prefill
 
@@ -136,7 +133,3 @@ def main() -> None:
             Path(args.out).write_text(json.dumps({"layers": args.layers, "results": results}, indent=1))
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-
-
-if __name__ == "__main__":
-    main()
