@@ -18,7 +18,6 @@ import json
 import pstats
 import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,8 +25,7 @@ import torch
 
 from hybridserve import LLM
 from hybridserve.core.batch import ScheduledChunk, build_forward_batch
-from hybridserve.demo import copy_bundled_tokenizer
-from hybridserve.models.released import zaya1_8b_config
+from hybridserve.demo import make_random_model
 from hybridserve.runtime.warmup import DUMMY_PAGE, DUMMY_SLOT
 
 SLEEP_CYCLES = 400_000_000  # ~0.2 s at the H200's clocks: longer than the host needs to queue one prefill
@@ -113,11 +111,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    directory = Path(tempfile.mkdtemp(prefix="zaya-prefill-host-"))
+    directory = make_random_model("zaya", "full", args.layers, "dummy")
     try:
-        (directory / "config.json").write_text(json.dumps(zaya1_8b_config(args.layers), indent=2))
-        copy_bundled_tokenizer(directory)
-        llm = LLM(str(directory), use_tqdm=False, dtype="bfloat16", load_format="dummy", device="cuda",
+        llm = LLM(directory, use_tqdm=False, dtype="bfloat16", load_format="dummy", device="cuda",
                   enable_prefix_caching=False)
         runner = llm.engine.runner
         results = []
