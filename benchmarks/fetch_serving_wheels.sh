@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Download the wheels that `benchmarks/serving_benchmark.py` needs on the GPU machine (no internet there) into
+# Download the wheels that `python -m benchmarks.serving` needs on the GPU machine (no internet there) into
 # .whl-serving/ (git-ignored): the load generator guidellm and `hybridserve serve`'s own packages that the device
 # image lacks. Usage, from the repository root on a machine with PyPI:
 #   bash benchmarks/fetch_serving_wheels.sh [DIR]          # default DIR: .whl-serving

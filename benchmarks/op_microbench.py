@@ -4,7 +4,9 @@ Cases come from `benchmarks/ops/<op>.py` modules (`cases(device) -> list[OpCase]
 events (median of many runs, warmed up); the floor is max(bytes / bandwidth, flops / matmul rate) with the H200
 ceilings measured in the same run (a device-to-device copy and a bf16 GEMM), never datasheet numbers.
 
-    python benchmarks/op_microbench.py [--ops moe attention ...] [--out results.json]
+    python -m benchmarks.ops micro [--ops moe attention ...] [--out results.json]
+
+(`benchmarks/ops/_*.py` are the other modes of `python -m benchmarks.ops`, not cases.)
 """
 from __future__ import annotations
 
@@ -12,14 +14,11 @@ import argparse
 import importlib
 import json
 import pkgutil
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 @dataclass
@@ -77,7 +76,7 @@ def load_cases(ops: list[str] | None, device: torch.device) -> list[OpCase]:
     import benchmarks.ops as package
     cases = []
     for info in pkgutil.iter_modules(package.__path__):
-        if ops is None or info.name in ops:
+        if not info.name.startswith("_") and (ops is None or info.name in ops):
             cases.extend(importlib.import_module(f"benchmarks.ops.{info.name}").cases(device))
     return cases
 
@@ -104,7 +103,3 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps({"bandwidth_Bps": bandwidth, "bf16_flops": matmul_rate,
                                               "cases": rows}, indent=1))
-
-
-if __name__ == "__main__":
-    main()

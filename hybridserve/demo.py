@@ -7,6 +7,9 @@ download. Their output is gibberish by construction; the engine logs a warning w
 Both use the Qwen3 tokenizer. The Ling demo keeps Qwen3's chat template, whose tool calls are Ling-2.6's
 `<tool_call>` JSON format; the ZAYA1 demo gets templates/zaya_demo.jinja (the same ChatML turns, tools and calls in
 ZAYA1's `<zyphra_tool_call>` format), so each demo's template matches the tool-call parser of its model type.
+
+`make_random_model` writes the same kind of directory for a stand-in of a released model (models/released.py) or a
+demo-width one, with any number of layers: what the benchmarks load.
 """
 from __future__ import annotations
 
@@ -23,9 +26,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from hybridserve.models.released import FP8_CHECKPOINTS, ling_flash_config, zaya1_8b_config
+
 logger = logging.getLogger(__name__)
 
 DEMO_VERSION = 2  # 2: the ZAYA1 demo's chat template writes ZAYA1's tool-call format
+DEMO_VOCAB, DEMO_EOS = 151680, [151645]  # the demo widths' vocabulary and end token (the bundled tokenizer's)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
 
 
@@ -165,6 +171,58 @@ def write_random_checkpoint(directory: Path, config: dict, seed: int = 0,
 def copy_bundled_tokenizer(directory: Path) -> None:
     for name in _TOKENIZER_FILES:
         shutil.copy(bundled_tokenizer_dir() / name, directory / name)
+
+
+def fill_tokenizer_vocab(model_dir: Path, vocab_size: int) -> int:
+    """Give every model token id below `vocab_size` a text in the model directory's tokenizer.json; return how many
+    ids were added. A random model samples all of its vocabulary (ZAYA1-8B's 262272 ids, Ling's 157184), but the
+    bundled tokenizer has 151669: ids past it decode to "", a server streams nothing for them, and a load
+    generator would see a late first token (TTFT) and fewer chunks. The fillers (" t<id>") are byte-level BPE
+    entries that no merge produces, so prompts encode exactly as before. The added (special) tokens go into the BPE
+    vocabulary too, at their ids: the tokenizers library numbers added tokens that the model vocabulary lacks from
+    its size up, so a larger vocabulary would otherwise move them."""
+    path = model_dir / "tokenizer.json"
+    tokenizer = json.loads(path.read_text())
+    vocab = tokenizer["model"]["vocab"]
+    vocab.update({token["content"]: token["id"] for token in tokenizer["added_tokens"]})
+    used = set(vocab.values())
+    missing = [i for i in range(vocab_size) if i not in used]
+    vocab.update({f"\u0120t{i}": i for i in missing})  # \u0120 (Ġ) is the byte-level alphabet's space
+    path.write_text(json.dumps(tokenizer, ensure_ascii=False))
+    return len(missing)
+
+
+def random_model_config(model_type: str, width: str, layers: int | None, mtp: bool = False) -> dict:
+    """The config.json of a random `model_type` ("zaya" or "ling") model: the released model's widths ("full":
+    ZAYA1-8B, Ling-2.6-flash) or the demo checkpoint's tiny ones ("demo"), with `layers` layers (default: the
+    released depth, 40 or 32) and, for Ling, its MTP layer if `mtp`."""
+    if model_type == "zaya":
+        layers = layers or 40
+        if width == "full":
+            return zaya1_8b_config(layers)
+        return demo_zaya_config(DEMO_VOCAB, DEMO_EOS) | {"num_hidden_layers": layers,
+                                                         "layer_types": ["hybrid"] * layers}
+    layers = layers or 32
+    if width == "full":
+        return ling_flash_config(layers, mtp)
+    return demo_ling_config(DEMO_VOCAB, DEMO_EOS) | {"num_hidden_layers": layers, "num_nextn_predict_layers": int(mtp)}
+
+
+def make_random_model(model_type: str, width: str, layers: int | None, load_format: str, mtp: bool = False,
+                      fp8_checkpoint: str | None = None) -> str:
+    """A temporary directory (the caller deletes it) with the model of `random_model_config` and the bundled
+    tokenizer: config.json alone for load_format "dummy" (the engine draws the weights), else a random checkpoint.
+    `fp8_checkpoint` ("channel" or "block", dummy only): config.json says the weights are FP8 in that layout."""
+    model_dir = tempfile.mkdtemp(prefix=f"{model_type}-bench-")
+    config = random_model_config(model_type, width, layers, mtp)
+    if fp8_checkpoint is not None:
+        config["quantization_config"] = FP8_CHECKPOINTS[fp8_checkpoint]
+    if load_format == "dummy":
+        (Path(model_dir) / "config.json").write_text(json.dumps(config, indent=2))
+    else:
+        write_random_checkpoint(Path(model_dir), config)
+    copy_bundled_tokenizer(Path(model_dir))
+    return model_dir
 
 
 def write_demo_checkpoint(directory: Path, model_type: str = "zaya") -> None:

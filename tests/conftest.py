@@ -21,6 +21,16 @@ from tests.helpers import add_tokenizer  # noqa: E402
 from tests.models.zaya_fixtures import random_hf_zaya, save_hf, tiny_config  # noqa: E402
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test marked `gpu` (pyproject's markers) is skipped on a machine with fewer CUDA GPUs than it asks for."""
+    gpus = torch.cuda.device_count()
+    for item in items:
+        marker = item.get_closest_marker("gpu")
+        wanted = marker.kwargs.get("devices", 1) if marker is not None else 0
+        if gpus < wanted:
+            item.add_marker(pytest.mark.skip(reason=f"needs {wanted} CUDA GPUs" if wanted > 1 else "needs a CUDA GPU"))
+
+
 @pytest.fixture(scope="session")
 def zaya_dir(tmp_path_factory):
     directory = save_hf(random_hf_zaya(tiny_config("base"), seed=21), tmp_path_factory.mktemp("zaya-engine"))

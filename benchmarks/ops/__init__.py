@@ -1,2 +1,3 @@
-"""Per-op micro-benchmark cases: each module exposes `cases(device) -> list[OpCase]` (see
-benchmarks/op_microbench.py)."""
+"""The kernel benchmarks (`python -m benchmarks.ops MODE`, __main__.py). Each public module is one op's
+micro-benchmark cases, `cases(device) -> list[OpCase]` (benchmarks/op_microbench.py times them); the `_` modules are
+the other modes."""

@@ -5,7 +5,7 @@ nor cares where drafts come from.
 - `ModelDrafts`: the tokens the model's draft layer (Ling's MTP) produced on the device in the request's previous
   step, handed back with that step's results (`ChunkResult.drafts`).
 - `ReplayDrafts`: given continuations (e.g. a plain run's greedy outputs) replayed from each request's current
-  length: the forced-acceptance measurement of what verification costs (benchmarks/offline_throughput.py), and
+  length: the forced-acceptance measurement of what verification costs (`python -m benchmarks.offline throughput`), and
   the tests' always-right / always-wrong drafts (`LLMEngine.set_draft_source`).
 """
 from __future__ import annotations

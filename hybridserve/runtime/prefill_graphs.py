@@ -1,13 +1,13 @@
 """Prefill and mixed steps of up to `max_rows` rows replayed from CUDA graphs, one graph per token bucket.
 
-An eager prefill step is bound by the host, not the device: on the H200 a 512-token prompt's step over 40
-ZAYA1-8B layers took 45 ms to queue its ~560 Triton launches and the cuBLAS and torch ops around them, where the
-device ran them in 7.7 ms (benchmarks/prefill_host.py); the offline benchmark's prefill steps (16 rows of 512
-tokens) took 58.6 ms of host work each against 53.6 ms of kernels, so the device waited for the host. A step of
-rows whose tokens add up to L (L <= the largest size; each row at most one logits position, no drafts: prompt
-chunks, decode rows, both mixed) replays the graph of the smallest size >= L. The size - L tokens after the rows
-form the padding row, on the dummies (page 0 through the page tables' dummy row, state slot 0), as a decode graph's
-padding rows; it is empty when L is the size. Row slots the step leaves unused are empty rows on the dummies too.
+An eager prefill step is bound by the host, not the device: on the H200 a 512-token prompt's step over 40 ZAYA1-8B
+layers took 45 ms to queue its ~560 Triton launches and the cuBLAS and torch ops around them, where the device ran
+them in 7.7 ms (`python -m benchmarks.offline prefill-host`); the offline benchmark's prefill steps (16 rows of 512
+tokens) took 58.6 ms of host work each against 53.6 ms of kernels, so the device waited for the host. A step of rows
+whose tokens add up to L (L <= the largest size; each row at most one logits position, no drafts: prompt chunks,
+decode rows, both mixed) replays the graph of the smallest size >= L. The size - L tokens after the rows form the
+padding row, on the dummies (page 0 through the page tables' dummy row, state slot 0), as a decode graph's padding
+rows; it is empty when L is the size. Row slots the step leaves unused are empty rows on the dummies too.
 
 Shapes come from the size alone: the kernels see max_rows + 1 rows, as if the first held all `size` tokens (grids,
 tiles; programs past a row's tokens exit), and max_model_len keys (the attention's key splits, as in decode

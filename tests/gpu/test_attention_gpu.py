@@ -15,7 +15,7 @@ from hybridserve.ops import attention as attention_op
 from hybridserve.ops.triton import attention as kernel
 from tests.ops.attention_cases import Case, make_case, reference_output
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.gpu
 
 CUDA = torch.device("cuda")
 BF16_TOLERANCE = 1.5e-2

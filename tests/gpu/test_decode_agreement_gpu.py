@@ -27,7 +27,7 @@ from tests.gpu.test_zaya_gpu import ZAYA1_8B_SHAPED, margins_like_a_trained_mode
 from tests.helpers import CacheHarness
 from tests.reference.ling_naive import random_ling_checkpoint, write_checkpoint
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
 PROMPT_LENGTHS = (33, 97, 211, 300, 7, 64, 150, 17)
 STEPS = 32

@@ -18,7 +18,7 @@ from hybridserve.ops.reference import moe as moe_reference
 from tests.gpu.sync import no_host_sync
 from tests.gpu.test_moe_gpu import _rel, _routing, experts  # noqa: F401  (experts: the fixture of both MoE shapes)
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
 
 # name: (K, N, bias)

@@ -26,7 +26,7 @@ from tests.gpu.sync import no_host_sync
 from tests.gpu.test_decode_gemv_gpu import _graphed
 from tests.gpu.test_moe_gpu import _rel, _routing
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
 SCHEMES = {"channel/token": Fp8Scheme("channel", "token"), "block/group": Fp8Scheme("block", "group", (128, 128)),
            "tensor/static": Fp8Scheme("tensor", "static")}

@@ -19,7 +19,7 @@ from hybridserve.engine.drafts import ReplayDrafts
 from tests.gpu.models import write_two_layer_model
 from tests.gpu.sync import no_host_sync
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.gpu(engine=True)
 
 
 def mixed_params() -> list[SamplingParams]:

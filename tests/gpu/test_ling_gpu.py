@@ -15,7 +15,7 @@ from tests.gpu.models import FLASH, write_two_layer_model
 from tests.gpu.sync import no_host_sync
 from tests.helpers import CacheHarness
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.gpu(engine=True)
 CUDA = torch.device("cuda")
 
 

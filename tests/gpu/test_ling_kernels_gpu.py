@@ -17,7 +17,7 @@ from hybridserve.models.ling_config import parse_ling_config
 from hybridserve.ops.reference import lightning as reference
 from tests.reference.ling_naive import tiny_ling_config
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
 HEADS, DIM, PAGE, NUM_SLOTS = 32, 128, 16, 16
 BOUND = 2e-3  # relative, outputs and states, bf16 q/k/v vs the fp32 reference on the same bf16 values

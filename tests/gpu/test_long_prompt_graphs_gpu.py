@@ -24,7 +24,7 @@ import torch
 from hybridserve import LLM, SamplingParams
 from tests.gpu.models import largest_logprob_difference, write_two_layer_model
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.gpu(engine=True)
 
 MAX_MODEL_LEN = 8192
 NEW_TOKENS = 32

@@ -17,7 +17,7 @@ from hybridserve.ops.reference import router as router_reference
 from tests.gpu.sync import no_host_sync
 from tests.reference.ling_naive import tiny_ling_config
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
 # name: (experts, top_k, hidden, intermediate)
 SHAPES = {"zaya1-8b": (16, 1, 2048, 2048), "ling-2.6-flash": (256, 8, 4096, 1024)}

@@ -14,7 +14,7 @@ from hybridserve import LLM, SamplingParams
 from hybridserve.ops.triton import pdl
 from tests.gpu.models import largest_logprob_difference, write_two_layer_model
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.gpu(engine=True)
 
 
 def _generate(directory: Path, use_pdl: bool, monkeypatch: pytest.MonkeyPatch) -> list:

@@ -18,7 +18,7 @@ from hybridserve import LLM, SamplingParams
 from hybridserve.runtime.memory_profile import graph_pool_bytes
 from tests.gpu.models import largest_logprob_difference, write_two_layer_model
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.gpu(engine=True)
 
 
 def test_graph_prefill_matches_eager(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from hybridserve import LLM, SamplingParams
 from hybridserve.engine.drafts import ReplayDrafts
 from tests.gpu.models import largest_logprob_difference, write_two_layer_model
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.gpu(engine=True)
 
 
 def test_conv_verify_rows_at_zaya1_8b_widths() -> None:

@@ -18,7 +18,7 @@ from hybridserve.structured.bitmask import TokenMask, apply_token_mask, words_fo
 from tests.gpu.models import largest_logprob_difference, write_two_layer_model
 from tests.gpu.sync import no_host_sync
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.gpu(engine=True)
 
 SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9999},
                                            "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},

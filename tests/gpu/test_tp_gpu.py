@@ -11,7 +11,7 @@ import torch
 from hybridserve import LLM, SamplingParams
 from tests.gpu.models import largest_logprob_difference, write_two_layer_model
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+pytestmark = pytest.mark.gpu(engine=True, devices=2)
 
 LOGPROB_TOL = 1e-4  # fp32 on the GPU, reductions over hidden 2048-4096 split in two
 

@@ -17,7 +17,7 @@ import torch
 from hybridserve import LLM, SamplingParams
 from tests.gpu.models import write_two_layer_model
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.gpu(engine=True)
 
 
 def _compiled_variants() -> dict[str, set]:

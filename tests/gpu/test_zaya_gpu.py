@@ -8,7 +8,7 @@ from hybridserve.demo import write_random_checkpoint
 from hybridserve.runtime.model_loader import build_model
 from tests.helpers import CacheHarness
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.gpu
 
 ZAYA1_8B_SHAPED = {
     "model_type": "zaya", "architectures": ["ZayaForCausalLM"], "torch_dtype": "bfloat16",

@@ -14,7 +14,7 @@ import torch
 
 from tests.gpu.sync import no_host_sync
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.gpu
 
 if torch.cuda.is_available():
     from hybridserve.core.batch import ScheduledChunk, build_forward_batch

@@ -1,4 +1,4 @@
-"""Launch budgets per decoder layer and decode step, counted on CPU (benchmarks/layer_launches.py).
+"""Launch budgets per decoder layer and decode step, counted on CPU (tests/ops/launch_counts.py).
 
 ZAYA1, 9 a layer: 2 GEMV linears (fused q|k|v|v projection, o_proj with the post-attention residual norm in its
 epilogue; cuBLAS GEMMs beyond decode sizes), CCA conv (QKNorm+RoPE+KV write in its epilogue), attention (its split
@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.layer_launches import decode_step_launches
 from tests.ops.conftest import ON_GPU  # sets TRITON_INTERPRET before the kernels are imported
+from tests.ops.launch_counts import decode_step_launches
 
 
-@pytest.mark.skipif(ON_GPU, reason="counts interpreted launches; on a GPU: benchmarks/decode_launches.py")
+@pytest.mark.skipif(ON_GPU, reason="counts interpreted launches; on a GPU: python -m benchmarks.ops launches")
 def test_zaya_decode_layer_launch_budget():
     counts = decode_step_launches("zaya", num_layers=3, batch_size=3)[1]  # a middle layer
     assert counts == {
@@ -26,8 +26,8 @@ def test_zaya_decode_layer_launch_budget():
     }
 
 
-# Ling-2.6, the layout benchmarks/decode_launches.py measures on the GPU (4 layers in one group: lightning 0-2, MLA
-# 3; layer 0's FFN dense, the others MoE with a shared expert). The norm kernel (_add_rms_norm_kernel) is every
+# Ling-2.6, the layout `python -m benchmarks.ops launches` measures on the GPU (4 layers in one group: lightning 0-2,
+# MLA 3; layer 0's FFN dense, the others MoE with a shared expert). The norm kernel (_add_rms_norm_kernel) is every
 # RMSNorm: alone, or fused with the residual add before it, which also adds the previous MoE's shared expert and
 # sums its routed rows, and writes the fp32 copy the router reads. Before this budget the step was 129 launches
 # (fp16 count: 18 + 20 + 20 + 69, plus 2 outside): torch RMSNorms and RoPE, SiLU and multiply apart, casts, cats.
@@ -61,14 +61,14 @@ LING_BUDGET = {
 }
 
 
-@pytest.mark.skipif(ON_GPU, reason="counts interpreted launches; on a GPU: benchmarks/decode_launches.py")
+@pytest.mark.skipif(ON_GPU, reason="counts interpreted launches; on a GPU: python -m benchmarks.ops launches")
 def test_ling_decode_layer_launch_budget():
     counts = decode_step_launches("ling", num_layers=4, batch_size=3)
     assert counts == LING_BUDGET
     assert sum(sum(c.values()) for c in counts.values()) == 54  # 57 before the MoE decode form dropped alignment
 
 
-@pytest.mark.skipif(ON_GPU, reason="counts interpreted launches; on a GPU: benchmarks/decode_launches.py")
+@pytest.mark.skipif(ON_GPU, reason="counts interpreted launches; on a GPU: python -m benchmarks.ops launches")
 @pytest.mark.parametrize("name, layers", [("zaya", 3), ("ling", 4)])
 def test_fp8_decode_step_has_the_16bit_launches(name: str, layers: int):
     """Online FP8 (every projection but MLA's kv_b_proj, and the routed experts): each e4m3 GEMV quantizes x in its

@@ -23,7 +23,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.server_process import ServerProcess
+from hybridserve.server.process import ServerProcess
 
 STARTUP_TIMEOUT_S = 120
 SMALL_CACHE = ["--kv-cache-memory-bytes", str(64 << 20)]  # quick to allocate and to free

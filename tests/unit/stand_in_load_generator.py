@@ -1,4 +1,4 @@
-"""A stand-in for `guidellm run --scenario FILE` (benchmarks/serving_benchmark.py's `--guidellm`), so that CI drives
+"""A stand-in for `guidellm run --scenario FILE` (`python -m benchmarks.serving --guidellm`), so that CI drives
 the whole benchmark (model, server start, warm-up, probe, scenario, report, summary) without guidellm, whose closure
 is too large for a test dependency. For each benchmark of the scenario it sends its requests `profile.streams` at a
 time as streaming /v1/completions (prompts of token ids, exactly `prompt_tokens` long; `ignore_eos`) and writes

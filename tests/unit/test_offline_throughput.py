@@ -1,8 +1,10 @@
-"""benchmarks/offline_throughput.py: runs end to end on CPU for both model types (tiny widths, config-only directory,
-dummy weights), and the Ling bandwidth floor counts the model's weights."""
+"""`python -m benchmarks.offline throughput`: runs end to end on CPU for both model types (tiny widths, config-only
+directory, dummy weights) and refuses draft tokens without an algorithm; the Ling bandwidth floor counts the model's
+weights. The benchmark runs as a command: the tests import nothing from benchmarks/."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,20 +12,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.offline_throughput import ling_decode_bytes, ling_flash_config
+from hybridserve.models.bandwidth_floor import ling_decode_bytes
 from hybridserve.models.registry import model_family
+from hybridserve.models.released import ling_flash_config
 
 ROOT = Path(__file__).resolve().parents[2]
+THROUGHPUT = [sys.executable, "-m", "benchmarks.offline", "throughput"]
 
 
 @pytest.mark.parametrize("model_type", ["zaya", "ling"])
 def test_smoke_run_on_cpu_writes_the_results(tmp_path, model_type):
     out = tmp_path / "result.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "offline_throughput.py"), "--device", "cpu",
-                    "--width", "demo", "--layers", "2", "--model-type", model_type, "--load-format", "dummy",
-                    "--scenarios", "smoke", "--skip-hf", "--temperature", "0", "--dtype", "float32", "--out", str(out),
-                    *(["--json-grammar"] if model_type == "zaya" else [])],
-                   check=True, timeout=120, capture_output=True)
+    subprocess.run([*THROUGHPUT, "--device", "cpu", "--width", "demo", "--layers", "2", "--model-type", model_type,
+                    "--load-format", "dummy", "--scenarios", "smoke", "--skip-hf", "--temperature", "0", "--dtype",
+                    "float32", "--out", str(out), *(["--json-grammar"] if model_type == "zaya" else [])],
+                   check=True, timeout=120, capture_output=True, cwd=ROOT)
     result = json.loads(out.read_text())
     smoke = result["scenarios"]["smoke"]
     assert result["layers"] == 2 and result["load_format"] == "dummy"
@@ -35,16 +38,28 @@ def test_smoke_run_on_cpu_writes_the_results(tmp_path, model_type):
 def test_speculative_smoke_run_reports_plain_speculative_and_forced_acceptance(tmp_path):
     """NEXTN on the demo-width Ling (the script gives it its MTP layer): the forced run accepts every draft."""
     out = tmp_path / "result.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "offline_throughput.py"), "--device", "cpu",
-                    "--width", "demo", "--layers", "2", "--model-type", "ling", "--load-format", "dummy",
-                    "--scenarios", "smoke", "--temperature", "0", "--dtype", "float32", "--out", str(out),
-                    "--speculative-algorithm", "NEXTN", "--num-draft-tokens", "2"],
-                   check=True, timeout=180, capture_output=True)
+    subprocess.run([*THROUGHPUT, "--device", "cpu", "--width", "demo", "--layers", "2", "--model-type", "ling",
+                    "--load-format", "dummy", "--scenarios", "smoke", "--temperature", "0", "--dtype", "float32",
+                    "--out", str(out), "--speculative-algorithm", "NEXTN", "--num-draft-tokens", "2"],
+                   check=True, timeout=180, capture_output=True, cwd=ROOT)
     result = json.loads(out.read_text())
     smoke = result["scenarios"]["smoke"]
     assert result["speculative"] == {"method": "mtp", "num_speculative_tokens": 2}
     assert smoke["spec_tok_s"] > 0 and smoke["forced_tok_s"] > 0 and smoke["spec_mean_accept_length"] >= 1
     assert smoke["forced_acceptance_rate"] == 1.0 and smoke["forced_mean_accept_length"] == 3.0
+
+
+@pytest.mark.parametrize("flag", ["--speculative-num-draft-tokens", "--num-draft-tokens"])
+def test_draft_tokens_without_an_algorithm_are_refused(tmp_path, flag):
+    """`--num-draft-tokens K` alone used to be ignored (a plain run reported as if K drafts were asked for); the
+    option check names both flags and stops the run before any model is written (the old spelling stays an
+    alias)."""
+    run = subprocess.run([*THROUGHPUT, "--device", "cpu", flag, "2", "--out", str(tmp_path / "result.json")],
+                         timeout=120, capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "TMPDIR": str(tmp_path)})  # where a random model would be written
+    assert run.returncode == 2
+    assert "--speculative-num-draft-tokens" in run.stderr and "needs --speculative-algorithm" in run.stderr, run.stderr
+    assert list(tmp_path.iterdir()) == []  # no random model, no result
 
 
 def test_ling_floor_weights_are_the_model_parameters_when_every_expert_is_touched():

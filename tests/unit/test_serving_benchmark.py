@@ -1,5 +1,7 @@
-"""benchmarks/serving_benchmark.py: option checks, the tokenizer filler of the random model, the summary of a
-guidellm report (and the problems it must flag), and end-to-end smoke runs on CPU.
+"""`python -m benchmarks.serving`: option checks, the tokenizer filler of the random model, the summary of a
+guidellm report (and the problems it must flag), and end-to-end smoke runs on CPU. The benchmark runs as a command
+(its --dry-run prints the resolved options, --report summarizes a report): the tests import nothing from
+benchmarks/.
 
 guidellm is not a test dependency (its closure is large, and the benchmark only runs on the GPU machine with
 carried wheels): one smoke run drives the server with a stand-in load generator (`stand_in_load_generator.py`, which
@@ -17,35 +19,45 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from benchmarks.serving_benchmark import fill_tokenizer_vocab, level_requests, parse_args, summarize
-from hybridserve.demo import copy_bundled_tokenizer
+from hybridserve.demo import copy_bundled_tokenizer, fill_tokenizer_vocab
 
 ROOT = Path(__file__).resolve().parents[2]
+SERVING = [sys.executable, "-m", "benchmarks.serving"]
 BUNDLED_TOKENS = 151669  # the bundled Qwen3 tokenizer: 151643 BPE entries + 26 added tokens
 
 
+def _serving(*options: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([*SERVING, *options], timeout=timeout, capture_output=True, text=True, cwd=ROOT)
+
+
+def _options(*options: str) -> dict:
+    """The options the benchmark resolves from `options` (its --dry-run)."""
+    run = _serving(*options, "--dry-run")
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout)
+
+
 def test_default_levels_and_request_counts():
-    args = parse_args([])
-    assert args.concurrency == [1, 16, 64, 256] and args.load_format == "dummy"
-    assert level_requests(args) == [16, 64, 256, 1024]
-    assert level_requests(parse_args(["--concurrency", "2", "8", "--num-prompts", "5"])) == [5, 5]
-    assert level_requests(parse_args(["--concurrency", "2", "8", "--num-prompts", "5", "7"])) == [5, 7]
+    options = _options()
+    assert options["concurrency"] == [1, 16, 64, 256] and options["load_format"] == "dummy"
+    assert options["requests_per_level"] == [16, 64, 256, 1024]
+    assert _options("--concurrency", "2", "8", "--num-prompts", "5")["requests_per_level"] == [5, 5]
+    assert _options("--concurrency", "2", "8", "--num-prompts", "5", "7")["requests_per_level"] == [5, 7]
 
 
 def test_smoke_defaults_yield_to_explicit_options():
-    args = parse_args(["--smoke", "--concurrency", "3", "--output-len", "5"])
-    assert (args.width, args.layers, args.device, args.dtype) == ("demo", 2, "cpu", "float32")
-    assert args.concurrency == [3] and args.output_len == 5 and args.input_len == 64
-    assert parse_args(["--model", "/some/dir"]).load_format == "auto"  # a real checkpoint's own weights
+    options = _options("--smoke", "--concurrency", "3", "--output-len", "5")
+    assert [options[k] for k in ("width", "layers", "device", "dtype")] == ["demo", 2, "cpu", "float32"]
+    assert options["concurrency"] == [3] and options["output_len"] == 5 and options["input_len"] == 64
+    assert _options("--model", "/some/dir")["load_format"] == "auto"  # a real checkpoint's own weights
 
 
 @pytest.mark.parametrize("argv", [["--concurrency", "0"], ["--concurrency", "1", "2", "--num-prompts", "1", "2", "3"],
                                   ["--num-prompts", "0"], ["--output-len", "0"], ["--model", "/m", "--layers", "2"],
                                   ["--smoke", "--model", "/m", "--layers", "2"]])
-def test_bad_options_are_refused(argv, capsys):
-    with pytest.raises(SystemExit):
-        parse_args(argv)
-    assert "error:" in capsys.readouterr().err
+def test_bad_options_are_refused(argv):
+    run = _serving(*argv, "--dry-run")
+    assert run.returncode == 2 and "error:" in run.stderr
 
 
 def test_filled_tokenizer_decodes_every_model_id_and_encodes_as_before(tmp_path):
@@ -86,27 +98,37 @@ def _benchmark(streams: int, output_lens: list[int], errored: int = 0) -> dict:
     }
 
 
-def test_summary_of_a_clean_report():
-    entries, problems = summarize({"benchmarks": [_benchmark(4, [8] * 6)]}, "demo", 64, 8)
-    assert problems == []
-    assert entries == [{"scenario": "demo", "concurrency": 4, "requests": 6, "errored": 0, "incomplete": 0,
-                        "duration_s": 2.5, "ttft_ms": {"p50": 10.0, "p90": 20.0, "p99": 30.0, "mean": 12.0},
-                        "itl_ms": {"p50": 4.0, "p90": 5.0, "p99": 6.0, "mean": 4.5}, "output_tok_s": 1234.5,
-                        "req_s": 9.75}]
+def _summary(tmp_path: Path, benchmarks: list[dict]) -> tuple[subprocess.CompletedProcess, dict]:
+    """The benchmark's summary (--report) of a guidellm report of `benchmarks`, for prompts of 64 and outputs of 8
+    tokens: the run and its --out JSON."""
+    report, out = tmp_path / "guidellm.json", tmp_path / "summary.json"
+    report.write_text(json.dumps({"metadata": {"guidellm_version": "0.8.1"}, "benchmarks": benchmarks}))
+    run = _serving("--report", str(report), "--input-len", "64", "--output-len", "8", "--out", str(out))
+    return run, json.loads(out.read_text())
 
 
-def test_summary_flags_failed_requests_and_wrong_lengths():
-    report = {"benchmarks": [_benchmark(1, [8, 8]), _benchmark(2, [8, 7], errored=1)]}
-    entries, problems = summarize(report, "demo", 64, 8)
-    assert [e["concurrency"] for e in entries] == [1, 2]
+def test_summary_of_a_clean_report(tmp_path):
+    run, summary = _summary(tmp_path, [_benchmark(4, [8] * 6)])
+    assert run.returncode == 0 and summary["problems"] == [] and summary["load_generator"] == "guidellm 0.8.1"
+    assert summary["results"] == [{
+        "scenario": f"guidellm report {tmp_path / 'guidellm.json'}", "concurrency": 4, "requests": 6, "errored": 0,
+        "incomplete": 0, "duration_s": 2.5, "ttft_ms": {"p50": 10.0, "p90": 20.0, "p99": 30.0, "mean": 12.0},
+        "itl_ms": {"p50": 4.0, "p90": 5.0, "p99": 6.0, "mean": 4.5}, "output_tok_s": 1234.5, "req_s": 9.75}]
+    assert "| 4 | 6 | 10.0 / 20.0 / 30.0 | 4.0 / 5.0 / 6.0 | 1234.5 | 9.75 |" in run.stdout
+
+
+def test_summary_flags_failed_requests_and_wrong_lengths(tmp_path):
+    run, summary = _summary(tmp_path, [_benchmark(1, [8, 8]), _benchmark(2, [8, 7], errored=1)])
+    problems = summary["problems"]
+    assert run.returncode == 1 and [e["concurrency"] for e in summary["results"]] == [1, 2]
     assert len(problems) == 2 and all(p.startswith("c=2:") for p in problems)
     assert "1 errored" in problems[0] and "[7, 8]" in problems[1]
+    assert run.stderr.count("PROBLEM: c=2:") == 2
 
 
 def _smoke_run(tmp_path: Path, *options: str) -> None:
     out = tmp_path / "serving.json"
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serving_benchmark.py"), "--smoke",
-                          "--out", str(out), *options], timeout=240, capture_output=True, text=True)
+    run = _serving("--smoke", "--out", str(out), *options, timeout=240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["problems"] == [] and result["load_generator"].startswith("guidellm ")

@@ -183,21 +183,6 @@ def test_a_non_integer_speculative_flag_is_refused_by_the_parser(capsys):
     assert "--speculative-num-draft-tokens" in capsys.readouterr().err
 
 
-def test_offline_benchmark_refuses_draft_tokens_without_an_algorithm(monkeypatch, capsys):
-    """`--num-draft-tokens K` alone used to be ignored (a plain run reported as if K drafts were asked for); the
-    error names both flags, before any model is built. The old spelling stays an alias (benchmarks/gpu_session.sh)."""
-    from benchmarks import offline_throughput
-
-    monkeypatch.setattr(offline_throughput, "make_random_model", lambda *a, **k: pytest.fail("a model was built"))
-    for flag in ("--speculative-num-draft-tokens", "--num-draft-tokens"):
-        monkeypatch.setattr("sys.argv", ["offline_throughput.py", "--device", "cpu", flag, "2"])
-        with pytest.raises(SystemExit) as exit_info:
-            offline_throughput.main()
-        assert exit_info.value.code == 2
-        err = capsys.readouterr().err
-        assert "--speculative-num-draft-tokens" in err and "needs --speculative-algorithm" in err, err
-
-
 def test_metrics_report_acceptance():
     from hybridserve.server.metrics import ServerMetrics
 

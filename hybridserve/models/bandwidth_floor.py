@@ -1,0 +1,56 @@
+"""The decode bandwidth floor: the bytes one decode step of ZAYA1 or Ling-2.6 must move (the weights it touches,
+the KV cache and recurrent state it reads) over HBM bandwidth, as tokens/s. The offline benchmark reports every
+decode scenario against it; a step can go no faster."""
+from __future__ import annotations
+
+from hybridserve.models.ling_config import parse_ling_config
+
+HBM_BYTES_PER_S = 4.3e12  # H200 device-to-device copy bandwidth measured on the lent machines (KINDS.md)
+
+
+def decode_floor(config: dict, batch: int, context: int, fp8: bool = False) -> float:
+    """Tokens/s of `config`'s model (a config.json) at `batch` rows of `context` tokens, if a decode step only had
+    to move its bytes at HBM speed."""
+    floor = _zaya_floor if config["model_type"] == "zaya" else _ling_floor
+    return floor(config, batch, context, fp8)
+
+
+def _zaya_floor(config: dict, batch: int, context: int, fp8: bool = False) -> float:
+    """Tokens/s if one decode step only had to move its bytes at HBM speed (users_and_perf.md §3.4). `fp8`: the
+    projections and experts take one byte a weight (the router and the LM head stay as they are)."""
+    h, layers, e = config["hidden_size"], config["num_hidden_layers"], config["num_experts"]
+    cca = h * 1024 + h * 256 + 2 * h * 128 + 1024 * h
+    router = h * 256 + 2 * 256 * 256 + 256 * (e + 1)
+    expert = 3 * h * config["moe_intermediate_size"]
+    touched = e * (1 - (1 - 1 / e) ** batch)
+    quantized = (1 if fp8 else 2) * layers * (cca + touched * expert)
+    weights = quantized + 2 * (layers * router + config["vocab_size"] * h)
+    kv = batch * context * layers * 512 * 2
+    return batch / ((weights + kv) / HBM_BYTES_PER_S)
+
+
+def _ling_floor(config: dict, batch: int, context: int, fp8: bool = False) -> float:
+    """Tokens/s if one decode step only had to move its bytes (`ling_decode_bytes`) at HBM speed."""
+    return batch / (sum(ling_decode_bytes(config, batch, context, fp8).values()) / HBM_BYTES_PER_S)
+
+
+def ling_decode_bytes(config: dict, batch: int, context: int, fp8: bool = False) -> dict[str, float]:
+    """Bytes one Ling decode step moves: the weights it touches (bf16, or with `fp8` one byte for the projections
+    and experts but MLA's kv_b_proj; routers fp32; routed experts as the expected number of distinct ones the batch
+    picks; norms left out), every MLA layer's latent KV of the context (bf16) and every lightning layer's fp32
+    state (read and written)."""
+    c = parse_ling_config(config)
+    h, heads, qk = c.hidden_size, c.num_heads, c.qk_nope_head_dim + c.qk_rope_head_dim
+    lightning = 5 * heads * c.head_dim * h  # Q|K|V|G in, dense out
+    q = c.q_lora_rank * h + heads * qk * c.q_lora_rank if c.q_lora_rank else heads * qk * h
+    w = 1 if fp8 else 2  # bytes per projection or expert weight
+    kv_b = 2 * heads * (c.qk_nope_head_dim + c.v_head_dim) * c.kv_lora_rank
+    mla = w * (q + (c.kv_lora_rank + c.qk_rope_head_dim) * h + heads * c.v_head_dim * h) + kv_b
+    touched = c.num_experts * (1 - (1 - c.num_experts_per_tok / c.num_experts) ** batch)
+    moe = w * (touched * 3 * c.moe_intermediate_size + 3 * c.shared_expert_width) * h + 4 * c.num_experts * h
+    dense = w * 3 * c.intermediate_size * h
+    weights = sum((mla if c.is_mla(i) else w * lightning) + (dense if c.is_dense(i) else moe)
+                  for i in range(c.num_layers)) + 2 * c.vocab_size * h  # + the LM head
+    kv = batch * context * len(c.mla_layers) * (c.kv_lora_rank + c.qk_rope_head_dim) * 2
+    states = batch * len(c.lightning_layers) * heads * c.head_dim ** 2 * 4 * 2
+    return {"weights": weights, "kv": kv, "states": states}
