@@ -10,11 +10,13 @@ not tuned in this run, so a run over a few token counts updates those alone.
 
     python benchmarks/tune_moe.py                       # ZAYA1-8B and Ling-2.6-flash, bf16, TP=1
     python benchmarks/tune_moe.py --shape 256,8,4096,512 --tokens 1 64 4096   # E,K,H,I (e.g. Ling at TP=2)
+    python benchmarks/tune_moe.py --dtype float8_e4m3fn --tokens 2 4 8 16 ...  # the FP8 grouped form (from 9 pairs)
+
+The search space and the table format live in `hybridserve/ops/triton/moe_tuning.py`.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import sys
@@ -25,48 +27,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hybridserve.core.quant import FP8_DTYPE, Fp8Scales, Fp8Scheme  # noqa: E402
 from hybridserve.ops.triton import moe_config  # noqa: E402
+from hybridserve.ops.triton.moe_tuning import candidates, write_table  # noqa: E402
 
 SHAPES = {"zaya1-8b": (16, 1, 2048, 2048), "ling-2.6-flash": (256, 8, 4096, 1024)}  # E, K, H, I
-SMEM_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (H100/H200 have 227 KiB per SM)
-SPLIT_TARGETS = (256, 512, 1024, 2048)  # split-K candidates: each GEMM split (power of 2, <= 8) to reach one
-
-
-def _config(block_m: int, block_n: int, block_k: int, group_m: int, warps: int, stages: int,
-            splits: tuple[int, int] = (1, 1)) -> dict[str, int]:
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, num_warps=warps,
-                num_stages=stages, SPLIT_K_UP=splits[0], SPLIT_K_DOWN=splits[1])
-
-
-def _split_to(programs: int, target: int) -> int:
-    split = 1
-    while split < 8 and programs * split < target:
-        split *= 2
-    return split
-
-
-def candidates(tokens: int, experts: int, top_k: int, inter: int, hidden: int, itemsize: int) -> list[dict]:
-    rows = tokens * top_k / experts
-    if rows <= 16:
-        pool = [_config(16, n, k, 1, 4, s) for n in (32, 64, 128) for k in (128, 256) for s in (3, 4)]
-        # more loads in flight per program: 8 warps, or short K tiles in deep pipelines
-        pool += [_config(16, 128, 128, 1, 8, 4), _config(16, 64, 256, 1, 8, 3), _config(16, 64, 64, 1, 4, 6),
-                 _config(16, 128, 64, 1, 4, 5)]
-        used = min(experts, tokens * top_k)  # the most blocks with a real row
-        for n in (32, 64):
-            grids = (used * -(-inter // (n // 2)), used * -(-hidden // n))  # gate/up, down
-            splits = {tuple(_split_to(grid, target) for grid in grids) for target in SPLIT_TARGETS} - {(1, 1)}
-            pool += [_config(16, n, k, 1, 4, 3, s) for k in (64, 128, 256) for s in sorted(splits)]
-    elif rows <= 64:
-        pool = [_config(m, n, k, 8, 4, 3) for m in (32, 64) for n in (64, 128) for k in (64, 128)]
-    else:
-        pool = [_config(m, n, 64, 8, w, s) for m, n, w, s in
-                ((64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3), (128, 256, 8, 3), (64, 256, 8, 3),
-                 (128, 64, 4, 4))]
-    pool.append(moe_config.heuristic_config(tokens, experts, inter, hidden, top_k))
-    unique = {tuple(c.values()): c for c in pool
-              if c["num_stages"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * itemsize <= SMEM_BUDGET}
-    return list(unique.values())
+DTYPES = ("bfloat16", "float16", "float8_e4m3fn")  # e4m3: the W8A8 grouped form (ops.triton.fp8_moe)
+FP8_SCHEMES = {"block": Fp8Scheme("block", "group", (128, 128)), "channel": Fp8Scheme("channel", "token")}
 
 
 def _short(config: dict[str, int]) -> str:
@@ -76,27 +43,45 @@ def _short(config: dict[str, int]) -> str:
 
 def _inputs(tokens: int, experts: int, top_k: int, hidden: int, dtype: torch.dtype, seed: int = 0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(dtype)
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16 if dtype == FP8_DTYPE else dtype)
     ids = torch.rand(tokens, experts, device="cuda", generator=gen).topk(top_k, dim=-1).indices
     return x, ids, torch.rand(tokens, top_k, device="cuda", generator=gen)
 
 
-def _weights(experts: int, hidden: int, inter: int, dtype: torch.dtype):
-    w13 = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=dtype) / hidden**0.5
-    return w13, torch.randn(experts, hidden, inter, device="cuda", dtype=dtype) / inter**0.5
+def _weights(experts: int, hidden: int, inter: int, dtype: torch.dtype, fp8_scales: str):
+    """(w13, w2, their FP8 scales or None): random values (timing does not depend on them), unit scales."""
+    stacks = [torch.randn(experts, rows, cols, device="cuda", dtype=torch.bfloat16) / cols**0.5
+              for rows, cols in ((2 * inter, hidden), (hidden, inter))]
+    if dtype != FP8_DTYPE:
+        return stacks[0].to(dtype), stacks[1].to(dtype), None
+    scheme = FP8_SCHEMES[fp8_scales]
+    scales = []
+    for stack in stacks:
+        rows, cols = stack.shape[1:]
+        shape = (experts, -(-rows // 128), -(-cols // 128)) if scheme.weight == "block" else (experts, rows)
+        scales.append(Fp8Scales(torch.ones(shape, device="cuda"), scheme))
+    return stacks[0].to(FP8_DTYPE), stacks[1].to(FP8_DTYPE), tuple(scales)
+
+
+def _call(x, w13, w2, ids, weights, fp8, config):
+    """One fused-MoE call with `config`: the 16-bit kernels, or the FP8 grouped form (`fp8`: its scales)."""
+    if fp8 is None:
+        from hybridserve.ops.triton import moe as kernel
+        return kernel.fused_experts(x, w13, w2, ids, weights, config=config)
+    from hybridserve.ops.triton import fp8_moe
+    return fp8_moe.grouped_experts(x, w13, w2, ids, weights, fp8, config=config)
 
 
 def _compile(job: tuple) -> str | None:
     """Worker: one call per config with the real H, I, K and strides (what the GEMM kernels specialise on) on a
     stack of K (at least 2) experts, so the compiled kernels land in Triton's disk cache. Returns an error or None."""
-    (_, top_k, hidden, inter), dtype_name, config = job
-    from hybridserve.ops.triton import moe as kernel
+    (_, top_k, hidden, inter), dtype_name, fp8_scales, config = job
     dtype = getattr(torch, dtype_name)
     experts = max(2, top_k)
-    w13, w2 = _weights(experts, hidden, inter, dtype)
+    w13, w2, fp8 = _weights(experts, hidden, inter, dtype, fp8_scales)
     x, ids, weights = _inputs(4, experts, top_k, hidden, dtype)
     try:
-        kernel.fused_experts(x, w13, w2, ids, weights, config=config)
+        _call(x, w13, w2, ids, weights, fp8, config)
         torch.cuda.synchronize()
     except Exception as error:  # out of resources etc.: the timing pass skips it too
         return f"{config}: {type(error).__name__}: {str(error)[:120]}"
@@ -124,19 +109,19 @@ def _time_us(fn, calls: int) -> float:
     return sorted(times)[1]
 
 
-def tune(shape: tuple[int, int, int, int], tokens_list: list[int], dtype: torch.dtype, out_dir: Path) -> Path:
-    from hybridserve.ops.triton import moe as kernel
+def tune(shape: tuple[int, int, int, int], tokens_list: list[int], dtype: torch.dtype, fp8_scales: str,
+         out_dir: Path) -> Path:
     experts, top_k, hidden, inter = shape
-    w13, w2 = _weights(experts, hidden, inter, dtype)
+    w13, w2, fp8 = _weights(experts, hidden, inter, dtype, fp8_scales)
     table: dict[str, object] = {}
     times: dict[str, float] = {}
     for tokens in tokens_list:
         x, ids, weights = _inputs(tokens, experts, top_k, hidden, dtype, seed=tokens)
         calls = 10 if tokens * top_k <= 8192 else 3
         results = []
-        for config in candidates(tokens, experts, top_k, inter, hidden, dtype.itemsize):
+        for config in candidates(tokens, experts, top_k, inter, hidden, dtype):
             try:
-                us = _time_us(lambda: kernel.fused_experts(x, w13, w2, ids, weights, config=config), calls)
+                us = _time_us(lambda: _call(x, w13, w2, ids, weights, fp8, config), calls)
             except Exception as error:
                 print(f"  skip {config}: {type(error).__name__}")
                 continue
@@ -153,31 +138,9 @@ def tune(shape: tuple[int, int, int, int], tokens_list: list[int], dtype: torch.
     name = torch.cuda.get_device_name()
     comment = (f"Tuned by benchmarks/tune_moe.py on {name} (torch {torch.__version__}, triton "
                f"{__import__('triton').__version__}): fastest candidate per token count, uniform random top-{top_k} "
-               f"routing, CUDA-graph timing.")
+               f"routing, CUDA-graph timing{f', {fp8_scales} FP8 scales' if fp8 is not None else ''}.")
     return write_table(out_dir, moe_config.config_file_name(experts, inter, hidden, dtype, name), comment, table,
                        times)
-
-
-def write_table(out_dir: Path, file_name: str, comment: str, table: dict[str, dict], times: dict[str, float]) -> Path:
-    """Writes out_dir/file_name: the tuned entries, and the previous table's (out_dir's, else the committed one)
-    for token counts not tuned now, in token order."""
-    previous = {}
-    for path in (out_dir / file_name, moe_config.CONFIG_DIR / file_name):
-        if path.is_file():
-            previous = json.loads(path.read_text())
-            break
-    kept = {t: c for t, c in previous.items() if not t.startswith("_") and t not in table}
-    if kept:
-        print(f"  kept from the previous table: T = {', '.join(sorted(kept, key=int))}")
-    times = {**{t: us for t, us in previous.get("_time_us", {}).items() if t in kept}, **times}
-    path = out_dir / file_name
-    path.write_text(json.dumps({"_comment": comment, "_time_us": _by_tokens(times), **_by_tokens({**kept, **table})},
-                               indent=1) + "\n")
-    return path
-
-
-def _by_tokens(entries: dict) -> dict:
-    return dict(sorted(entries.items(), key=lambda item: int(item[0])))
 
 
 def main() -> None:
@@ -186,7 +149,10 @@ def main() -> None:
                         help="experts, top-k, hidden, local intermediate (repeatable; default: ZAYA1-8B and "
                              "Ling-2.6-flash at TP=1)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[2**i for i in range(15)])
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES,
+                        help="the weights' dtype; float8_e4m3fn tunes the W8A8 grouped form (bf16 activations)")
+    parser.add_argument("--fp8-scales", default="block", choices=sorted(FP8_SCHEMES),
+                        help="the e4m3 weights' scales while tuning (the table serves both: K tiles <= 128)")
     parser.add_argument("--out-dir", type=Path, default=moe_config.CONFIG_DIR)
     parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1),
                         help="processes compiling the candidates in parallel")
@@ -196,15 +162,15 @@ def main() -> None:
         parser.error("--shape takes E,K,H,I")
     dtype = getattr(torch, args.dtype)
     start = time.perf_counter()
-    jobs = {(shape, tuple(c.values())): (shape, args.dtype, c) for shape in shapes for tokens in args.tokens
-            for c in candidates(tokens, shape[0], shape[1], shape[3], shape[2], dtype.itemsize)}
+    jobs = {(shape, tuple(c.values())): (shape, args.dtype, args.fp8_scales, c) for shape in shapes
+            for tokens in args.tokens for c in candidates(tokens, shape[0], shape[1], shape[3], shape[2], dtype)}
     with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
         for error in pool.imap_unordered(_compile, jobs.values()):
             if error:
                 print(f"  compile failed: {error}")
     print(f"compiled {len(jobs)} configurations in {time.perf_counter() - start:.0f} s", flush=True)
     for shape in shapes:
-        print(f"wrote {tune(shape, args.tokens, dtype, args.out_dir)}", flush=True)
+        print(f"wrote {tune(shape, args.tokens, dtype, args.fp8_scales, args.out_dir)}", flush=True)
         torch.cuda.empty_cache()
     print(f"total {time.perf_counter() - start:.0f} s")
 

@@ -16,6 +16,7 @@ from tests.ops.conftest import DEVICE, KERNEL_DTYPES, ON_GPU
 from hybridserve.ops.reference import moe as reference
 from hybridserve.ops.triton import moe as kernel
 from hybridserve.ops.triton import moe_config
+from hybridserve.ops.triton import moe_tuning
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 
@@ -262,24 +263,34 @@ def test_unreduced_rows_sum_to_the_output(splits: tuple[int, int]) -> None:
 def test_tuner_pools_split_small_grids_only() -> None:
     """Split-K candidates exist where the decode grid is small (one ZAYA1 expert, Ling's eight) and not where
     the unsplit grid already has thousands of programs; every candidate passes check_config."""
-    from benchmarks import tune_moe
     for (experts, top_k, hidden, inter), tokens, splits in (((16, 1, 2048, 2048), 1, True),
                                                             ((256, 8, 4096, 1024), 1, True),
                                                             ((256, 8, 4096, 1024), 64, False),
                                                             ((16, 1, 2048, 2048), 8192, False)):
-        pool = tune_moe.candidates(tokens, experts, top_k, inter, hidden, 2)
+        pool = moe_tuning.candidates(tokens, experts, top_k, inter, hidden, torch.bfloat16)
         assert all(moe_config.check_config(c, "pool") == c for c in pool)
         assert any(c["SPLIT_K_UP"] * c["SPLIT_K_DOWN"] > 1 for c in pool) == splits, (experts, tokens)
+
+
+@pytest.mark.parametrize("tokens", [2, 64, 4096])
+def test_tuner_pools_for_fp8_suit_the_grouped_form(tokens: int) -> None:
+    """e4m3 candidates (the W8A8 grouped form's): no split-K, tiles the FP8 GEMM takes with block scales too."""
+    from hybridserve.core.quant import FP8_DTYPE, Fp8Scheme
+    from hybridserve.ops.triton.fp8_linear import check_tiles
+    pool = moe_tuning.candidates(tokens, 256, 8, 1024, 4096, FP8_DTYPE)
+    assert len(pool) > 4
+    for c in pool:
+        assert moe_config.check_config(c, "pool") == c and c["SPLIT_K_UP"] == c["SPLIT_K_DOWN"] == 1
+        assert check_tiles(c, Fp8Scheme("block", "group", (128, 128))) == c
 
 
 def test_tuner_keeps_the_untuned_token_counts(tmp_path) -> None:
     """A run over some token counts replaces those entries and keeps the previous table's others (an entry
     without the SPLIT_K keys stays as it was), in token order."""
-    from benchmarks import tune_moe
     name = "E=8,N=16,H=32,dtype=float16,device=Some_GPU.json"
     old = {"_comment": "old", "_time_us": {"1": 9.0, "64": 20.0}, "1": _config(16), "64": _config(32)}
     (tmp_path / name).write_text(json.dumps(old))
-    tune_moe.write_table(tmp_path, name, "new", {"1": _config(16, splits=(4, 2)), "8": _config(16)},
+    moe_tuning.write_table(tmp_path, name, "new", {"1": _config(16, splits=(4, 2)), "8": _config(16)},
                          {"1": 5.0, "8": 7.0})
     new = json.loads((tmp_path / name).read_text())
     assert list(new) == ["_comment", "_time_us", "1", "8", "64"] and new["_comment"] == "new"
