@@ -129,6 +129,23 @@ def test_launches_take_x_as_the_reference(scheme: str) -> None:
                        reference.fake_quantize(x, scheme, fp8.input_scale))
 
 
+@pytest.mark.parametrize("scheme", ["channel/token", "block/group"])
+def test_gemv_widens_every_e4m3_value_exactly(scheme: str) -> None:
+    """Every finite e4m3 byte, subnormals and -0 included, in each of the 4 byte lanes of a 32-bit word, comes out
+    of the weight-only GEMV as its exact fp32 value: row r holds one value in lane r % 4 and zeros elsewhere, x is
+    ones and the scales are 1 (on the GPU: no subnormal flushed by the integer widening's multiply)."""
+    scheme = SCHEMES[scheme]
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[codes.view(FP8_DTYPE).float().isfinite()]
+    rows = codes.numel() * 4
+    weight = torch.zeros(rows, 4, dtype=torch.uint8)
+    weight[torch.arange(rows), torch.arange(rows) % 4] = codes.repeat_interleave(4)
+    weight = weight.view(FP8_DTYPE).to(DEVICE)
+    ones = torch.ones(rows if scheme.weight != "block" else (-(-rows // 128), 1), device=DEVICE)
+    got = gemv_linear.linear(torch.ones(1, 4, device=DEVICE), weight, fp8=_scales(scheme, ones))
+    assert torch.equal(got[0].cpu(), codes.repeat_interleave(4).view(FP8_DTYPE).float())
+
+
 # ----------------------------------------------------------------------------------------------------- products
 
 # tokens, N, K, bias, GEMV tiles (None: the shape's own)
