@@ -1,4 +1,5 @@
-"""The no-host-sync check the GPU tests share (architecture.md §4.8: no device->host syncs in the forward pass)."""
+"""The no-host-sync check the GPU tests share (docs/architecture.md, "Ops and kernels": no device->host syncs in a
+step)."""
 from __future__ import annotations
 
 import contextlib

@@ -1,7 +1,7 @@
-"""No device->host sync while a step is queued (architecture.md §4.8), checked on the H200 around the whole of
-`ModelRunner.launch` — not only the forward that a CUDA-graph capture covers, but what surrounds it: table
-updates, page copies, prefix-cache restores and snapshots, the verify rows' commit, penalties and min_tokens bans,
-seeded sampling, n > 1 forks and the draft layer (Ling's MTP), eager and with CUDA graphs.
+"""No device->host sync while a step is queued (docs/architecture.md, "Ops and kernels"), checked on the H200 around
+the whole of `ModelRunner.launch` — not only the forward that a CUDA-graph capture covers, but what surrounds it:
+table updates, page copies, prefix-cache restores and snapshots, the verify rows' commit, penalties and min_tokens
+bans, seeded sampling, n > 1 forks and the draft layer (Ling's MTP), eager and with CUDA graphs.
 
 Two rounds of the same prompts, so the second round restores cached state. Drafts are replayed (random, so verify
 rows accept few of them) to make every decode step of the speculative runs a verify step. A sync inside `launch`

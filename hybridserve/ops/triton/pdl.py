@@ -6,8 +6,8 @@ edges keep the attribute).
 
 Each kernel that opts in calls `wait_for_previous(USE_PDL)` as its first statement, so whatever the previous kernel
 was (ours, cuBLAS, a copy) everything it wrote is complete before any load; only then does it let the next kernel
-launch, so at most one kernel waits ahead of the running one. On by default on sm90+ (measured: docs/architecture.md,
-"Programmatic dependent launch"); HYBRIDSERVE_PDL=0 turns it off; always off on the CPU (the interpreter)."""
+launch, so at most one kernel waits ahead of the running one. On by default on sm90+ (the offline A/B that made it the
+default is in commit c6f626b's message); HYBRIDSERVE_PDL=0 turns it off; always off on the CPU (the interpreter)."""
 from __future__ import annotations
 
 import functools
