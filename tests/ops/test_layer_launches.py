@@ -71,8 +71,9 @@ def test_ling_decode_layer_launch_budget():
 @pytest.mark.skipif(ON_GPU, reason="counts interpreted launches; on a GPU: python -m benchmarks.ops launches")
 @pytest.mark.parametrize("name, layers", [("zaya", 3), ("ling", 4)])
 def test_fp8_decode_step_has_the_16bit_launches(name: str, layers: int):
-    """Online FP8 (every projection but MLA's kv_b_proj, and the routed experts): each e4m3 GEMV quantizes x in its
-    own launch (ops.triton.gemv.dot_rows), so a decode step launches exactly what the 16-bit step does."""
+    """Online FP8 (every projection but MLA's kv_b_proj, and the routed experts): decode sizes are weight-only, the
+    e4m3 GEMVs taking x as it is (ops.triton.gemv.dot_rows), so a decode step launches exactly what the 16-bit step
+    does."""
     decode_step_launches(name, num_layers=layers, batch_size=3)  # allocates the epilogues' arrival counters
     plain = decode_step_launches(name, num_layers=layers, batch_size=3)
     assert decode_step_launches(name, num_layers=layers, batch_size=3, quantization="fp8") == plain
