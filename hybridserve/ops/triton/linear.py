@@ -26,7 +26,7 @@ from hybridserve.core.quant import Fp8Scales
 from hybridserve.ops.norm import ResidualNorm
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.counters import arrival_counters
-from hybridserve.ops.triton.gemv import FP8_MIN_CHUNK, MIN_CHUNK, Tiles, dot_rows, fp8_args, tiles
+from hybridserve.ops.triton.gemv import Tiles, dot_rows, fp8_args, min_chunk, tiles
 from hybridserve.ops.triton.norm import epilogue_args, residual_norm_row
 from hybridserve.ops.triton.pdl import wait_for_previous
 from hybridserve.ops.triton.sizes import cdiv
@@ -95,7 +95,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out = torch.empty(tokens, n, device=x.device, dtype=x.dtype)
     epilogue, flags, normed = epilogue_args(norm, tokens, n, out)
     if tokens:
-        t = config or tiles(tokens, n, k, min_chunk=MIN_CHUNK if fp8 is None else FP8_MIN_CHUNK)
+        t = config or tiles(tokens, n, k, min_chunk=min_chunk(fp8))
         if t.BT < tokens:
             raise ValueError(f"linear: tiles {t} take fewer than {tokens} tokens")
         scales, kinds = fp8_args(fp8, weight, t)

@@ -36,7 +36,7 @@ from hybridserve.core.quant import Fp8Scales
 from hybridserve.ops.norm import ResidualNorm
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.counters import arrival_counters
-from hybridserve.ops.triton.gemv import FP8_MIN_CHUNK, MIN_CHUNK, Tiles, dot_rows, fp8_args, tiles
+from hybridserve.ops.triton.gemv import Tiles, dot_rows, fp8_args, min_chunk, tiles
 from hybridserve.ops.triton.moe import expert_shapes
 from hybridserve.ops.triton.norm import epilogue_args, residual_norm_row
 from hybridserve.ops.triton.pdl import wait_for_previous
@@ -112,13 +112,20 @@ def _gemv_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, co
             tl.store(counter_ptr + row, 0)
 
 
-def gate_up_tiles(inter: int, hidden: int, fp8: bool = False) -> Tiles:
+def _rows_streamed(rows: int, top_k: int, fp8: Fp8Scales | None) -> int:
+    """The weight rows the tiles are cut for: one pair's (16-bit), or a token's top_k pairs' together (e4m3: at
+    half the bytes a program, a decode token's 8 Ling experts already give programs enough). Shapes and top_k only,
+    never the batch: a pair's row keeps its bits whatever else is in the step."""
+    return rows * top_k if fp8 is not None else rows
+
+
+def gate_up_tiles(inter: int, hidden: int, fp8: Fp8Scales | None = None, top_k: int = 1) -> Tiles:
     """BN interleaved gate|up rows (BN / 2 intermediate columns) per program; at least one column."""
-    return tiles(1, 2 * inter, hidden, min_rows=2, min_chunk=FP8_MIN_CHUNK if fp8 else MIN_CHUNK)
+    return tiles(1, _rows_streamed(2 * inter, top_k, fp8), hidden, min_rows=2, min_chunk=min_chunk(fp8))
 
 
-def down_tiles(hidden: int, inter: int, fp8: bool = False) -> Tiles:
-    return tiles(1, hidden, inter, min_chunk=FP8_MIN_CHUNK if fp8 else MIN_CHUNK)
+def down_tiles(hidden: int, inter: int, fp8: Fp8Scales | None = None, top_k: int = 1) -> Tiles:
+    return tiles(1, _rows_streamed(hidden, top_k, fp8), inter, min_chunk=min_chunk(fp8))
 
 
 def takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor) -> bool:
@@ -152,12 +159,13 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     out = torch.empty(tokens if reduce else pairs, hidden, dtype=x.dtype, device=x.device)
     epilogue, flags, normed = epilogue_args(norm, tokens, hidden, out)
     if pairs:
-        quantized = fp8 is not None
-        up_tiles, down = config or (gate_up_tiles(inter, hidden, quantized), down_tiles(hidden, inter, quantized))
+        up_fp8, down_fp8 = fp8 if fp8 is not None else (None, None)
+        up_tiles, down = config or (gate_up_tiles(inter, hidden, up_fp8, top_k),
+                                    down_tiles(hidden, inter, down_fp8, top_k))
         if up_tiles.BN < 2 or up_tiles.BT != 1 or down.BT != 1:
             raise ValueError(f"GEMV expert tiles need BT = 1 and at least 2 gate/up rows; got {up_tiles}, {down}")
-        up_scales, up_kinds = fp8_args(fp8[0] if quantized else None, w13, up_tiles)
-        down_scales, down_kinds = fp8_args(fp8[1] if quantized else None, w2, down)
+        up_scales, up_kinds = fp8_args(up_fp8, w13, up_tiles)
+        down_scales, down_kinds = fp8_args(down_fp8, w2, down)
         ids = topk_ids.reshape(-1).contiguous()
         weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
         act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
