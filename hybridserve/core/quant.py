@@ -35,6 +35,16 @@ SCALE_EPS = 1e-12  # a floor for dynamic scales: an all-zero row quantizes to ze
 WEIGHT_ONLY_MAX_ROWS = 16  # FP8 linear layers keep x 16-bit up to this many rows (the decode GEMV's bound)
 WEIGHT_ONLY_MAX_PAIRS = 8  # FP8 routed experts keep x 16-bit up to this many (token, choice) pairs
 
+
+def linear_weight_only(x: torch.Tensor) -> bool:
+    """Whether an FP8 linear layer takes x [..., K] as it is: at most WEIGHT_ONLY_MAX_ROWS rows (a host-size test)."""
+    return x.numel() <= WEIGHT_ONLY_MAX_ROWS * x.shape[-1]
+
+
+def experts_weight_only(topk_ids: torch.Tensor) -> bool:
+    """Whether FP8 routed experts take x as it is: at most WEIGHT_ONLY_MAX_PAIRS (token, choice) pairs."""
+    return topk_ids.numel() <= WEIGHT_ONLY_MAX_PAIRS
+
 WeightGranularity = Literal["channel", "tensor", "block"]
 ActivationScaling = Literal["token", "group", "static"]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridserve.core.quant import WEIGHT_ONLY_MAX_ROWS, Fp8Scales
+from hybridserve.core.quant import Fp8Scales, linear_weight_only
 from hybridserve.ops import backends
 from hybridserve.ops.norm import ResidualNorm
 from hybridserve.ops.reference import fp8 as fp8_reference
@@ -47,14 +47,12 @@ def _fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if backends.use_triton("fp8_linear", x.device):
         from hybridserve.ops.triton import fp8_linear as kernel
         return kernel.fp8_linear(x, weight, fp8.scale, fp8.scheme, bias, fp8.input_scale)
-    weight_only = x.numel() <= WEIGHT_ONLY_MAX_ROWS * x.shape[-1]
-    return fp8_reference.fp8_linear(x, weight, fp8.scale, fp8.scheme, bias, fp8.input_scale, weight_only)
+    return fp8_reference.fp8_linear(x, weight, fp8.scale, fp8.scheme, bias, fp8.input_scale, linear_weight_only(x))
 
 
 def _fp8_takes_gemv(x: torch.Tensor) -> bool:
     """Whether the GEMV kernel runs this FP8 product (on CUDA, decode-sized x of unit last stride)."""
-    return backends.use_triton("fp8_linear", x.device) and x.numel() <= WEIGHT_ONLY_MAX_ROWS * x.shape[-1] \
-        and x.stride(-1) == 1
+    return backends.use_triton("fp8_linear", x.device) and linear_weight_only(x) and x.stride(-1) == 1
 
 
 def linear_residual_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: ResidualNorm,

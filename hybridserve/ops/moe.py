@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridserve.core.quant import WEIGHT_ONLY_MAX_PAIRS, Fp8Scales
+from hybridserve.core.quant import Fp8Scales, experts_weight_only
 from hybridserve.ops import backends
 from hybridserve.ops.norm import ResidualNorm
 from hybridserve.ops.reference import fp8 as fp8_reference
@@ -49,7 +49,7 @@ def _fp8_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids:
         return fp8_moe.fused_experts(x, w13, gate_up.scale, w2, down.scale, topk_ids, topk_weights, gate_up.scheme,
                                      input_scales, reduce=reduce)
     out = fp8_reference.fp8_fused_experts(x, w13, gate_up.scale, w2, down.scale, topk_ids, topk_weights,
-                                          gate_up.scheme, input_scales, topk_ids.numel() <= WEIGHT_ONLY_MAX_PAIRS)
+                                          gate_up.scheme, input_scales, experts_weight_only(topk_ids))
     return out if reduce else out[:, None]
 
 
@@ -58,6 +58,6 @@ def fused_experts_residual_norm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Te
     """`norm`(fused_experts(...)): in the GEMV form's down launch where that form runs. -> `norm`'s (x, h, h32)."""
     if backends.use_triton("moe" if fp8 is None else "fp8_moe", x.device):
         from hybridserve.ops.triton import moe_gemv
-        if moe_gemv.takes(x, w13, w2, topk_ids) and (fp8 is None or topk_ids.numel() <= WEIGHT_ONLY_MAX_PAIRS):
+        if moe_gemv.takes(x, w13, w2, topk_ids) and (fp8 is None or experts_weight_only(topk_ids)):
             return moe_gemv.fused_experts(x, w13, w2, topk_ids, topk_weights, norm=norm, fp8=fp8)
     return norm(fused_experts(x, w13, w2, topk_ids, topk_weights, fp8=fp8))

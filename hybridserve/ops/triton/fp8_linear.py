@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridserve.core.quant import WEIGHT_ONLY_MAX_ROWS, Fp8Scales, Fp8Scheme
+from hybridserve.core.quant import WEIGHT_ONLY_MAX_ROWS, Fp8Scales, Fp8Scheme, linear_weight_only
 from hybridserve.ops.triton import linear, pdl
 from hybridserve.ops.triton.fp8_quant import JIT_SCALE_BLOCK, SCALE_BLOCK, block_stride, check_scales, check_scheme, \
     constexprs, group_stride, quantize_activations
@@ -126,7 +126,7 @@ def launch_args(tiles: dict[str, int], scheme: Fp8Scheme, device: torch.device) 
 
 def takes_gemv(x: torch.Tensor) -> bool:
     """Whether the weight-only decode form runs x [..., K]: at most WEIGHT_ONLY_MAX_ROWS rows."""
-    return x.numel() <= WEIGHT_ONLY_MAX_ROWS * x.shape[-1]
+    return linear_weight_only(x)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scheme: Fp8Scheme,

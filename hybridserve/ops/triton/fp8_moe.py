@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridserve.core.quant import FP8_DTYPE, WEIGHT_ONLY_MAX_PAIRS, Fp8Scales, Fp8Scheme
+from hybridserve.core.quant import FP8_DTYPE, Fp8Scales, Fp8Scheme, experts_weight_only
 from hybridserve.ops.triton import moe_gemv
 from hybridserve.ops.triton.fp8_linear import check_tiles, launch_args, scaled_dot
 from hybridserve.ops.triton.fp8_quant import block_stride, check_scales, check_scheme, group_stride, \
@@ -80,7 +80,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: tor
     (see `ops.moe.fused_experts`). `input_scales`: the static scheme's scales of the two projections. Every id must
     lie in [0, E) (as `ops.triton.moe.fused_experts`)."""
     fp8 = (Fp8Scales(s13, scheme, input_scales[0]), Fp8Scales(s2, scheme, input_scales[1]))
-    if topk_ids.numel() <= WEIGHT_ONLY_MAX_PAIRS:
+    if experts_weight_only(topk_ids):
         return moe_gemv.fused_experts(x if x.stride(1) == 1 else x.contiguous(), w13, w2, topk_ids, topk_weights,
                                       reduce=reduce, fp8=fp8)
     return grouped_experts(x, w13, w2, topk_ids, topk_weights, fp8, reduce)
