@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import httpx
 import openai
@@ -90,11 +91,14 @@ def test_logs_of_requests_stats_and_access(hub_server, client):
     out = client.completions.create(model=NAMES[0], prompt=[7, 8, 9], max_tokens=3, temperature=0)
     httpx.get(f"{hub_server.url}/health")
     httpx.get(f"{hub_server.url}/metrics")
-    log = hub_server.log()
+    stats_line = re.compile(r"prompt throughput [\d.]+ tok/s, generation throughput [\d.]+ tok/s, running \d+ "
+                            r"reqs, waiting \d+ reqs, KV cache [\d.]+%, state slots [\d.]+%, prefix-cache hit rate")
+    deadline = time.monotonic() + 10.0  # the line comes at the first 0.5 s tick after the request's step
+    while not stats_line.search(log := hub_server.log()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert stats_line.search(log)
     assert re.search(rf"request {out.id}: 1 prompt\(s\), 3 prompt tokens; temperature=0.0, max_tokens=3", log)
     assert re.search(rf"request {out.id} finished: 3 completion tokens, finish reasons \{{'length': 1\}}", log)
-    assert re.search(r"prompt throughput [\d.]+ tok/s, generation throughput [\d.]+ tok/s, running \d+ reqs, "
-                     r"waiting \d+ reqs, KV cache [\d.]+%, state slots [\d.]+%, prefix-cache hit rate", log)
     access = [line for line in log.splitlines() if "uvicorn.access" in line]
     assert any('"POST /v1/completions HTTP/1.1" 200' in line for line in access)
     assert not any(probe in line for line in access for probe in ("GET /health ", "GET /metrics "))
