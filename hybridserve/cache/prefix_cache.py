@@ -121,6 +121,16 @@ class HybridPrefixCache:
         first = window_first_page(end, self.window, self.page_size)
         return [0] * first + window[first: end // self.page_size]
 
+    def path_pages(self, node: TreeNode) -> tuple[list[int], list[int]]:
+        """The full pages and (window group) window pages from the root to the end of `node`, column by column."""
+        path = []
+        while node is not self.root:
+            path.append(node)
+            node = node.parent
+        pages = [p for n in reversed(path) for p in n.pages]
+        window = [p for n in reversed(path) for p in n.window_pages] if self.window is not None else []
+        return pages, window
+
     def _touch(self, path: list[TreeNode]) -> None:
         for node in path:
             node.last_used = next(self._clock)

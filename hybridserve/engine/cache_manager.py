@@ -75,14 +75,16 @@ class HybridCacheManager:
     # --- taking and giving back ------------------------------------------------------------------------------
     def admit(self, request: Request, chunk_length: Callable[[Request], int]) -> bool:
         """Give a waiting request a working slot, a table row, the longest usable cached prefix and the pages of
-        its first chunk (`chunk_length`, asked once the hit is known); or take nothing and return False. Requests
-        that score their prompt skip the cache (every position must be computed)."""
+        its first chunk (`chunk_length`, asked once the hit is known); or take nothing and return False. A request
+        still scoring its prompt hits at most the positions already scored (the rest must be computed): none on
+        its first admission, all it scored before a preemption on a later one."""
         slot = self._allocate_slot()
         if slot is None:
             return False
         hit = None
-        if self.prefix_cache is not None and request.params.prompt_logprobs is None:
-            hit = self.prefix_cache.match(request.token_ids(0, request.num_tokens), max_tokens=request.num_tokens - 1)
+        limit = request.num_prompt_scored if request.scores_prompt else request.num_tokens - 1
+        if self.prefix_cache is not None and not (request.scores_prompt and limit == 0):
+            hit = self.prefix_cache.match(request.token_ids(0, request.num_tokens), max_tokens=limit)
             self.prefix_query_tokens += request.num_tokens
             self.prefix_hit_tokens += hit.num_tokens
             self.prefix_kv_match_tokens += hit.kv_tokens
@@ -290,6 +292,26 @@ class HybridCacheManager:
         self.prefix_cache.unlock(request.cache_node)
         request.cache_node = node
         request.cached_len = max(request.cached_len, position)
+        self._use_cached_pages(request, node)
+
+    def _use_cached_pages(self, request: Request, node: TreeNode) -> None:
+        """Where the tree already held pages of the same tokens (the request computed them again: it scored its
+        prompt, or another request inserted them meanwhile), the request takes the tree's pages, which its lock
+        protects, and gives its own copies back; else it would hold both, and a tight pool could preempt it
+        forever. The row's table is written again from the first column changed."""
+        cached, cached_window = self.prefix_cache.path_pages(node)
+        changed = [col for col, page in enumerate(cached) if request.page_ids[col] != page]
+        for col in changed:
+            self.pages.share([cached[col]])
+            self.pages.release([request.page_ids[col]])
+            request.page_ids[col] = cached[col]
+            own = request.window_page_ids[col] if self.window_pages is not None else 0
+            if own and cached_window[col] and own != cached_window[col]:
+                self.window_pages.share([cached_window[col]])
+                self.window_pages.release([own])
+                request.window_page_ids[col] = cached_window[col]
+        if changed:
+            self._pending.ops.table_truncations.append((request.table_row, changed[0]))
 
     # --- bookkeeping -----------------------------------------------------------------------------------------
     @property

@@ -70,6 +70,11 @@ class Request:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether prompt positions are still to be scored (prompt logprobs asked and not all computed yet)."""
+        return self.params.prompt_logprobs is not None and self.num_prompt_scored < self.num_prompt_tokens - 1
+
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output (all known on the host)."""
         if end > self.num_known_tokens:

@@ -163,12 +163,8 @@ class Scheduler:
         later = [c for c in candidates if c > done]
         return min(later) if later else None
 
-    @staticmethod
-    def _scores_prompt(request: Request) -> bool:
-        return request.params.prompt_logprobs is not None and request.num_prompt_scored < request.num_prompt_tokens - 1
-
     def _chunk_length(self, request: Request, budget: int, step: ScheduledStep) -> int:
-        cap = min(self.chunk_cap, step.scoring_left) if self._scores_prompt(request) else self.chunk_cap
+        cap = min(self.chunk_cap, step.scoring_left) if request.scores_prompt else self.chunk_cap
         count = min(request.num_tokens - request.num_computed_tokens, budget, cap)
         if self.sparse:
             snapshot = self._next_snapshot(request, request.num_computed_tokens)
@@ -206,7 +202,7 @@ class Scheduler:
         step.requests.append(request)
         start = request.num_computed_tokens
         end = start + count
-        if self._scores_prompt(request):
+        if request.scores_prompt:
             step.scoring_left -= count
         targets, scored = self._prompt_targets(request, start, end)
         forks = 0

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hybridserve.cache.memory import MemoryPlan
+from hybridserve.cache.memory import MemoryPlan, min_window_pages
 from hybridserve.engine.cache_manager import HybridCacheManager
 from hybridserve.engine.drafts import Speculation
-from hybridserve.engine.request import Request
+from hybridserve.engine.request import Request, RequestStatus
 from hybridserve.engine.scheduler import ScheduledStep, Scheduler
 from hybridserve.sampling import SamplingParams
 from hybridserve.spec.verify import IntermediateSlots, accepted_length
@@ -165,6 +165,14 @@ def _check(driver: Driver) -> None:
     assert {r.serial for r in driver.cache.holders} == {r.serial for r in driver.scheduler.running}
 
 
+def _one_request_fits(config: dict) -> bool:
+    """Whether the window group (if any) holds one request's window and one step's tokens, drafts included, as
+    the memory planner makes sure (the full group holds max_model_len tokens by construction)."""
+    window = config["window"]
+    return window is None or config["window_pages"] >= min_window_pages(1, window, config["page_size"],
+                                                                          config["token_budget"] + config["k"])
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(setups())
 def test_random_schedules_keep_the_books(setup: tuple[dict, list]) -> None:
@@ -180,11 +188,13 @@ def test_random_schedules_keep_the_books(setup: tuple[dict, list]) -> None:
         else:
             driver.preempt()
         _check(driver)
-    for _ in range(200):  # run what is left (a tight pool may keep preempting a request: it is aborted below)
+    for _ in range(2000):  # run what is left
         if not driver.scheduler.has_work() and driver.in_flight is None:
             break
         driver.step()
         _check(driver)
+    if _one_request_fits(config):  # then preemption cannot go round in circles: everything ends by itself
+        assert not driver.scheduler.has_work() and driver.in_flight is None, "requests left running or waiting"
     for _ in driver.live:
         driver.end(0, "abort")
     assert not driver.scheduler.has_work() and driver.in_flight is None
@@ -196,3 +206,49 @@ def test_random_schedules_keep_the_books(setup: tuple[dict, list]) -> None:
     counts = driver.cache.counts()
     assert counts["pages_free"] == counts["pages_total"] and counts["slots_free"] == counts["slots_total"]
     assert counts.get("window_pages_free") == counts.get("window_pages_total")
+
+
+def _drain(driver: Driver, steps: int) -> None:
+    for _ in range(steps):
+        if not driver.scheduler.has_work():
+            return
+        driver.step()
+        _check(driver)
+
+
+def test_a_prompt_scoring_request_recomputing_cached_pages_fits_a_pool_of_its_size() -> None:
+    """A request that scores its prompt skips the prefix cache, so it computes pages the tree already holds; it
+    takes the tree's pages for them (locked for it) and gives its copies back. Holding both, it needed 7 pages of
+    a 6-page pool, was preempted and re-admitted without end."""
+    for token_budget in (1, 4):
+        driver = _driver(page_size=2, num_pages=6, max_running=1, slots=1, caching="per_page", window=None,
+                         window_pages=0, k=0, lookahead=0, token_budget=token_budget, chunk=None, interval=None,
+                         scoring=512, overlap=False, seed=0)
+        driver.add([0, 1], SamplingParams(max_tokens=1))
+        _drain(driver, 20)
+        cached = driver.cache.prefix_cache.match([0, 1, 2], max_tokens=2).pages
+        driver.add([0, 1], SamplingParams(max_tokens=10, prompt_logprobs=1))  # 12 tokens: all 6 pages
+        scorer = driver.live[-1]
+        driver.step()
+        driver.step()  # its first page is complete and inserted: the tree's page replaced its own
+        assert scorer.page_ids[0] == cached[0] and scorer.status is RequestStatus.RUNNING
+        _drain(driver, 100)
+        assert scorer.finished and driver.scheduler.num_preemptions == 0
+
+
+def test_a_preempted_request_hits_the_prompt_positions_it_already_scored() -> None:
+    driver = _driver(page_size=2, num_pages=12, max_running=1, slots=2, caching="per_page", window=None,
+                     window_pages=0, k=0, lookahead=0, token_budget=2, chunk=None, interval=None, scoring=512,
+                     overlap=False, seed=0)
+    driver.add(list(range(8)), SamplingParams(max_tokens=1))
+    _drain(driver, 20)
+    driver.add(list(range(8)), SamplingParams(max_tokens=4, prompt_logprobs=1))
+    scorer = driver.live[-1]
+    for _ in range(3):  # 6 of its 8 prompt tokens computed, so positions 0-5 scored
+        driver.step()
+    assert scorer.num_prompt_scored == 6 and driver.cache.prefix_hit_tokens == 0
+    driver.preempt()
+    driver.step()
+    assert driver.cache.prefix_hit_tokens == 6 and scorer.num_computed_tokens >= 6
+    _drain(driver, 20)
+    assert scorer.finished and scorer.num_prompt_scored == 7
