@@ -15,6 +15,7 @@ from hybridserve.models.ling_config import parse_ling_config
 from hybridserve.ops.reference import moe as moe_reference
 from hybridserve.ops.reference import router as router_reference
 from tests.gpu.sync import no_host_sync
+from tests.ops.router_grid import grid_bias, grid_logits
 from tests.reference.ling_naive import tiny_ling_config
 
 pytestmark = pytest.mark.gpu
@@ -111,18 +112,14 @@ def test_fused_moe_split_k_bf16_deterministic_and_graphed(experts, tokens: int) 
         assert torch.equal(out, got)
 
 
-def _grid_logits(tokens: int, experts: int, seed: int) -> torch.Tensor:
-    """Multiples of 1/16: exact ties are frequent, other scores differ far beyond sigmoid rounding (see
-    tests/ops/test_router_kernel.py), so the chosen ids must match exactly."""
-    gen = torch.Generator(device=CUDA).manual_seed(seed)
-    return torch.randint(-64, 65, (tokens, experts), device=CUDA, generator=gen) / 16.0
-
-
 @pytest.mark.parametrize("tokens", [1, 64, 8192])
 def test_router_kernel_at_ling_flash_shape(tokens: int) -> None:
+    """The grid of tests/ops/router_grid.py: exact ties pick the lower index on both sides, other comparisons are
+    apart by far more than sigmoid rounding (the earlier grid of 1/16 steps tied group sums in real arithmetic,
+    not in fp32: 8192 tokens flipped some)."""
     from hybridserve.ops.triton import router as kernel
-    logits = _grid_logits(tokens, 256, seed=tokens)
-    bias = torch.randint(-8, 9, (256,), device=CUDA) / 32.0
+    logits = grid_logits(tokens, 256, tokens, CUDA)
+    bias = grid_bias(256, 8, CUDA)
     ids, weights = kernel.grouped_topk(logits, bias, 8, 4, 8, 2.5)
     want_ids, want_weights = router_reference.grouped_topk(logits, bias, 8, 4, 8, 2.5)
     assert torch.equal(ids, want_ids)

@@ -1,8 +1,9 @@
 """Ling router kernel (`ops.triton.router`) vs the torch reference (`ops.reference.router`), ties included.
 
-Logits live on a grid of multiples of 1/16, so many scores tie exactly (both sides must then pick the lower index)
-while distinct scores differ by far more than the last-bit differences of two sigmoid implementations: the ids
-must match exactly. Weights: 1e-6 relative (a few fp32 ulps from the sigmoid and the order of the 8-term sum).
+The logits and biases of `tests/ops/router_grid.py` tie exactly often (both sides must then pick the lower index),
+while scores that differ, and group scores (sums of two) that differ, are apart by far more than the last-bit
+differences of two sigmoid implementations: the ids must match exactly. Weights: 1e-6 relative (a few fp32 ulps
+from the sigmoid and the order of the 8-term sum).
 """
 from __future__ import annotations
 
@@ -10,19 +11,23 @@ import pytest
 import torch
 
 from tests.ops.conftest import DEVICE
+from tests.ops.router_grid import LOGIT_STEPS, grid_bias, grid_logits
 from hybridserve.ops import router as entry
 from hybridserve.ops.reference import router as reference
 from hybridserve.ops.triton import router as kernel
 
 
-def _grid_logits(tokens: int, experts: int, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randint(-64, 65, (tokens, experts), generator=gen) / 16.0).to(DEVICE)
-
-
-def _grid_bias(experts: int, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed + 1)
-    return (torch.randint(-8, 9, (experts,), generator=gen) / 32.0).to(DEVICE)
+def test_router_grid_keeps_comparisons_apart() -> None:
+    """In float64: distinct single scores and distinct group scores (pair sums plus twice a group bias) of the
+    grid differ by more than 1e-4, some 1,000 fp32 ulps of a score near 1."""
+    scores = torch.sigmoid(torch.arange(LOGIT_STEPS, dtype=torch.float64) / 4.0)
+    levels = grid_bias(8, 8, torch.device("cpu")).to(torch.float64).unique()
+    singles = (scores[:, None] + levels[None, :]).flatten()
+    pairs = (scores[:, None] + scores[None, :]).flatten().unique()
+    groups = (pairs[:, None] + 2 * levels[None, :]).flatten()
+    for values in (singles, groups):
+        gaps = (values[:, None] - values[None, :]).abs().fill_diagonal_(1.0)
+        assert gaps.min() > 1e-4
 
 
 def _check_same(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -40,8 +45,8 @@ def _check_same(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor
 ])
 @pytest.mark.parametrize("bias", [True, False])
 def test_kernel_matches_reference(experts: int, n_group: int, topk_group: int, top_k: int, bias: bool) -> None:
-    logits = _grid_logits(13, experts, seed=experts + top_k)
-    expert_bias = _grid_bias(experts, seed=experts) if bias else None
+    logits = grid_logits(13, experts, experts + top_k, DEVICE)
+    expert_bias = grid_bias(experts, n_group, DEVICE) if bias else None
     args = (expert_bias, n_group, topk_group, top_k, 2.5)
     want = reference.grouped_topk(logits, *args)
     _check_same(kernel.grouped_topk(logits, *args), want)
