@@ -77,6 +77,7 @@ def write_table(out_dir: Path, file_name: str, comment: str, table: dict[str, di
         print(f"  kept from the previous table: T = {', '.join(sorted(kept, key=int))}")
     times = {**{t: us for t, us in previous.get("_time_us", {}).items() if t in kept}, **times}
     path = out_dir / file_name
+    out_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"_comment": comment, "_time_us": _by_tokens(times), **_by_tokens({**kept, **table})},
                                indent=1) + "\n")
     return path
