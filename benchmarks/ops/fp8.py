@@ -64,15 +64,16 @@ def _timed(calls: list, tokens: int):
     return lambda: [call() for call in calls]
 
 
-def linear_cases(device: torch.device) -> list[Fp8Case]:
+def linear_cases(device: torch.device, decode_only: bool = False) -> list[Fp8Case]:
     out = []
+    token_counts = DECODE_TOKENS if decode_only else DECODE_TOKENS + PREFILL_TOKENS
     for name, (k, n) in LINEAR_SHAPES.items():
         copies = min(MAX_COPIES, max(2, -(-STREAMED_BYTES // (2 * n * k))))
         weights = [(torch.randn(n, k, device=device) / k**0.5).bfloat16() for _ in range(copies)]
         for label, scheme in SCHEMES.items():
             quantized = [_quantized(w, scheme) for w in weights]
             scale_bytes = quantized[0][1].scale.numel() * 4
-            for tokens in DECODE_TOKENS + PREFILL_TOKENS:
+            for tokens in token_counts:
                 calls = copies if tokens <= max(DECODE_TOKENS) else 1
                 x = torch.randn(tokens, k, device=device).bfloat16()
                 io = tokens * (n + k) * 2
@@ -85,7 +86,7 @@ def linear_cases(device: torch.device) -> list[Fp8Case]:
     return out
 
 
-def moe_cases(device: torch.device) -> list[Fp8Case]:
+def moe_cases(device: torch.device, decode_only: bool = False) -> list[Fp8Case]:
     out = []
     for name, (experts, top_k, hidden, inter) in MOE_SHAPES.items():
         w13 = (torch.randn(experts, 2 * inter, hidden, device=device) / hidden**0.5).bfloat16()
@@ -93,7 +94,7 @@ def moe_cases(device: torch.device) -> list[Fp8Case]:
         for label, scheme in SCHEMES.items():
             (q13, s13), (q2, s2) = _quantized(w13, scheme), _quantized(w2, scheme)
             scale_bytes = (s13.scale.numel() + s2.scale.numel()) * 4 // experts  # per expert
-            for tokens in MOE_DECODE_TOKENS[name] + MOE_PREFILL_TOKENS:
+            for tokens in MOE_DECODE_TOKENS[name] + (() if decode_only else MOE_PREFILL_TOKENS):
                 calls = DECODE_CALLS if tokens <= max(DECODE_TOKENS) else 1
                 runs, touched = [], 0
                 for call in range(calls):
@@ -115,17 +116,18 @@ def moe_cases(device: torch.device) -> list[Fp8Case]:
     return out
 
 
-def cases(device: torch.device) -> list[OpCase]:
-    return linear_cases(device) + moe_cases(device)
+def cases(device: torch.device, decode_only: bool = False) -> list[OpCase]:
+    return linear_cases(device, decode_only) + moe_cases(device, decode_only)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--decode-only", action="store_true", help="only the decode sizes (the GEMV forms)")
     args = parser.parse_args()
     rows = []
     print(f"{'case':<52} {'fp8 ms':>9} {'bf16 ms':>9} {'fp8 TB/s':>9} {'bf16 TB/s':>9} {'speed-up':>8}")
-    for case in cases(torch.device("cuda")):
+    for case in cases(torch.device("cuda"), args.decode_only):
         fp8_ms, bf16_ms = time_ms(case.kernel), time_ms(case.reference)
         row = {"case": case.name, "fp8_ms": fp8_ms, "bf16_ms": bf16_ms, "fp8_bytes": case.bytes,
                "bf16_bytes": case.reference_bytes, "flops": case.flops,

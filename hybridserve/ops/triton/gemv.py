@@ -13,9 +13,9 @@ tile) has every load in flight at once. Every choice is a pure function of host-
 every CUDA-graph replay, one compiled variant per token-count bucket.
 
 e4m3 weights (`W_SCALES` set, `fp8_args`) are weight-only, as `ops.reference.fp8` defines the decode sizes: the
-same loop reads a byte a weight element, widens it to fp32 (exactly, by integer ops: `e4m3_word_lane`) and
-multiplies it with x as it is, so a projection stays one launch of half the 16-bit bytes with no work on x. Per-row scales multiply the sum, 128x128
-block scales their 128-lane piece of the weight chunk.
+same loop reads a byte a weight element, widens it to fp32 exactly by integer ops (`e4m3_pairs`) and multiplies it
+with x as it is (no quantization), so a projection stays one launch of half the 16-bit bytes. Per-row scales
+multiply the sum, 128x128 block scales the products of their 128-lane piece.
 """
 from __future__ import annotations
 
@@ -85,18 +85,29 @@ def min_chunk(fp8: Fp8Scales | None) -> int:
     return FP8_BLOCK_MIN_CHUNK if fp8.scheme.weight == "block" else FP8_MIN_CHUNK
 
 
+X_SHIFT = 2.0 ** 64  # x's factor on the word path: e4m3 words widen to 2^-120 of their value (`e4m3_pairs`)
+SUM_SHIFT = 2.0 ** 56  # the sum's, with the scales: X_SHIFT * SUM_SHIFT = 2^120
+
+
 @triton.jit
-def e4m3_word_lane(words, LANE: tl.constexpr):
-    """fp32 values of byte LANE of each 32-bit word of packed e4m3 values, exactly, by integer ops: the sign and
-    the 7 exponent|mantissa bits placed where fp32 keeps them give the value times 2^-120 (e4m3's subnormals become
-    fp32 subnormals, exactly), and one multiply by 2^120 restores it. The GPU's own conversion goes through fp16 in
-    two conversion instructions an element, whose pipe (16 a clock per SM) caps a GEMV at about 3 TB/s of e4m3;
-    shifts and masks issue on the integer pipe at four times that rate."""
-    if LANE == 3:
-        bits = (words & 0x80000000) | ((words >> 4) & 0x07F00000)
-    else:
-        bits = ((words << (24 - 8 * LANE)) & 0x80000000) | ((words << (20 - 8 * LANE)) & 0x07F00000)
-    return bits.to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2^120
+def e4m3_pairs(words):
+    """Four e4m3 values of each 32-bit word as fp32 bit patterns of 2^-120 times their value, exactly, in integer
+    ops on bf16 pairs: byte b's sign and 7 exponent|mantissa bits placed where bf16 keeps them make a bf16 of 2^-120
+    times the e4m3 value (same exponent range as fp32, so e4m3 subnormals become subnormals, exactly). Bytes 0 and 2
+    need the same shifts for their bf16 lanes, bytes 1 and 3 too, so a word is two bf16 pairs in 7 ops, and a pair
+    splits into its two fp32 values in one op each: 11 integer ops for 4 values, against the GPU's conversion
+    through fp16 (two instructions a value on a pipe of 16 a clock per SM, about 3 TB/s of e4m3 a GEMV)."""
+    even = ((words << 4) & 0x07F007F0) | ((words << 8) & 0x80008000)  # bytes 2 | 0
+    odd = ((words >> 4) & 0x07F007F0) | (words & 0x80008000)  # bytes 3 | 1
+    high = 0xFFFF0000
+    return ((even << 16).to(tl.float32, bitcast=True), (odd << 16).to(tl.float32, bitcast=True),
+            (even & high).to(tl.float32, bitcast=True), (odd & high).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _shifted(x_ptrs, mask):
+    """x as fp32 times X_SHIFT (exact: a power of two, for |x| < 2^64), the word path's half of 2^120."""
+    return tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32) * X_SHIFT
 
 
 @triton.jit
@@ -107,8 +118,10 @@ def dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, stride_w, rows, row_ok, w
 
     W_SCALES: "" for a 16-bit w; for an e4m3 w its scales, "row" (ws_ptr[row] on the sum) or "block"
     (ws_ptr[row // 128 * stride_ws + k // 128] on the weights; each chunk then runs in 128-lane pieces). e4m3 rows
-    whose length and stride are multiples of 4 are read as 32-bit words, 4 values each (`e4m3_word_lane`), and
-    multiplied with the x values 4 apart that match each byte lane."""
+    whose length and stride are multiples of 4 are read as 32-bit words, 4 values each (`e4m3_pairs`, 2^-120 of
+    their value), multiplied with the x values 4 apart that match each byte lane times X_SHIFT, and the 4 products'
+    sum of a word scaled once: by its block scale times SUM_SHIFT, or (row scales) the whole sum by the row's. So
+    the only fp32 work a weight takes is its multiply-add; x's dynamic range on this path is |x| < 2^64."""
     SUB: tl.constexpr = JIT_SCALE_BLOCK if W_SCALES == "block" and BK > JIT_SCALE_BLOCK else BK
     WORDS: tl.constexpr = W_SCALES != "" and K % 4 == 0 and stride_w % 4 == 0 and SUB % 4 == 0
     LANES: tl.constexpr = SUB // 4 if WORDS else SUB
@@ -125,13 +138,16 @@ def dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, stride_w, rows, row_ok, w
                 word = (k0 + sub) // 4 + tl.arange(0, LANES)
                 word_ok = word < K // 4
                 packed = tl.load(w_words + word[None, :], mask=row_ok[:, None] & word_ok[None, :], other=0)
-                for lane in tl.static_range(4):
-                    x = tl.load(x_rows + 4 * word[None, :] + lane, mask=token_ok[:, None] & word_ok[None, :],
-                                other=0.0).to(tl.float32)
-                    w = e4m3_word_lane(packed, lane)
-                    if W_SCALES == "block":
-                        w = w * scale
-                    acc += x[:, None, :] * w[None, :, :]
+                lanes = e4m3_pairs(packed)
+                x_words = x_rows + 4 * word[None, :]
+                x_ok = token_ok[:, None] & word_ok[None, :]
+                piece = _shifted(x_words, x_ok)[:, None, :] * lanes[0][None, :, :]
+                for lane in tl.static_range(1, 4):
+                    piece += _shifted(x_words + lane, x_ok)[:, None, :] * lanes[lane][None, :, :]
+                if W_SCALES == "block":
+                    acc += piece * (scale * SUM_SHIFT)[None, :, :]
+                else:
+                    acc += piece
             else:
                 k = k0 + sub + tl.arange(0, SUB)
                 k_ok = k < K
@@ -142,7 +158,10 @@ def dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, stride_w, rows, row_ok, w
                 acc += x[:, None, :] * w[None, :, :]
     out = tl.sum(acc, axis=2)
     if W_SCALES == "row":
-        out = out * tl.load(ws_ptr + rows, mask=row_ok, other=0.0)[None, :]
+        scale = tl.load(ws_ptr + rows, mask=row_ok, other=0.0)
+        if WORDS:
+            scale = scale * SUM_SHIFT
+        out = out * scale[None, :]
     return out
 
 
