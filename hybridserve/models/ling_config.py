@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybridserve.loader import eos_token_list
+from hybridserve.checkpoint import eos_token_list
 
 DECAY_VARIANTS = ("training", "hf_remote_code")
 

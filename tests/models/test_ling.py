@@ -16,11 +16,11 @@ from safetensors import safe_open
 
 import hybridserve.layers.mla as mla_module
 from hybridserve import LLM, SamplingParams
+from hybridserve.checkpoint import CheckpointError
 from hybridserve.demo import DEMO_VERSION, ensure_demo_checkpoint
-from hybridserve.loader import CheckpointError
 from hybridserve.models.ling import alibi_slopes, lightning_log_decay
 from hybridserve.models.ling_config import parse_ling_config
-from hybridserve.runtime.model_loader import build_model
+from hybridserve.runtime.build_model import build_model
 from tests.helpers import CacheHarness, add_tokenizer
 from tests.reference.ling_naive import (
     NaiveLing,

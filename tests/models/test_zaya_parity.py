@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hybridserve import LLM, SamplingParams
-from hybridserve.runtime.model_loader import build_model
+from hybridserve.runtime.build_model import build_model
 from tests.helpers import CacheHarness, add_tokenizer
 from tests.models.zaya_fixtures import SHAPES, random_hf_zaya, save_hf, tiny_config
 

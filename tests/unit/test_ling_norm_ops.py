@@ -18,7 +18,7 @@ from hybridserve.ops.reference.ling_norm import (
     rms_norm,
 )
 from hybridserve.ops.reference.norm import rms_normalize
-from hybridserve.runtime.model_loader import build_model
+from hybridserve.runtime.build_model import build_model
 from tests.reference.ling_naive import (
     group_rms_norm as naive_group_rms_norm,
 )
