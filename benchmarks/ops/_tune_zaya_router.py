@@ -12,7 +12,7 @@ import itertools
 
 import torch
 
-from benchmarks.op_microbench import graphed, time_ms
+from benchmarks.ops._micro import graphed, time_ms
 from benchmarks.ops.zaya_router import LAYERS, _inputs
 from hybridserve.ops.triton import zaya_router as kernel
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.op_microbench import OpCase
+from benchmarks.ops._micro import OpCase
 from hybridserve.ops.reference import activation as reference
 from hybridserve.ops.triton import activation as kernel
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.op_microbench import OpCase, graphed
+from benchmarks.ops._micro import OpCase, graphed
 from hybridserve.core.batch import ScheduledChunk, build_forward_batch
 from hybridserve.ops.reference import attention as reference
 from hybridserve.ops.triton import attention as kernel

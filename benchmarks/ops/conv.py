@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.op_microbench import OpCase, graphed
+from benchmarks.ops._micro import OpCase, graphed
 from hybridserve.core.batch import ScheduledChunk, build_forward_batch
 
 Q_HEADS, K_HEADS, HEAD_DIM, PAGE = 8, 2, 128, 16

@@ -5,10 +5,10 @@ stacks. Per-row scales with per-token activations and 128x128 blocks with per-gr
 
 Decode sizes run as one CUDA graph of calls over enough weight copies (linear) or routings (experts) that the
 weights stream from HBM, as a decode step's layers do. Minimum bytes: the weights read once per call (e4m3 plus
-scales for the kernel, bf16 for the reference) and x and the output. Used by benchmarks/op_microbench.py
-(`--ops fp8`), or alone, which prints the achieved bandwidth of both paths and writes them as JSON:
+scales for the kernel, bf16 for the reference) and x and the output. Its cases run in the `micro` mode
+(`--ops fp8`); the `fp8` mode prints the achieved bandwidth of both paths and writes them as JSON:
 
-    python -m benchmarks.ops.fp8 [--out fp8.json]
+    python -m benchmarks.ops fp8 [--out fp8.json]
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.op_microbench import OpCase, graphed, time_ms
+from benchmarks.ops._micro import OpCase, graphed, time_ms
 from benchmarks.ops.moe import routing
 from hybridserve.core.quant import Fp8Scales, Fp8Scheme
 from hybridserve.ops import linear as linear_op
@@ -138,6 +138,3 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "cases": rows}, indent=1))
 
-
-if __name__ == "__main__":
-    main()

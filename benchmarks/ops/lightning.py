@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from benchmarks.op_microbench import OpCase
+from benchmarks.ops._micro import OpCase
 from hybridserve.core.batch import ScheduledChunk, build_forward_batch
 from hybridserve.ops.reference import lightning as reference
 from hybridserve.ops.triton import lightning as kernel

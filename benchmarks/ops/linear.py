@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from benchmarks.op_microbench import OpCase, graphed
+from benchmarks.ops._micro import OpCase, graphed
 
 TOKENS = (1, 2, 4, 8, 16)
 SHAPES = {  # name: (K, N)

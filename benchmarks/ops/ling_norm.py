@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.op_microbench import OpCase
+from benchmarks.ops._micro import OpCase
 from hybridserve.ops.reference import ling_norm as reference
 from hybridserve.ops.triton import ling_norm as kernel
 

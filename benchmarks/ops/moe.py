@@ -13,7 +13,7 @@ from functools import partial
 
 import torch
 
-from benchmarks.op_microbench import OpCase, graphed
+from benchmarks.ops._micro import OpCase, graphed
 from hybridserve.ops.reference import moe as reference
 
 TOKENS = (1, 16, 64, 256, 8192)

@@ -6,7 +6,7 @@ from functools import partial
 
 import torch
 
-from benchmarks.op_microbench import OpCase
+from benchmarks.ops._micro import OpCase
 from hybridserve.ops.reference import router as reference
 
 TOKENS = (1, 64, 256, 8192)

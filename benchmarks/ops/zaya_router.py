@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.op_microbench import OpCase, graphed
+from benchmarks.ops._micro import OpCase, graphed
 
 HIDDEN, WIDTH, CLASSES = 2048, 256, 17
 LAYERS = 40  # ZAYA1-8B's layers: a decode step's router calls

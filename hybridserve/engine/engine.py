@@ -8,6 +8,7 @@ import random
 import time
 from pathlib import Path
 
+from hybridserve.checkpoint import read_config
 from hybridserve.config import EngineConfig
 from hybridserve.core.step import ChunkResult
 from hybridserve.engine.cache_manager import HybridCacheManager
@@ -15,7 +16,6 @@ from hybridserve.engine.drafts import DraftSource, Speculation, draft_source
 from hybridserve.engine.output_processor import Group, OutputProcessor
 from hybridserve.engine.request import Request
 from hybridserve.engine.scheduler import ScheduledStep, Scheduler
-from hybridserve.loader import read_config
 from hybridserve.models.registry import check_speculative, check_tensor_parallel
 from hybridserve.ops.backends import any_triton
 from hybridserve.outputs import RequestOutput

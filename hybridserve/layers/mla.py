@@ -1,4 +1,4 @@
-"""Multi-head latent attention (DeepSeek-V2/V3 style, as used by Ling-2.6's full-attention layers; spec §3).
+"""Multi-head latent attention (DeepSeek-V2/V3 style, as used by Ling-2.6's full-attention layers).
 
 The paged KV cache holds one latent row per token: [normed c_kv (kv_lora_rank) | roped k_rope (qk_rope_head_dim)],
 shared by all heads (field "latent", shape [1, kv_lora_rank + qk_rope_head_dim]) and replicated on every

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from hybridserve.models.ling_config import parse_ling_config
 
-HBM_BYTES_PER_S = 4.3e12  # H200 device-to-device copy bandwidth measured on the lent machines (KINDS.md)
+HBM_BYTES_PER_S = 4.3e12  # what a device-to-device copy reaches on an H200 (read + written), not the 4.8 TB/s datasheet
 
 
 def decode_floor(config: dict, batch: int, context: int, fp8: bool = False) -> float:
@@ -16,7 +16,7 @@ def decode_floor(config: dict, batch: int, context: int, fp8: bool = False) -> f
 
 
 def _zaya_floor(config: dict, batch: int, context: int, fp8: bool = False) -> float:
-    """Tokens/s if one decode step only had to move its bytes at HBM speed (users_and_perf.md §3.4). `fp8`: the
+    """Tokens/s if one decode step only had to move its bytes at HBM speed. `fp8`: the
     projections and experts take one byte a weight (the router and the LM head stay as they are)."""
     h, layers, e = config["hidden_size"], config["num_hidden_layers"], config["num_experts"]
     cca = h * 1024 + h * 256 + 2 * h * 128 + 1024 * h

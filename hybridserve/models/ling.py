@@ -1,6 +1,5 @@
 """inclusionAI Ling-2.6 (`bailing_hybrid`): lightning (linear) attention layers with an MLA layer closing every group
-of `layer_group_size`, a grouped sigmoid-routed MoE with a shared expert, and one MTP draft layer. Spec:
-shared/spec/ling2_6.md.
+of `layer_group_size`, a grouped sigmoid-routed MoE with a shared expert, and one MTP draft layer.
 
 Per-request state: each lightning layer keeps an fp32 state [H_local, d, d] (K-major) in the state pool field
 "lightning". Only MLA layers own KV pages: one latent row [1, kv_lora_rank + qk_rope_head_dim] per token in the
@@ -43,7 +42,7 @@ from hybridserve.ops.router import grouped_topk
 
 
 def alibi_slopes(num_heads: int) -> list[float]:
-    """Lightning-Attention-2 base slopes (spec §2.2): 2^(-8(i+1)/n) when n is a power of two; otherwise the list
+    """Lightning-Attention-2 base slopes: 2^(-8(i+1)/n) when n is a power of two; otherwise the list
     for p = 2^floor(log2 n) followed by the first n - p even-indexed entries of the list for 2p."""
     def power_of_two(n: int) -> list[float]:
         return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
@@ -55,10 +54,11 @@ def alibi_slopes(num_heads: int) -> list[float]:
 
 
 def layer_decay_factor(config: LingConfig, layer: int) -> float:
-    """lambda_l for the 0-based global layer index (spec §2.2, discrepancy 1).
+    """lambda_l for the 0-based global layer index (MLA layers counted).
 
-    "training" (default) is Megatron's 1 - l/(L-1) + 1e-5; "hf_remote_code" reproduces the HF remote code, which
-    plugs the 0-based index into the 1-based formula and so uses the previous layer's factor.
+    "training" (default) is Megatron's 1 - l/(L-1) + 1e-5, which SGLang, vLLM and MLX compute too;
+    "hf_remote_code" reproduces the HF remote code, which plugs the 0-based index into the 1-based formula and so
+    uses the previous layer's factor.
     """
     if not config.lightning_layerwise_decay:
         return 1.0
@@ -77,7 +77,7 @@ def lightning_log_decay(config: LingConfig, layer: int) -> torch.Tensor:
 class LightningAttention(nn.Module):
     """One Q|K|V|G GEMM, per-head QK RMSNorm + partial NeoX RoPE (one op; in decode, inside the recurrence's
     kernel), the decayed linear recurrence, GroupRMSNorm fused with the sigmoid output gate (norm first, gate
-    second), then `dense` (spec §2.1)."""
+    second), then `dense`."""
 
     def __init__(self, config: LingConfig, layer_idx: int, quant: QuantScope):
         super().__init__()
@@ -130,7 +130,7 @@ class LingMLP(nn.Module):
 
 class LingRouter(nn.Module):
     """Sigmoid scores in fp32; `expert_bias` (aux-loss-free balancing) steers the group-limited top-k selection
-    only, the weights are the unbiased scores of the chosen experts, renormalised and scaled (spec §4.1). The
+    only, the weights are the unbiased scores of the chosen experts, renormalised and scaled. The
     logits GEMM stays in torch (fp32); the selection is `ops.router.grouped_topk` (one kernel on CUDA).
     Replicated: every rank needs all scores for the group ranking."""
 
@@ -200,7 +200,7 @@ def _mla(config: LingConfig, quant: QuantScope) -> MultiLatentAttention:
 
 
 class LingDecoderLayer(nn.Module):
-    """Pre-norm block: x + Attn(norm(x)), then + FFN(norm(.)); attention and FFN kinds chosen per layer (spec §5).
+    """Pre-norm block: x + Attn(norm(x)), then + FFN(norm(.)); attention and FFN kinds chosen per layer.
 
     The residual stream is carried next to the block output, so each residual add is fused into the norm after it:
     the layer takes (the previous block's output: [T, H], or [T, P, H] rows that sum to it; a second part of it or
@@ -232,7 +232,7 @@ class LingDecoderLayer(nn.Module):
 
 
 class LingMTPLayer(LingDecoderLayer):
-    """The next-token draft block (spec §6): MLA + MoE plus the norms and projection that mix the next token's
+    """The next-token draft block: MLA + MoE plus the norms and projection that mix the next token's
     embedding with the target's final hidden state. Drafts for speculative decoding; the main forward skips it."""
 
     def __init__(self, config: LingConfig, layer_idx: int, quant: QuantScope):
@@ -332,7 +332,7 @@ class LingForCausalLM(nn.Module):
             layer.attention.kv = next(kv, {})
 
     def draft_hidden(self, token_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """The MTP layer's output (spec §6) at each position of `batch`, given the token after it and the final
+        """The MTP layer's output at each position of `batch`, given the token after it and the final
         hidden state at it; its logits (`compute_logits`) are the draft distribution of the token after that."""
         return self.model.mtp[0].draft(self.model.word_embeddings(token_ids), hidden, batch)
 

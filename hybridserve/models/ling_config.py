@@ -1,4 +1,4 @@
-"""inclusionAI Ling-2.6 (`bailing_hybrid`) model configuration, parsed from config.json. Spec: shared/spec/ling2_6.md.
+"""inclusionAI Ling-2.6 (`bailing_hybrid`) model configuration, parsed from config.json.
 
 Only what Ling-2.6 uses is accepted; settings whose meaning the sources disagree on (`linear_silu`) or that are not
 implemented yet (YaRN `rope_scaling`, biases on the output projections) are refused instead of silently ignored.
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybridserve.loader import eos_token_list
+from hybridserve.checkpoint import eos_token_list
 
 DECAY_VARIANTS = ("training", "hf_remote_code")
 
@@ -49,7 +49,7 @@ class LingConfig:
     eos_token_ids: list[int] = field(default_factory=list)
 
     def is_mla(self, layer: int) -> bool:
-        """Layer i is full attention (MLA) iff (i + 1) % layer_group_size == 0, else lightning (spec §5)."""
+        """Layer i is full attention (MLA) iff (i + 1) % layer_group_size == 0, else lightning."""
         return (layer + 1) % self.layer_group_size == 0
 
     def is_dense(self, layer: int) -> bool:
@@ -68,7 +68,9 @@ class LingConfig:
             raise ValueError(f"lightning_decay_variant must be one of {DECAY_VARIANTS}, "
                              f"got {self.lightning_decay_variant!r}")
         if self.num_layers % self.layer_group_size:
-            # S1 would force the trailing layers of an incomplete group to MLA, SGLang refuses (spec discrepancy 5).
+            # The sources disagree here: the HF remote code (and MLX) make the trailing layers of an incomplete
+            # group MLA, SGLang asserts a whole number of groups. We refuse, as SGLang does (every released
+            # Ling-2.6 has whole groups, so both rules agree on them).
             raise ValueError(f"num_hidden_layers ({self.num_layers}) must be a multiple of layer_group_size "
                              f"({self.layer_group_size})")
         if (self.num_heads * self.head_dim) % self.group_norm_size:
@@ -89,7 +91,8 @@ def _refuse_unsupported(cfg: dict) -> None:
     if cfg.get("rope_scaling"):
         unsupported.append("rope_scaling (YaRN)")
     if cfg.get("linear_silu", False):
-        unsupported.append("linear_silu=true (its meaning differs between sources, spec discrepancy 2)")
+        unsupported.append("linear_silu=true (its meaning differs between sources: SiLU on the fused QKV output in "
+                           "SGLang and vLLM, a SiLU instead of a sigmoid output gate in the transformers port)")
     if cfg.get("use_bias", False):
         unsupported.append("use_bias=true")
     if cfg.get("use_qkv_bias", False):
@@ -109,7 +112,9 @@ def parse_ling_config(cfg: dict) -> LingConfig:
     _refuse_unsupported(cfg)
     moe_width = cfg.get("moe_intermediate_size", 512)
     shared_width = cfg.get("moe_shared_expert_intermediate_size")
-    if shared_width is None:  # spec discrepancy 3: prefer the explicit key, else width x count
+    # The shared expert's width: the HF remote code uses width x count; vLLM, transformers, MLX and newer SGLang
+    # prefer the explicit key when present (both give 1024 for Ling-2.6-flash). We prefer the explicit key.
+    if shared_width is None:
         shared_width = moe_width * cfg.get("num_shared_experts", 1)
     parsed = LingConfig(
         vocab_size=cfg.get("vocab_size", 157184),

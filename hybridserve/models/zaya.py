@@ -1,5 +1,5 @@
 """Zyphra ZAYA1: CCA attention (two-stage causal conv on q/k + one-token value lag) and a top-1 MoE with an EDA
-router and a MOD skip class, on an fp32 residual stream with ResidualScaling. Spec: shared/spec/zaya1.md.
+router and a MOD skip class, on an fp32 residual stream with ResidualScaling.
 
 Per-request state of each layer (state pool fields): `conv` [C_local, P] = the raw q|k projections of the last
 P = 2 tokens (oldest first), and `lag` [Hk*D/2] = v_proj_delayed of the last token (the projected form; a slot is

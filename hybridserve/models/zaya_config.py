@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybridserve.loader import eos_token_list
+from hybridserve.checkpoint import eos_token_list
 
 MOD_SKIP_MODES = ("scaled_identity", "zero")
 _DEFAULT_ROPE = {

@@ -7,13 +7,12 @@ on"). All three write reasoning as `<think>` ... `</think>` today, so they share
 
 Reasoning is recognised only where it can be: from the start of the output when the rendered prompt ends with an
 open `<think>` (templates that open it in the generation prompt), or when the output itself opens with `<think>`
-(after whitespace). Nothing else assumes thinking is on: an output that opens no block is all content. (Assuming
-it on is how SGLang's qwen3 parser put Ling-2.6's tool calls into reasoning_content; see
-shared/design/users_and_perf.md §1.5.) Reasoning ends at `</think>`, or where a tool call opens (`terminators`: the
-request's tool-call tag, which stays in the content for the tool parser), so a model that goes from thinking
-straight into a call still has its call parsed. An output that ends while reasoning is all reasoning. Whitespace
-just inside the block, and between `</think>` and the answer, is dropped. As with tool calls, feeding a text in any
-number of pieces gives the same split as feeding it whole.
+(after whitespace). Nothing else assumes thinking is on: an output that opens no block is all content. (Assuming it
+on is how SGLang's qwen3 parser put Ling-2.6's tool calls into reasoning_content.) Reasoning ends at `</think>`, or
+where a tool call opens (`terminators`: the request's tool-call tag, which stays in the content for the tool
+parser), so a model that goes from thinking straight into a call still has its call parsed. An output that ends
+while reasoning is all reasoning. Whitespace just inside the block, and between `</think>` and the answer, is
+dropped. As with tool calls, feeding a text in any number of pieces gives the same split as feeding it whole.
 """
 from __future__ import annotations
 

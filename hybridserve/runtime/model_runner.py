@@ -10,6 +10,7 @@ import torch
 from hybridserve.cache.kv_pool import KVPool
 from hybridserve.cache.memory import MemoryPlan, plan_memory
 from hybridserve.cache.state_pool import StatePool
+from hybridserve.checkpoint import read_config
 from hybridserve.config import EngineConfig
 from hybridserve.core.batch import ForwardBatch, PageTables, build_forward_batch
 from hybridserve.core.chunk import ScheduledChunk
@@ -17,12 +18,11 @@ from hybridserve.core.parallel import tp_rank
 from hybridserve.core.step import CacheOps, ChunkResult, SamplingRow, StepPlan
 from hybridserve.core.upload import upload
 from hybridserve.layers.sampler import Draws, Sampler, logprob_dicts
-from hybridserve.loader import read_config
 from hybridserve.ops.backends import all_triton, select_kernels
+from hybridserve.runtime.build_model import build_model, resolve_dtype
 from hybridserve.runtime.control_channel import ControlChannel
 from hybridserve.runtime.cuda_graphs import DecodeGraphs, capture_sizes
 from hybridserve.runtime.memory_profile import cache_budget
-from hybridserve.runtime.model_loader import build_model, resolve_dtype
 from hybridserve.runtime.prefill_graphs import MAX_ROWS, PrefillGraphs, prefill_sizes
 from hybridserve.runtime.warmup import DUMMY_PAGE, DUMMY_SLOT, warmup_batches
 from hybridserve.spec.mtp import MtpDrafter

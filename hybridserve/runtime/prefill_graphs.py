@@ -1,9 +1,8 @@
 """Prefill and mixed steps of up to `max_rows` rows replayed from CUDA graphs, one graph per token bucket.
 
-An eager prefill step is bound by the host, not the device: on the H200 a 512-token prompt's step over 40 ZAYA1-8B
-layers took 45 ms to queue its ~560 Triton launches and the cuBLAS and torch ops around them, where the device ran
-them in 7.7 ms (`python -m benchmarks.offline prefill-host`); the offline benchmark's prefill steps (16 rows of 512
-tokens) took 58.6 ms of host work each against 53.6 ms of kernels, so the device waited for the host. A step of rows
+An eager prefill step is bound by the host, not the device: queueing the ~560 Triton launches of a 40-layer
+ZAYA1-8B step and the cuBLAS and torch ops around them takes several times as long as running them does
+(`python -m benchmarks.offline prefill-host` measures both), so the device waits for the host. A step of rows
 whose tokens add up to L (L <= the largest size; each row at most one logits position, no drafts: prompt chunks,
 decode rows, both mixed) replays the graph of the smallest size >= L. The size - L tokens after the rows form the
 padding row, on the dummies (page 0 through the page tables' dummy row, state slot 0), as a decode graph's padding

@@ -3,8 +3,8 @@
 Triton compiles a kernel on first use per constexpr configuration and per integer-argument class (divisible by
 16 or not, equal to 1): MoE tile configs chosen by token count, the attention kernel's decode and prefill
 configurations and split-K counts, prefill and decode forms of the recurrent ops. Left to the first requests, that
-cost seconds inside the first steps of a run (40-layer ZAYA1 on the H200: prefill steps of 3.6, 3.3, 5.8 and
-1.5 s where a warm one takes well under 0.1 s) and stalled every stream sharing those steps.
+cost seconds inside the first steps of a run (where a warm step takes well under 0.1 s) and stalled every stream
+sharing those steps.
 
 Every row runs on the dummy page 0 and the dummy slot 0, which no request ever owns, so the warm-up touches no
 request's cache; the caller zeroes those dummies afterwards.

@@ -1,4 +1,4 @@
-"""NEXTN drafting with the model's multi-token-prediction layer (Ling-2.6's MTP; spec §6): a chain of top-1 drafts.
+"""NEXTN drafting with the model's multi-token-prediction layer (Ling-2.6's MTP): a chain of top-1 drafts.
 
 The MTP layer at position p reads the embedding of token p + 1 and the target's final hidden state at p, and
 predicts token p + 2. It keeps its own KV: one MLA layer in the same paged pool, sharing the sequence's pages, and

@@ -7,7 +7,7 @@ import torch
 from hybridserve import SamplingParams
 from hybridserve.config import EngineConfig
 from hybridserve.engine.engine import LLMEngine
-from hybridserve.runtime.model_loader import build_model
+from hybridserve.runtime.build_model import build_model
 from tests.helpers import CacheHarness
 
 PROMPT = [5, 17, 3, 99, 42, 8, 61, 7, 23, 11, 2]  # 11 tokens: the fork copies a partly filled page (page 4)

@@ -1,5 +1,5 @@
 """Ling's MTP (NEXTN) drafts: every chain of drafts the engine proposes equals the chain the naive reference's MTP
-layer (spec §6, tests/reference/ling_naive.py) computes from the same tokens, after prefill in chunks, after verify
+layer (tests/reference/ling_naive.py) computes from the same tokens, after prefill in chunks, after verify
 rows that accepted none, some or all of their drafts; greedy output equals the plain run's."""
 from __future__ import annotations
 

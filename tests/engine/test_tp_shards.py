@@ -75,7 +75,7 @@ def _run(directory, size: int, tmp_path, premask_every_rank: bool = False) -> li
 
 def test_zaya_conv_rows_lag_and_logits_per_rank(zaya_dir, tmp_path):
     (one,), two = _run(zaya_dir, 1, tmp_path), _run(zaya_dir, 2, tmp_path)
-    from hybridserve.loader import read_config
+    from hybridserve.checkpoint import read_config
 
     config = read_config(zaya_dir)
     hq, hk, d = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
@@ -119,7 +119,7 @@ def mod_dir(zaya_dir, tmp_path_factory):
 def test_the_mod_skip_term_enters_the_reduced_sum_once(mod_dir, tmp_path):
     """ZAYA1's default MOD mode (scaled identity), with tokens taking the skip class: the engine's rule (added
     once, after the reduce) equals TP=1; adding it on both ranks does not."""
-    from hybridserve.loader import read_config
+    from hybridserve.checkpoint import read_config
 
     assert read_config(mod_dir).get("mod_skip_mode", "scaled_identity") == "scaled_identity"
     (one,) = _run(mod_dir, 1, tmp_path)

@@ -21,7 +21,7 @@ import torch
 
 from hybridserve.demo import write_random_checkpoint
 from hybridserve.ops.backends import select_kernels
-from hybridserve.runtime.model_loader import build_model
+from hybridserve.runtime.build_model import build_model
 from tests.gpu.models import FLASH
 from tests.gpu.test_zaya_gpu import ZAYA1_8B_SHAPED, margins_like_a_trained_model
 from tests.helpers import CacheHarness

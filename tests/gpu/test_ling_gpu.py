@@ -10,7 +10,7 @@ import torch
 from hybridserve.core.batch import ScheduledChunk, build_forward_batch
 from hybridserve.models.ling import LingMoE, alibi_slopes
 from hybridserve.ops.reference.lightning import lightning_decode, lightning_prefill
-from hybridserve.runtime.model_loader import build_model
+from hybridserve.runtime.build_model import build_model
 from tests.gpu.models import FLASH, write_two_layer_model
 from tests.gpu.sync import no_host_sync
 from tests.helpers import CacheHarness

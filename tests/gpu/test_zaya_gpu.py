@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hybridserve.demo import write_random_checkpoint
-from hybridserve.runtime.model_loader import build_model
+from hybridserve.runtime.build_model import build_model
 from tests.helpers import CacheHarness
 
 pytestmark = pytest.mark.gpu

@@ -24,13 +24,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from hybridserve.checkpoint import CheckpointError
 from hybridserve.core.quant import FP8_DTYPE
 from hybridserve.layers.moe import StackedExperts
 from hybridserve.layers.weights import fp8_scales
-from hybridserve.loader import CheckpointError
 from hybridserve.ops.reference import moe as moe_reference
 from hybridserve.ops.reference.fp8 import fake_quantize
-from hybridserve.runtime.model_loader import build_model
+from hybridserve.runtime.build_model import build_model
 from tests.helpers import CacheHarness
 from tests.models.fp8_fixtures import LING_QUANTIZED, ZAYA_QUANTIZED, quantize_checkpoint
 from tests.models.zaya_fixtures import random_hf_zaya, save_hf, tiny_config

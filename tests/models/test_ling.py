@@ -16,11 +16,11 @@ from safetensors import safe_open
 
 import hybridserve.layers.mla as mla_module
 from hybridserve import LLM, SamplingParams
+from hybridserve.checkpoint import CheckpointError
 from hybridserve.demo import DEMO_VERSION, ensure_demo_checkpoint
-from hybridserve.loader import CheckpointError
 from hybridserve.models.ling import alibi_slopes, lightning_log_decay
 from hybridserve.models.ling_config import parse_ling_config
-from hybridserve.runtime.model_loader import build_model
+from hybridserve.runtime.build_model import build_model
 from tests.helpers import CacheHarness, add_tokenizer
 from tests.reference.ling_naive import (
     NaiveLing,
@@ -153,14 +153,15 @@ def test_generate_matches_reference_greedy(ling: Ling) -> None:
         assert output.outputs[0].token_ids == ling.reference.greedy_generate(prompt, 32)
 
 
-# ------------------------------------------------------------------------------------------- decay slopes (§2.2)
+# ------------------------------------------------------------------------------------------- decay slopes
 
 
 @pytest.mark.parametrize(("variant", "layer", "decay"), [
     ("training", 30, 0.9732), ("hf_remote_code", 30, 0.9472), ("training", 0, 0.4313), ("hf_remote_code", 0, 0.4198),
 ])
 def test_decay_reproduces_spec_worked_numbers(variant: str, layer: int, decay: float) -> None:
-    """Spec §2.2 example (flash: H=32, L=32): head 0's per-token decay at layers 30 and 0 under both variants."""
+    """Flash (H=32, L=32): head 0's per-token decay at layers 30 and 0 under both variants, the values SGLang
+    (training) and the HF remote code give."""
     config = parse_ling_config(tiny_ling_config(num_attention_heads=32, num_hidden_layers=32, layer_group_size=8,
                                                 group_norm_size=4, lightning_decay_variant=variant))
     log_decay = lightning_log_decay(config, layer)

@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hybridserve.loader import CheckpointError
-from hybridserve.runtime.model_loader import build_model
+from hybridserve.checkpoint import CheckpointError
+from hybridserve.runtime.build_model import build_model
 from tests.helpers import CacheHarness
 from tests.models.zaya_fixtures import (
     convert_to_legacy,
@@ -79,14 +79,14 @@ def test_wrong_shape_is_named(native_dir, tmp_path):
 @pytest.mark.parametrize("option, expected", [("float32", torch.float32), ("bfloat16", torch.bfloat16),
                                               ("float16", torch.float16)])
 def test_dtype_option(native_dir, option, expected):
-    from hybridserve.runtime.model_loader import resolve_dtype
+    from hybridserve.runtime.build_model import resolve_dtype
     model, _ = build_model(native_dir, resolve_dtype(option, None), torch.device("cpu"))
     assert model.model.embed_tokens.weight.dtype == expected
     assert model.model.layers[0].mlp.gate.balancing_biases.dtype == torch.float32  # selection bias stays fp32
 
 
 def test_auto_dtype_follows_the_checkpoint():
-    from hybridserve.runtime.model_loader import resolve_dtype
+    from hybridserve.runtime.build_model import resolve_dtype
     assert resolve_dtype("auto", "bfloat16") == torch.bfloat16
     assert resolve_dtype("auto", None) == torch.float32
     with pytest.raises(ValueError, match="dtype must be one of"):

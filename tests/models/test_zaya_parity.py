@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hybridserve import LLM, SamplingParams
-from hybridserve.runtime.model_loader import build_model
+from hybridserve.runtime.build_model import build_model
 from tests.helpers import CacheHarness, add_tokenizer
 from tests.models.zaya_fixtures import SHAPES, random_hf_zaya, save_hf, tiny_config
 
@@ -93,7 +93,8 @@ def test_greedy_in_flight_matches_hf_generate(zaya, max_num_batched_tokens):
 
 
 def _hf_scaled_identity_block(block, hidden_states, prev_router_hidden_states=None):
-    """HF's MoE block with the spec's MOD blend (zaya1.md §4.3): skip tokens output p_skip * h2."""
+    """HF's MoE block with the scaled-identity MOD blend (Zyphra's reference and SGLang; HF outputs zero): skip
+    tokens output p_skip * h2."""
     gate = block.gate
     z = gate.down_proj(hidden_states)
     if gate.use_eda and prev_router_hidden_states is not None:
@@ -110,7 +111,7 @@ def _hf_scaled_identity_block(block, hidden_states, prev_router_hidden_states=No
 
 @torch.no_grad()
 def test_mod_skip_modes(tmp_path, monkeypatch):
-    """(d): with the skip class forced often, "zero" matches HF and "scaled_identity" the spec's blend."""
+    """(d): with the skip class forced often, "zero" matches HF and "scaled_identity" `_hf_scaled_identity_block`."""
     hf = random_hf_zaya(tiny_config("base"), seed=3, skip_bias=0.0)
     directory = save_hf(hf, tmp_path)
     prompt = _prompts([24], seed=9)[0]

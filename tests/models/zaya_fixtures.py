@@ -55,7 +55,7 @@ def save_hf(model: HFZaya, directory: Path) -> Path:
     return Path(directory)
 
 
-# --- legacy (Megatron export) layout, written from the spec's table (zaya1.md §1.2, §8.2) ------------------
+# --- legacy (Megatron export) layout: layer k's attention is sub-layer 2k, its MoE 2k + 1 -----------------
 _ATTN = {"input_layernorm.weight": "input_norm.weight",
          "self_attn.qkv_proj.q_proj.weight": "self_attn.qkv.linear_q.weight",
          "self_attn.qkv_proj.k_proj.weight": "self_attn.qkv.linear_k.weight",

@@ -134,7 +134,7 @@ def decode_step_launches(name: str, num_layers: int, batch_size: int, quantizati
     from hybridserve.cache.state_pool import StatePool
     from hybridserve.core.batch import ScheduledChunk, build_forward_batch
     from hybridserve.demo import write_random_checkpoint
-    from hybridserve.runtime.model_loader import build_model
+    from hybridserve.runtime.build_model import build_model
 
     spec = MODELS[name]
     # fp16 (which the interpreter runs faithfully) stands for bf16: the casts a 16-bit model makes are counted.

@@ -54,7 +54,7 @@ def run_conv_case(rows, dtype, form, page_size=4, q_heads=4, k_heads=2, d=16, fu
                   bias=True, footers=True, seed=0, verify=(), block_tokens=None, rotary_dim=None, positions=None):
     """Kernel (in `form`, None: chosen by the token count) vs reference on `rows` (see _batch), with every slot and
     page of the pools not used by a row (and every fresh row's slot) poisoned; returns the batch. With
-    `rotary_dim`, the kernel runs with its q/k epilogue (`to_cache`: tests/ops/test_zaya_qk_kernel.py) against
+    `rotary_dim`, the kernel runs with its q/k epilogue (`to_cache`: tests/ops/test_conv_qk_epilogue_kernel.py) against
     the reference conv followed by the reference q/k normalisation, RoPE and cache write; `positions` replaces the
     batch's (only without footers, which follow the positions)."""
     gen = torch.Generator().manual_seed(seed)

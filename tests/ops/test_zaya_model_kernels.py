@@ -13,7 +13,7 @@ import torch
 from hybridserve.cache.state_pool import StatePool
 from hybridserve.demo import write_random_checkpoint
 from hybridserve.ops import backends
-from hybridserve.runtime.model_loader import build_model
+from hybridserve.runtime.build_model import build_model
 from tests.helpers import CacheHarness
 from tests.ops.conftest import ON_GPU
 

@@ -1,8 +1,9 @@
 """Deliberately naive reference implementation of inclusionAI Ling-2.6 (`bailing_hybrid`).
 
-Written only from `/work/shared/spec/ling2_6.md` (section numbers below refer to it) so that it can
-serve as an independent test oracle for the inference engine. It shares no code with the engine,
-favours explicit loops over speed, and computes in float32 by default (float64 also works).
+Written only from the Ling-2.6 implementation spec (the architecture as its public sources describe it), not
+from hybridserve's code, so that it can serve as an independent test oracle for the inference engine. It shares
+no code with the engine, favours explicit loops over speed, and computes in float32 by default (float64 also
+works).
 
 Contents:
 - config / checkpoint helpers: `tiny_ling_config`, `expected_tensor_shapes`, `random_ling_checkpoint`,
@@ -26,12 +27,12 @@ from safetensors.torch import load_file, save_file
 Tensor = torch.Tensor
 
 DECAY_VARIANTS = ("training", "hf_remote_code")
-# Names the spec (§9) says to skip: they are recomputed buffers, not weights.
+# Checkpoint names skipped on loading: they are recomputed buffers, not weights.
 IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq", ".slope")
 
 
 # --------------------------------------------------------------------------------------------
-# Configuration (§1)
+# Configuration
 # --------------------------------------------------------------------------------------------
 
 
@@ -104,17 +105,18 @@ def tiny_ling_config(**overrides) -> dict:
 
 
 def is_mla_layer(config: dict, layer_idx: int) -> bool:
-    """§5: layer i is full attention (MLA) iff (i+1) % layer_group_size == 0, else lightning."""
+    """Layer i is full attention (MLA) iff (i+1) % layer_group_size == 0, else lightning."""
     return (layer_idx + 1) % config["layer_group_size"] == 0
 
 
 def is_dense_ffn_layer(config: dict, layer_idx: int) -> bool:
-    """§5: the first `first_k_dense_replace` layers use a dense SwiGLU FFN, the rest MoE."""
+    """The first `first_k_dense_replace` layers use a dense SwiGLU FFN, the rest MoE."""
     return layer_idx < config["first_k_dense_replace"]
 
 
 def shared_expert_width(config: dict) -> int:
-    """Discrepancy 3: prefer moe_shared_expert_intermediate_size, else width x num_shared_experts."""
+    """moe_shared_expert_intermediate_size when present, else width x num_shared_experts (the sources differ on
+    which comes first; the explicit key wins here)."""
     width = config.get("moe_shared_expert_intermediate_size")
     if width is not None:
         return width
@@ -129,7 +131,8 @@ def validate_config(config: dict) -> None:
     if config.get("rope_scaling") is not None:
         unsupported.append("rope_scaling (YaRN) is not implemented")
     if config.get("linear_silu", False):
-        unsupported.append("linear_silu=true (sources disagree on its meaning, spec discrepancy 2)")
+        unsupported.append("linear_silu=true (sources disagree on its meaning: SiLU on the fused qkv, or a "
+                           "SiLU output gate)")
     if config.get("use_bias", False):
         unsupported.append("use_bias=true (which MLA projections get a bias is not specified)")
     score_function = config.get("score_function", config.get("scoring_func", "sigmoid"))
@@ -140,7 +143,8 @@ def validate_config(config: dict) -> None:
     if config.get("lightning_decay_variant", "training") not in DECAY_VARIANTS:
         unsupported.append(f"lightning_decay_variant={config['lightning_decay_variant']!r}")
     if config["num_hidden_layers"] % config["layer_group_size"] != 0:
-        unsupported.append("num_hidden_layers not a multiple of layer_group_size (spec discrepancy 5)")
+        unsupported.append("num_hidden_layers not a multiple of layer_group_size (sources disagree on the "
+                           "trailing layers of an incomplete group)")
     if config["num_experts"] % config["n_group"] != 0:
         unsupported.append("num_experts not a multiple of n_group")
     if config["num_attention_heads"] * config["head_dim"] % config["group_norm_size"] != 0:
@@ -150,7 +154,7 @@ def validate_config(config: dict) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Checkpoint names and shapes (§9)
+# Checkpoint names (HF) and shapes
 # --------------------------------------------------------------------------------------------
 
 
@@ -219,7 +223,7 @@ def _decoder_layer_shapes(config: dict, layer_idx: int, mla: bool, dense_ffn: bo
 
 
 def _mtp_layer_shapes(config: dict, layer_idx: int) -> dict[str, tuple[int, ...]]:
-    """§6: the MTP block is always MLA + MoE, plus its own input/output norms and eh_proj."""
+    """The MTP block is always MLA + MoE, plus its own input/output norms and eh_proj."""
     hidden = config["hidden_size"]
     prefix = f"model.layers.{layer_idx}"
     shapes = {
@@ -233,7 +237,7 @@ def _mtp_layer_shapes(config: dict, layer_idx: int) -> dict[str, tuple[int, ...]
 
 
 def expected_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Every tensor name (HF checkpoint naming, §9) the config implies, with its shape."""
+    """Every tensor name (HF checkpoint naming) the config implies, with its shape."""
     vocab, hidden, layers = config["vocab_size"], config["hidden_size"], config["num_hidden_layers"]
     shapes: dict[str, tuple[int, ...]] = {"model.word_embeddings.weight": (vocab, hidden)}
     for i in range(layers):
@@ -332,7 +336,7 @@ def _power_of_two_slopes(n: int) -> list[float]:
 
 
 def alibi_slopes(n: int) -> list[float]:
-    """§2.2 base slopes: 2^(-8(i+1)/n) for power-of-two n; otherwise the list for p = 2^floor(log2 n)
+    """Lightning-Attention-2 base slopes: 2^(-8(i+1)/n) for power-of-two n; otherwise the list for p = 2^floor(log2 n)
     followed by the first n-p even-indexed entries of the list for 2p."""
     if n <= 0:
         raise ValueError("need at least one head")
@@ -343,7 +347,7 @@ def alibi_slopes(n: int) -> list[float]:
 
 
 def layer_decay_factor(config: dict, layer_idx: int) -> float:
-    """§2.2 lambda_l for the 0-based global layer index.
+    """Lightning decay lambda_l for the 0-based global layer index (MLA layers counted).
 
     "training" (default): 1 - l/(L-1) + 1e-5.  "hf_remote_code": 1 - (l-1)/(L-1) + 1e-5 (the HF
     remote code's off-by-one).  L <= 1 gives 1 + 1e-5 for both; lightning_layerwise_decay=false gives 1.
@@ -372,7 +376,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def group_rms_norm(x: Tensor, weight: Tensor, num_groups: int, eps: float) -> Tensor:
-    """§2.1 step 5: RMS-normalise each of `num_groups` contiguous channel groups, then scale."""
+    """The lightning output's GroupRMSNorm: RMS-normalise each of `num_groups` contiguous channel groups, then scale."""
     grouped = x.reshape(*x.shape[:-1], num_groups, x.shape[-1] // num_groups)
     normed = grouped * torch.rsqrt(grouped.pow(2).mean(dim=-1, keepdim=True) + eps)
     return normed.reshape(x.shape) * weight
@@ -385,7 +389,7 @@ def _rope_angles(positions: Tensor, rot_dim: int, base: float, dtype: torch.dtyp
 
 
 def rope_neox_partial(x: Tensor, positions: Tensor, rot_dim: int, base: float) -> Tensor:
-    """§2.1 step 3: rotate-half RoPE on the first `rot_dim` dims of each head; the rest pass through.
+    """The lightning layers' RoPE: rotate-half on the first `rot_dim` dims of each head; the rest pass through.
 
     x: [T, H, d]; pairs are (i, i + rot_dim/2).
     """
@@ -397,7 +401,7 @@ def rope_neox_partial(x: Tensor, positions: Tensor, rot_dim: int, base: float) -
 
 
 def rope_interleaved(x: Tensor, positions: Tensor, base: float) -> Tensor:
-    """§3: GPT-J style RoPE over the whole last dim; pairs (2i, 2i+1) rotate by pos * base^(-2i/dim).
+    """The MLA layers' RoPE: GPT-J style over the whole last dim; pairs (2i, 2i+1) rotate by pos * base^(-2i/dim).
 
     x: [T, H, dim].
     """
@@ -411,7 +415,7 @@ def rope_interleaved(x: Tensor, positions: Tensor, base: float) -> Tensor:
 def lightning_recurrence(
     q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, state: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """§2.3(c) applied token by token: S = a*S + k^T v; o = d^-1/2 * q S (current token included).
+    """The lightning recurrence applied token by token: S = a*S + k^T v; o = d^-1/2 * q S (current token included).
 
     q, k: [T, H, d_k]; v: [T, H, d_v]; log_decay: [H]; state: [H, d_k, d_v] (K-major).
     Returns (o [T, H, d_v], final state). The input state is not modified.
@@ -426,12 +430,12 @@ def lightning_recurrence(
 
 
 def swiglu(x: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor) -> Tensor:
-    """§4.1: down(silu(gate x) * up x)."""
+    """A SwiGLU FFN (experts, shared expert, dense layers): down(silu(gate x) * up x)."""
     return (torch.nn.functional.silu(x @ gate_w.T) * (x @ up_w.T)) @ down_w.T
 
 
 def route_tokens(x: Tensor, gate_weight: Tensor, expert_bias: Tensor | None, config: dict) -> tuple[Tensor, Tensor]:
-    """§4.1 router: sigmoid scores, biased group-limited top-k selection, unbiased renormalised weights.
+    """The MoE router: sigmoid scores, biased group-limited top-k selection, unbiased renormalised weights.
 
     x: [T, D]. Returns (expert indices [T, k], weights [T, k]) with weights summing to
     routed_scaling_factor per token. Computed in at least float32 (router_dtype fp32).
@@ -476,7 +480,7 @@ class NaiveLing:
     """Ling-2.6 causal LM evaluated naively, straight from the spec.
 
     Built from a config dict and a dict of checkpoint tensors (HF names). Missing, misshaped or
-    unknown tensors raise. The MTP layer (§6) runs only through `mtp_step`.
+    unknown tensors raise. The MTP layer runs only through `mtp_step`.
     """
 
     def __init__(self, config: dict, tensors: dict[str, Tensor], dtype: torch.dtype = torch.float32):
@@ -546,14 +550,14 @@ class NaiveLing:
         return rms_norm(hidden, self.weights["model.norm.weight"], self.eps)
 
     def new_mtp_sequence(self) -> SequenceState:
-        """The MTP layer's own (empty) MLA history: it has no recurrent state (§6)."""
+        """The MTP layer's own (empty) MLA history: it has no recurrent state."""
         state, layer = SequenceState(), self.num_layers
         state.mla_latent[layer] = torch.zeros(0, self.config["kv_lora_rank"], dtype=self.dtype)
         state.mla_k_rope[layer] = torch.zeros(0, self.config["qk_rope_head_dim"], dtype=self.dtype)
         return state
 
     def mtp_step(self, seq: SequenceState, next_token_ids: list[int], hidden: Tensor) -> tuple[Tensor, Tensor]:
-        """§6 at the next positions of `seq`: each position's next token and the final hidden state there ->
+        """The MTP layer at the next positions of `seq`: each position's next token and the final hidden state there ->
         (the block's output after final_layernorm [len, D], its logits [len, V]: the token after next)."""
         layer, w = self.num_layers, self.weights
         positions = torch.arange(seq.position, seq.position + len(next_token_ids))
@@ -587,7 +591,7 @@ class NaiveLing:
                 logits = self.step(seq, generated[-1:])
         return generated
 
-    # ---------------------------------------------------------------- decoder glue (§5)
+    # ---------------------------------------------------------------- decoder glue
 
     def _lm_head(self) -> Tensor:
         if self.config.get("tie_word_embeddings", False):
@@ -606,7 +610,7 @@ class NaiveLing:
             return x + swiglu(normed, *(self._w(i, f"mlp.{p}_proj.weight") for p in ("gate", "up", "down")))
         return x + self._moe(i, normed)
 
-    # ---------------------------------------------------------------- lightning attention (§2)
+    # ---------------------------------------------------------------- lightning attention
 
     def lightning_qkv(self, i: int, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q, k, v [T, H, d] of lightning layer i for normed input x [T, D]: fused projection split
@@ -632,7 +636,7 @@ class NaiveLing:
         o = o * torch.sigmoid(x @ self._w(i, "attention.g_proj.weight").T)  # norm first, gate second
         return o @ self._w(i, "attention.dense.weight").T
 
-    # ---------------------------------------------------------------- MLA (§3), unabsorbed
+    # ---------------------------------------------------------------- MLA, unabsorbed
 
     def _mla_query(self, i: int, x: Tensor) -> Tensor:
         """[T, H, nope + rope] query, via the q-LoRA path or a plain q_proj."""
@@ -675,7 +679,7 @@ class NaiveLing:
             outputs.append(torch.einsum("hs,shv->hv", probs, v[:visible]).reshape(-1))
         return torch.stack(outputs) @ self._w(i, "attention.dense.weight").T
 
-    # ---------------------------------------------------------------- MoE (§4.1)
+    # ---------------------------------------------------------------- MoE
 
     def _moe(self, i: int, x: Tensor) -> Tensor:
         """Routed experts (Python loop) weighted by the router, plus the unscaled shared expert."""

@@ -1,4 +1,4 @@
-"""Self-checks of the naive Ling-2.6 reference against the spec's worked numbers and against
+"""Self-checks of the naive Ling-2.6 reference against the implementation spec's worked numbers and against
 independent formulations written here (chunked-parallel lightning attention, brute-force routing)."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
 
-# ----------------------------------------------------------------------------------- slopes (§2.2)
+# ----------------------------------------------------------------------------------- slopes
 
 
 def test_power_of_two_slopes_match_spec() -> None:
@@ -91,7 +91,7 @@ def test_rope_variants_depend_only_on_relative_position() -> None:
 
 
 def test_interleaved_rope_equals_deinterleave_then_rotate_half() -> None:
-    """§3: HF de-interleaves (even, odd) and applies rotate-half; GPT-J style gives the same scores."""
+    """MLA's RoPE: HF de-interleaves (even, odd) and applies rotate-half; GPT-J style gives the same scores."""
     gen = torch.Generator().manual_seed(2)
     q, k = torch.randn(6, 3, 8, generator=gen), torch.randn(6, 3, 8, generator=gen)
     pos = torch.arange(6) * 11
@@ -108,13 +108,14 @@ def test_interleaved_rope_equals_deinterleave_then_rotate_half() -> None:
     assert _max_abs_diff(ours, hf) < 1e-5
 
 
-# ----------------------------------------------------------------------------------- recurrence (§2.3)
+# ----------------------------------------------------------------------------------- recurrence
 
 
 def _chunked_parallel(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, state: torch.Tensor, chunk: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Spec §2.3(a)/(b): intra-chunk decay-masked attention + inter-chunk term from the carried state."""
+    """Chunked prefill from a zero or a carried state: intra-chunk decay-masked attention + inter-chunk term from
+    the carried state."""
     length, _, dim = q.shape
     scale = dim ** -0.5
     outputs = []
@@ -235,7 +236,7 @@ def test_missing_or_unexpected_tensor_raises(tiny) -> None:
     misshaped = dict(tensors, **{"model.norm.weight": torch.ones(3)})
     with pytest.raises(ValueError, match="shape"):
         NaiveLing(config, misshaped)
-    # Recomputed buffers named in spec §9 are tolerated.
+    # Recomputed buffers (rotary inv_freq, lightning slope) are tolerated.
     NaiveLing(config, dict(tensors, **{"model.layers.0.attention.slope": torch.zeros(4)}))
 
 
@@ -263,7 +264,7 @@ def test_checkpoint_round_trip(tmp_path, tiny, shards: int) -> None:
     assert _max_abs_diff(NaiveLing(loaded_config, loaded).forward(TOKENS[:3]), model.forward(TOKENS[:3])) < 1e-6
 
 
-# ----------------------------------------------------------------------------------- router (§4.1)
+# ----------------------------------------------------------------------------------- router
 
 
 def _groups_of(indices: torch.Tensor, experts_per_group: int) -> list[set[int]]:

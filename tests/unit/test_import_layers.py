@@ -28,7 +28,7 @@ LEVELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("spec", ("spec",)),  # n-gram search, acceptance + state commit, the MTP drafter: engine's and runtime's
     ("models", ("models",)),
     ("cache", ("cache",)),  # pools, prefix tree, memory planner: what the models' cache layouts describe
-    ("config", ("config", "options", "loader")),  # EngineConfig and its CLI fields; checkpoint reading
+    ("config", ("config", "options", "checkpoint")),  # EngineConfig and its CLI fields; checkpoint reading
     ("layers", ("layers",)),
     ("ops", ("ops",)),
     ("requests", ("sampling", "outputs", "structured", "tokenizer")),  # what a request asks for and gets back

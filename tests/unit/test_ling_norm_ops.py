@@ -18,7 +18,7 @@ from hybridserve.ops.reference.ling_norm import (
     rms_norm,
 )
 from hybridserve.ops.reference.norm import rms_normalize
-from hybridserve.runtime.model_loader import build_model
+from hybridserve.runtime.build_model import build_model
 from tests.reference.ling_naive import (
     group_rms_norm as naive_group_rms_norm,
 )
@@ -64,8 +64,8 @@ def test_add_rms_norm_equals_add_then_norm(dtype: torch.dtype) -> None:
 
 
 def test_gated_group_rms_norm_is_norm_then_gate() -> None:
-    """Spec §2.1 steps 5-6 (norm first, gate second) from the naive reference's per-group formula, fp32 x, bf16
-    weight and gate: exactly one rounding, at the end."""
+    """Lightning's output GroupRMSNorm and sigmoid gate (norm first, gate second) from the naive reference's
+    per-group formula, fp32 x, bf16 weight and gate: exactly one rounding, at the end."""
     x = torch.randn(5, 24, generator=_gen(3))
     x[:, :8] *= 10.0
     weight = (1 + 0.1 * torch.randn(24, generator=_gen(4))).bfloat16()

@@ -1,4 +1,5 @@
-"""The memory planner against the Ling-2.6-flash TP=4 worked example (spec ling2_6.md §8.3)."""
+"""The memory planner against a worked Ling-2.6-flash TP=4 example (fp32 lightning state, bf16 MLA latent cache,
+40 GiB a rank), the counts SGLang's memory solve (`handle_max_mamba_cache`) gives for it."""
 from __future__ import annotations
 
 import math

@@ -24,11 +24,11 @@ def benchmark_imports(source: str) -> set[str]:
 
 
 def test_benchmark_imports_are_recognised():
-    assert benchmark_imports("import benchmarks.ops\nfrom benchmarks import tune_moe\n"
+    assert benchmark_imports("import benchmarks.ops\nfrom benchmarks import serving\n"
                              "def f():\n    from benchmarks.offline.scenarios import workload\n"
                              "importlib.import_module('benchmarks.cli')\nimport hybridserve, benchmarks_extra\n"
                              "from . import benchmarks\n") == \
-        {"benchmarks.ops", "benchmarks.tune_moe", "benchmarks.offline.scenarios", "benchmarks.cli"}
+        {"benchmarks.ops", "benchmarks.serving", "benchmarks.offline.scenarios", "benchmarks.cli"}
 
 
 def test_no_test_imports_from_benchmarks():

@@ -1,6 +1,6 @@
 """Reasoning split on crafted outputs, for every reasoning parser name: whole and streamed at every position give
-the same split; a tool call that opens inside the reasoning ends it (Ling-2.6's failure in SGLang, §1.5 of
-users_and_perf.md); nothing is taken for reasoning unless the output or the prompt opens a block."""
+the same split; a tool call that opens inside the reasoning ends it (Ling-2.6's failure in SGLang);
+nothing is taken for reasoning unless the output or the prompt opens a block."""
 from __future__ import annotations
 
 import pytest

@@ -2,8 +2,8 @@
 
 Per head, with log-decay g < 0 (a = exp(g)), scale c = d^-1/2 and a K-major fp32 state S [d_k, d_v]:
     S_t = a * S_{t-1} + k_t^T v_t,    o_t = c * q_t S_t          (the current token is included)
-Prefill evaluates this in chunked-parallel form (spec §2.3(a)/(b)): inside a chunk a causal decay mask built in
-log space, between chunks the state. Decode is the recurrence itself, one vectorised step for every row.
+Prefill evaluates this in chunked-parallel form, from a zero or a carried state: inside a chunk a causal decay
+mask built in log space, between chunks the state. Decode is the recurrence itself, one vectorised step for every row.
 
 Each row's state lives in the state pool at `batch.state_slots[row]`; it is read only where
 `batch.has_initial_state` says it holds the state after the row's prefix (otherwise the row starts from zero,

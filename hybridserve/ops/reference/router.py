@@ -1,4 +1,4 @@
-"""Ling's grouped sigmoid router after the logits GEMM (spec ling2_6.md §4.1), in pure torch.
+"""Ling's grouped sigmoid router after the logits GEMM, in pure torch.
 
 Scores are fp32 sigmoids; `expert_bias` is added for the selection only. The experts are split into `n_group`
 equal groups, a group's score is the sum of its two best biased scores, the best `topk_group` groups are kept and

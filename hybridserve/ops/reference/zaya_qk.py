@@ -1,4 +1,4 @@
-"""ZAYA1's q/k normalisation, partial NeoX RoPE and KV-cache write: the pure-torch reference (spec §3.5, §3.6).
+"""ZAYA1's q/k normalisation, partial NeoX RoPE and KV-cache write: the pure-torch reference.
 
 q and k are scaled to norm sqrt(D) in fp32 (the norm clamped at fp32 eps), k times its KV head's learned
 temperature, then the leading rotary dims are rotated at each token's position (fp32) and the results rounded to

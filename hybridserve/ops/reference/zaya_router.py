@@ -1,4 +1,4 @@
-"""ZAYA1's EDA router: the pure-torch reference, all fp32 (spec §4.2).
+"""ZAYA1's EDA router: the pure-torch reference, all fp32.
 
     z = down_proj(x32) (+ carry * router_states_scale)      -> the EDA carry handed to the next layer's router
     logits = out_proj(GELU(fc2(GELU(fc1(RMSNorm(z))))))      exact (erf) GELU; E experts + the MOD skip class E

@@ -35,9 +35,8 @@ PIPELINE_STAGES = 4  # K chunks in flight per program when its loop has several
 MAX_COLUMNS = 64  # output columns (weight rows) per program at most: wider tiles give too few programs anyway
 MIN_CHUNK = 64  # K lanes of a chunk at least (128 bytes of a 16-bit row): fewer tokens*columns where it would not fit
 FP8_MIN_CHUNK = 128  # the same for e4m3 rows (128 bytes), and whole 128-column scale blocks per chunk
-# e4m3 rows with 128x128 block scales: two scale blocks a chunk at least. An H200 sweep of Ling-2.6-flash's shapes at
-# one token streamed them at 2.3 TB/s in (32 rows, 256) tiles against 1.9 in (64, 128) (its Q|K|V|G rows; the
-# 8 experts' stacks 2.1 against 1.7).
+# e4m3 rows with 128x128 block scales: two scale blocks a chunk at least (on an H200, Ling-2.6-flash's rows streamed
+# about a fifth faster in (32 rows, 256) tiles than in (64, 128)).
 FP8_BLOCK_MIN_CHUNK = 256
 MIN_PROGRAM_ELEMENTS = 8192  # weight elements a program streams at least (16 KB of bf16): no finer split pays
 NUM_WARPS = 4

@@ -1,10 +1,10 @@
 """Lightning attention with fla-core's recurrent decode kernel and our own prefill kernel (optional `gpu` extra).
 
 Not the product path (`ops/triton/lightning.py` runs both phases there); kept so the two can be compared on the GPU
-(`benchmarks/ling_decode_agreement.py`, `tests/gpu/test_ling_kernels_gpu.py`). Ling's decay is a constant per-head
-log-decay, which is simple_gla's `g_gamma` [H]; the state layout is fla's default K-major [N, H, K, V], the same
-as the state pool's. fla's `lightning_attn` helper is not used: it derives its own decay from the layer index,
-which is not Ling's law (spec §2.2).
+(`python -m benchmarks.offline agreement --compare lightning`, `tests/gpu/test_ling_gpu.py`). Ling's decay is a
+constant per-head log-decay, which is simple_gla's `g_gamma` [H]; the state layout is fla's default K-major
+[N, H, K, V], the same as the state pool's. fla's `lightning_attn` helper is not used: it derives its own decay
+from the layer index, which is not Ling's law (`models.ling.lightning_log_decay`).
 
 Why not fla's chunk kernel for prefill (issue 8): in fla-core 0.6.0, `chunk_simple_gla(..., g_gamma=...)` computes
 the state at the end of a sequence whose last chunk is partial as S * a^n + sum_j k_j^T v_j * exp2(g_last - g_j)

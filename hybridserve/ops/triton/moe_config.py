@@ -1,11 +1,11 @@
 """Launch configurations of the fused-MoE kernels (`ops.triton.moe`): tuned tables or a heuristic.
 
 A table is a JSON file in `moe_configs/` per (experts E, local intermediate N, hidden H, dtype, device name),
-written by `benchmarks/tune_moe.py`: token count -> {BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages,
-SPLIT_K_UP, SPLIT_K_DOWN}. The SPLIT_K keys are optional (an entry without them means 1: the unsplit kernels).
-A call takes the entry of the nearest tuned token count; shapes without a table (another model, another TP degree,
-another GPU) use `heuristic_config`. The choice is a pure function of host-known sizes, so a captured CUDA graph
-always replays the configuration it was captured with.
+written by `python -m benchmarks.ops tune-moe`: token count -> {BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps,
+num_stages, SPLIT_K_UP, SPLIT_K_DOWN}. The SPLIT_K keys are optional (an entry without them means 1: the unsplit
+kernels). A call takes the entry of the nearest tuned token count; shapes without a table (another model, another TP
+degree, another GPU) use `heuristic_config`. The choice is a pure function of host-known sizes, so a captured CUDA
+graph always replays the configuration it was captured with.
 
 BLOCK_N is the width of an output tile in both GEMMs: the gate/up GEMM computes BLOCK_N / 2 gate columns and the
 matching BLOCK_N / 2 up columns (BLOCK_N / 2 intermediate columns); the down GEMM BLOCK_N hidden columns.

@@ -1,4 +1,5 @@
-"""The search space of `benchmarks/tune_moe.py` and the tables it writes (`ops.triton.moe_config` reads them).
+"""The search space of `python -m benchmarks.ops tune-moe` and the tables it writes (`ops.triton.moe_config`
+reads them).
 
 Candidates are pruned by the mean rows per expert: up to 16 the op streams weights (16-row blocks, several N / K
 tiles and pipeline depths, and for 16-bit weights split-K where the grid is small); up to 64 mid tiles; beyond,

@@ -1,4 +1,5 @@
-"""Build a model for a checkpoint directory: parse its config, construct it on the target device, load weights."""
+"""Build a model for a checkpoint directory: parse its config, construct it on the target device, then load its
+weights (checkpoint.py) or initialise random ones (load_format="dummy")."""
 from __future__ import annotations
 
 import logging
@@ -9,8 +10,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from hybridserve.checkpoint import load_weights, read_config
 from hybridserve.core.quant import FP8_DTYPE, QuantConfig, parse_quantization
-from hybridserve.loader import load_weights, read_config
 from hybridserve.models.base import CausalLM
 from hybridserve.models.registry import model_family
 from hybridserve.runtime.dummy_weights import init_dummy_weights

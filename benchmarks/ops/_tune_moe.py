@@ -8,9 +8,9 @@ the fastest. All candidates are first compiled in parallel worker processes, whi
 the timing process. A table already in --out-dir (else the committed one) keeps its entries for the token counts
 not tuned in this run, so a run over a few token counts updates those alone.
 
-    python benchmarks/tune_moe.py                       # ZAYA1-8B and Ling-2.6-flash, bf16, TP=1
-    python benchmarks/tune_moe.py --shape 256,8,4096,512 --tokens 1 64 4096   # E,K,H,I (e.g. Ling at TP=2)
-    python benchmarks/tune_moe.py --dtype float8_e4m3fn --tokens 2 4 8 16 ...  # the FP8 grouped form (from 9 pairs)
+    python -m benchmarks.ops tune-moe                   # ZAYA1-8B and Ling-2.6-flash, bf16, TP=1
+    python -m benchmarks.ops tune-moe --shape 256,8,4096,512 --tokens 1 64 4096   # E,K,H,I (e.g. Ling at TP=2)
+    python -m benchmarks.ops tune-moe --dtype float8_e4m3fn --tokens 2 4 8 16 ...  # FP8 grouped form (from 9 pairs)
 
 The search space and the table format live in `hybridserve/ops/triton/moe_tuning.py`.
 """
@@ -19,17 +19,14 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from hybridserve.core.quant import FP8_DTYPE, Fp8Scales, Fp8Scheme  # noqa: E402
-from hybridserve.ops.triton import moe_config  # noqa: E402
-from hybridserve.ops.triton.moe_tuning import candidates, write_table  # noqa: E402
+from hybridserve.core.quant import FP8_DTYPE, Fp8Scales, Fp8Scheme
+from hybridserve.ops.triton import moe_config
+from hybridserve.ops.triton.moe_tuning import candidates, write_table
 
 SHAPES = {"zaya1-8b": (16, 1, 2048, 2048), "ling-2.6-flash": (256, 8, 4096, 1024)}  # E, K, H, I
 DTYPES = ("bfloat16", "float16", "float8_e4m3fn")  # e4m3: the W8A8 grouped form (ops.triton.fp8_moe)
@@ -136,7 +133,7 @@ def tune(shape: tuple[int, int, int, int], tokens_list: list[int], dtype: torch.
               flush=True)
         table[str(tokens)], times[str(tokens)] = best, round(best_us, 2)
     name = torch.cuda.get_device_name()
-    comment = (f"Tuned by benchmarks/tune_moe.py on {name} (torch {torch.__version__}, triton "
+    comment = (f"Tuned by python -m benchmarks.ops tune-moe on {name} (torch {torch.__version__}, triton "
                f"{__import__('triton').__version__}): fastest candidate per token count, uniform random top-{top_k} "
                f"routing, CUDA-graph timing{f', {fp8_scales} FP8 scales' if fp8 is not None else ''}.")
     return write_table(out_dir, moe_config.config_file_name(experts, inter, hidden, dtype, name), comment, table,
@@ -174,6 +171,3 @@ def main() -> None:
         torch.cuda.empty_cache()
     print(f"total {time.perf_counter() - start:.0f} s")
 
-
-if __name__ == "__main__":
-    main()

@@ -6,7 +6,7 @@ ceilings measured in the same run (a device-to-device copy and a bf16 GEMM), nev
 
     python -m benchmarks.ops micro [--ops moe attention ...] [--out results.json]
 
-(`benchmarks/ops/_*.py` are the other modes of `python -m benchmarks.ops`, not cases.)
+`OpCase`, `time_ms` and `graphed` are shared with the case modules and the other modes.
 """
 from __future__ import annotations
 
