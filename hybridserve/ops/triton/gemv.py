@@ -84,8 +84,8 @@ def min_chunk(fp8: Fp8Scales | None) -> int:
     return FP8_BLOCK_MIN_CHUNK if fp8.scheme.weight == "block" else FP8_MIN_CHUNK
 
 
-X_SHIFT = 2.0 ** 64  # x's factor on the word path: e4m3 words widen to 2^-120 of their value (`e4m3_pairs`)
-SUM_SHIFT = 2.0 ** 56  # the sum's, with the scales: X_SHIFT * SUM_SHIFT = 2^120
+X_SHIFT = tl.constexpr(2.0 ** 64)  # x's factor on the word path (its words widen to 2^-120 of their value)
+SUM_SHIFT = tl.constexpr(2.0 ** 56)  # the sum's, with the scales: X_SHIFT * SUM_SHIFT = 2^120
 
 
 @triton.jit
@@ -110,8 +110,37 @@ def _shifted(x_ptrs, mask):
 
 
 @triton.jit
+def _k_masks(row_ok, token_ok, k, K, EVEN_K: tl.constexpr):
+    """The load masks of a chunk's weight rows [BN, chunk] and x rows [BT, chunk] at K offsets `k`: without the
+    K bound where no chunk runs past it (EVEN_K), a compare and select fewer per element."""
+    if EVEN_K:
+        w_ok, x_ok = row_ok[:, None], token_ok[:, None]
+    else:
+        k_ok = (k < K)[None, :]
+        w_ok, x_ok = row_ok[:, None] & k_ok, token_ok[:, None] & k_ok
+    return w_ok, x_ok
+
+
+@triton.jit
+def _block_scales(ws_ptr, rows, row_ok, stride_ws, kb, k_ok, ROW_BLOCKS: tl.constexpr):
+    """The 128x128 block scales of `rows` at K block `kb`: one scalar for rows of one row block (ROW_BLOCKS 1),
+    else [BN, 1]. Rows of one or two blocks load one scale each instead of a scale a row: the block indices of the
+    lowest and highest row are loop invariants, so the loop keeps only those one or two loads."""
+    if ROW_BLOCKS == 0:
+        scale = tl.load(ws_ptr + (rows // JIT_SCALE_BLOCK) * stride_ws + kb, mask=row_ok & k_ok, other=0.0)[:, None]
+    else:
+        low = tl.min(rows) // JIT_SCALE_BLOCK
+        scale = tl.load(ws_ptr + low * stride_ws + kb, mask=k_ok, other=0.0)
+        if ROW_BLOCKS == 2:
+            high = tl.load(ws_ptr + (tl.max(rows) // JIT_SCALE_BLOCK) * stride_ws + kb, mask=k_ok, other=0.0)
+            scale = tl.where(rows // JIT_SCALE_BLOCK == low, scale, high)[:, None]
+    return scale
+
+
+@triton.jit
 def dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, stride_w, rows, row_ok, ws_ptr, stride_ws, K: tl.constexpr,
-             BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, W_SCALES: tl.constexpr):
+             BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, W_SCALES: tl.constexpr,
+             ROW_BLOCKS: tl.constexpr = 0):
     """[BT, BN] fp32: sum over k < K of x[tokens, k] * w[rows, k] (rows `stride_x` / `stride_w` apart, unit K
     stride; masked tokens and rows give 0), products in fp32 accumulated per K lane and summed once at the end.
 
@@ -120,10 +149,13 @@ def dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, stride_w, rows, row_ok, w
     whose length and stride are multiples of 4 are read as 32-bit words, 4 values each (`e4m3_pairs`, 2^-120 of
     their value), multiplied with the x values 4 apart that match each byte lane times X_SHIFT, and the 4 products'
     sum of a word scaled once: by its block scale times SUM_SHIFT, or (row scales) the whole sum by the row's. So
-    the only fp32 work a weight takes is its multiply-add; x's dynamic range on this path is |x| < 2^64."""
+    the only fp32 work a weight takes is its multiply-add; x's dynamic range on this path is |x| < 2^64.
+    ROW_BLOCKS (block scales): how many 128-row scale blocks `rows` fall in, 1 or 2 (a scale or two a piece, from
+    their lowest and highest row), or 0 (any: a scale a row)."""
     SUB: tl.constexpr = JIT_SCALE_BLOCK if W_SCALES == "block" and BK > JIT_SCALE_BLOCK else BK
     WORDS: tl.constexpr = W_SCALES != "" and K % 4 == 0 and stride_w % 4 == 0 and SUB % 4 == 0
     LANES: tl.constexpr = SUB // 4 if WORDS else SUB
+    EVEN_K: tl.constexpr = K % BK == 0  # no chunk runs past K: the loads need only the row / token masks
     acc = tl.zeros((BT, BN, LANES), dtype=tl.float32)
     x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_x
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
@@ -131,27 +163,27 @@ def dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, stride_w, rows, row_ok, w
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
         for sub in tl.static_range(0, BK, SUB):
             if W_SCALES == "block":  # (a piece wholly past K has no scale block: its weights are masked zeros)
-                scale = tl.load(ws_ptr + (rows // JIT_SCALE_BLOCK) * stride_ws + (k0 + sub) // JIT_SCALE_BLOCK,
-                                mask=row_ok & (k0 + sub < K), other=0.0)[:, None]
+                scale = _block_scales(ws_ptr, rows, row_ok, stride_ws, (k0 + sub) // JIT_SCALE_BLOCK,
+                                      EVEN_K or k0 + sub < K, ROW_BLOCKS)
             if WORDS:
-                word = (k0 + sub) // 4 + tl.arange(0, LANES)
-                word_ok = word < K // 4
-                packed = tl.load(w_words + word[None, :], mask=row_ok[:, None] & word_ok[None, :], other=0)
-                lanes = e4m3_pairs(packed)
+                word = tl.multiple_of((k0 + sub) // 4, LANES) + tl.arange(0, LANES)  # 16-byte loads
+                w_ok, x_ok = _k_masks(row_ok, token_ok, word, K // 4, EVEN_K)
+                lanes = e4m3_pairs(tl.load(w_words + word[None, :], mask=w_ok, other=0))
                 x_words = x_rows + 4 * word[None, :]
-                x_ok = token_ok[:, None] & word_ok[None, :]
                 piece = _shifted(x_words, x_ok)[:, None, :] * lanes[0][None, :, :]
                 for lane in tl.static_range(1, 4):
                     piece += _shifted(x_words + lane, x_ok)[:, None, :] * lanes[lane][None, :, :]
-                if W_SCALES == "block":
+                if W_SCALES == "block" and ROW_BLOCKS == 1:
+                    acc += piece * (scale * SUM_SHIFT)
+                elif W_SCALES == "block":
                     acc += piece * (scale * SUM_SHIFT)[None, :, :]
                 else:
                     acc += piece
             else:
                 k = k0 + sub + tl.arange(0, SUB)
-                k_ok = k < K
-                x = tl.load(x_rows + k[None, :], mask=token_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-                w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+                w_ok, x_ok = _k_masks(row_ok, token_ok, k, K, EVEN_K)
+                x = tl.load(x_rows + k[None, :], mask=x_ok, other=0.0).to(tl.float32)
+                w = tl.load(w_rows + k[None, :], mask=w_ok, other=0.0).to(tl.float32)
                 if W_SCALES == "block":
                     w = w * scale
                 acc += x[:, None, :] * w[None, :, :]
@@ -164,15 +196,23 @@ def dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, stride_w, rows, row_ok, w
     return out
 
 
-def fp8_args(fp8: Fp8Scales | None, weight: torch.Tensor, tiles: Tiles) -> tuple[tuple, dict]:
+def fp8_args(fp8: Fp8Scales | None, weight: torch.Tensor, tiles: Tiles, row_blocks: int = 0) -> tuple[tuple, dict]:
     """`dot_rows`' FP8 arguments for `weight` ([..., N, K]) launched with `tiles`: (weight scales, their stride
-    between 128-row blocks) and the W_SCALES constexpr; for a 16-bit weight (`fp8` None) unread placeholders and
-    W_SCALES = ''."""
+    between 128-row blocks) and the W_SCALES and ROW_BLOCKS constexprs (`row_blocks`: how many 128-row scale
+    blocks a program's rows fall in, as `consecutive_row_blocks` says, 0 if unknown); for a 16-bit weight (`fp8`
+    None) unread placeholders and W_SCALES = ''."""
     if fp8 is None:
-        return (weight, 0), {"W_SCALES": ""}
+        return (weight, 0), {"W_SCALES": "", "ROW_BLOCKS": 0}
     check_scheme(fp8.scheme, fp8.input_scale)
     check_scales(weight, fp8.scale, fp8.scheme)
     if fp8.scheme.weight == "block" and tiles.BK < min(SCALE_BLOCK, weight.shape[-1]):
         raise ValueError(f"GEMV tiles {tiles} split the {SCALE_BLOCK}-column scale blocks of an FP8 weight")
-    return (fp8.scale, block_stride(fp8.scale, fp8.scheme)), {"W_SCALES": "block" if fp8.scheme.weight == "block"
-                                                              else "row"}
+    block = fp8.scheme.weight == "block"
+    return (fp8.scale, block_stride(fp8.scale, fp8.scheme)), {"W_SCALES": "block" if block else "row",
+                                                              "ROW_BLOCKS": row_blocks if block else 0}
+
+
+def consecutive_row_blocks(rows: int) -> int:
+    """ROW_BLOCKS of programs that each take `rows` consecutive weight rows from a multiple of `rows`: one 128-row
+    scale block (a power of two up to 128 never straddles two), else unknown (0)."""
+    return 1 if rows <= SCALE_BLOCK else 0

@@ -26,9 +26,9 @@ from hybridserve.core.quant import Fp8Scales
 from hybridserve.ops.norm import ResidualNorm
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.counters import arrival_counters
-from hybridserve.ops.triton.gemv import Tiles, dot_rows, fp8_args, min_chunk, tiles
+from hybridserve.ops.triton.gemv import Tiles, consecutive_row_blocks, dot_rows, fp8_args, min_chunk, tiles
 from hybridserve.ops.triton.norm import epilogue_args, residual_norm_row
-from hybridserve.ops.triton.pdl import wait_for_previous
+from hybridserve.ops.triton.pdl import prefetch_rows, wait_for_previous
 from hybridserve.ops.triton.sizes import cdiv
 
 MAX_TOKENS = 16  # the most tokens the kernel takes (its register tiles)
@@ -46,17 +46,20 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, n, stride_x, stride
                    BK: tl.constexpr, STAGES: tl.constexpr, W_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr,
                    NORM: tl.constexpr, BLOCK: tl.constexpr,
                    HAS_RESIDUAL: tl.constexpr, HAS_UB: tl.constexpr, HAS_US: tl.constexpr, HAS_RB: tl.constexpr,
-                   HAS_RS: tl.constexpr, HAS_SKIP: tl.constexpr, FP32_COPY: tl.constexpr, USE_PDL: tl.constexpr):
+                   HAS_RS: tl.constexpr, HAS_SKIP: tl.constexpr, FP32_COPY: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+                   USE_PDL: tl.constexpr):
     """out = x @ w^T (+ b) for this program's BN columns of every token (W_SCALES: w e4m3, `gemv.dot_rows`); with
     NORM, then the residual norm of every row by the last program (module docstring; its arguments are
     `norm.residual_norm_row`'s)."""
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    row_ok = rows < n
+    if USE_PDL:  # no kernel writes the weights: their stream starts before the wait (ops/triton/pdl.py)
+        prefetch_rows(w_ptr, rows, row_ok, K, K)
     wait_for_previous(USE_PDL)
     tokens = tl.arange(0, BT)
     token_ok = tokens < num_tokens
-    rows = tl.program_id(0) * BN + tl.arange(0, BN)
-    row_ok = rows < n
     acc = dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, K, rows, row_ok, ws_ptr, stride_ws, K, BT, BN, BK,
-                   STAGES, W_SCALES)
+                   STAGES, W_SCALES, ROW_BLOCKS)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + tokens[:, None] * stride_o + rows[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -75,7 +78,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            config: Tiles | None = None, norm: ResidualNorm | None = None, fp8: Fp8Scales | None = None):
     """x [..., K] (at most MAX_TOKENS rows; unit last stride) @ weight [N, K]^T (+ bias [N]) -> [..., N] in x's
     dtype; with `norm`, x [T, K] and `norm` applied to the [T, N] result in the same launch: -> its (x, h, h32).
-    `fp8`: the e4m3 weight's scales and scheme (weight-only). `config` overrides `gemv.tiles`' choice (tests, tuning)."""
+    `fp8`: the e4m3 weight's scales and scheme (weight-only). `config` overrides `gemv.tiles`' choice (tests,
+    tuning)."""
     n, k = weight.shape
     if x.shape[-1] != k or weight.stride(1) != 1 or weight.stride(0) != k:
         raise ValueError(f"linear: x {tuple(x.shape)} and a contiguous weight [N, {x.shape[-1]}] needed; got "
@@ -98,7 +102,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         t = config or tiles(tokens, n, k, min_chunk=min_chunk(fp8))
         if t.BT < tokens:
             raise ValueError(f"linear: tiles {t} take fewer than {tokens} tokens")
-        scales, kinds = fp8_args(fp8, weight, t)
+        scales, kinds = fp8_args(fp8, weight, t, consecutive_row_blocks(t.BN))
         counter = arrival_counters("linear_norm", 1, x.device) if norm is not None else out
         _linear_kernel[(cdiv(n, t.BN),)](
             flat, weight, bias if bias is not None else weight, out, tokens, n, flat.stride(0), out.stride(0),

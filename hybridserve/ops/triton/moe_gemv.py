@@ -36,10 +36,11 @@ from hybridserve.core.quant import Fp8Scales
 from hybridserve.ops.norm import ResidualNorm
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.counters import arrival_counters
-from hybridserve.ops.triton.gemv import Tiles, dot_rows, fp8_args, min_chunk, tiles
+from hybridserve.ops.triton.fp8_quant import SCALE_BLOCK
+from hybridserve.ops.triton.gemv import Tiles, consecutive_row_blocks, dot_rows, fp8_args, min_chunk, tiles
 from hybridserve.ops.triton.moe import expert_shapes
 from hybridserve.ops.triton.norm import epilogue_args, residual_norm_row
-from hybridserve.ops.triton.pdl import wait_for_previous
+from hybridserve.ops.triton.pdl import prefetch_rows, wait_for_previous
 from hybridserve.ops.triton.sizes import cdiv
 
 # The most (token, choice) pairs ops.moe gives this form; beyond, the grouped-GEMM form (`ops.triton.moe`), whose
@@ -59,7 +60,8 @@ def _pair(ids_ptr, weights_ptr, pair, EXPERTS: tl.constexpr):
 @triton.jit
 def _gemv_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, weights_ptr, act_ptr, stride_x, inter, ws_ptr, stride_se,
                          stride_ws, TOP_K: tl.constexpr, EXPERTS: tl.constexpr, H: tl.constexpr, BN: tl.constexpr,
-                         BK: tl.constexpr, STAGES: tl.constexpr, W_SCALES: tl.constexpr, USE_PDL: tl.constexpr):
+                         BK: tl.constexpr, STAGES: tl.constexpr, W_SCALES: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     """act[pair, cols] = SiLU(gate) * up of BN / 2 intermediate columns; w13 rows 2j (gate) and 2j + 1 (up) of the
     tile are column j's (W_SCALES: e4m3 weights with scales `stride_se` apart per expert, `gemv.dot_rows`)."""
     wait_for_previous(USE_PDL)
@@ -71,7 +73,7 @@ def _gemv_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, weights_ptr, act_ptr, stride_x
         one = tl.arange(0, 1)
         dots = dot_rows(x_ptr + (pair // TOP_K).to(tl.int64) * stride_x, 0, one, one == 0,
                         w13_ptr + expert * 2 * inter * H, H, col + (lane % 2) * inter, col < inter,
-                        ws_ptr + expert * stride_se, stride_ws, H, 1, BN, BK, STAGES, W_SCALES)
+                        ws_ptr + expert * stride_se, stride_ws, H, 1, BN, BK, STAGES, W_SCALES, ROW_BLOCKS)
         gate, up = tl.split(tl.reshape(dots, (BN // 2, 2)))
         out = (gate / (1.0 + tl.exp(-gate)) * up).to(act_ptr.dtype.element_ty)  # the grouped form's SiLU(gate)*up
         half = tl.program_id(1) * (BN // 2) + tl.arange(0, BN // 2)
@@ -83,16 +85,20 @@ def _gemv_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, co
                       stride_ws, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0, nw_ptr, x_out_ptr,
                       h_ptr, h32_ptr, width, eps, CHOICES: tl.constexpr, EXPERTS: tl.constexpr, I: tl.constexpr,
                       BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, W_SCALES: tl.constexpr,
-                      NORM: tl.constexpr, BLOCK: tl.constexpr,
+                      ROW_BLOCKS: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
                       HAS_RESIDUAL: tl.constexpr, HAS_UB: tl.constexpr, HAS_US: tl.constexpr, HAS_RB: tl.constexpr,
                       HAS_RS: tl.constexpr, HAS_SKIP: tl.constexpr, FP32_COPY: tl.constexpr, USE_PDL: tl.constexpr):
     """out[row, cols] = the sum over the row's CHOICES pairs, in order, of (act[pair] @ w2[e]^T * weight) rounded
     to out's dtype, summed in fp32 and rounded once (one pair: its weighted row); with NORM, then the row's residual
     norm by its last program (module docstring; the arguments are `norm.residual_norm_row`'s)."""
-    wait_for_previous(USE_PDL)
     row = tl.program_id(0)
     col = tl.program_id(1) * BN + tl.arange(0, BN)
     col_ok = col < hidden
+    if USE_PDL:  # the pairs' experts were chosen two launches back, before the gate/up launch could start: their
+        for choice in tl.static_range(CHOICES):  # weights' stream starts before the wait (ops/triton/pdl.py)
+            expert, _, live = _pair(ids_ptr, weights_ptr, row * CHOICES + choice, EXPERTS)
+            prefetch_rows(w2_ptr + expert * hidden * I, col, col_ok & live, I, I)
+    wait_for_previous(USE_PDL)
     one = tl.arange(0, 1)
     total = tl.zeros([BN], dtype=tl.float32)
     for choice in tl.static_range(CHOICES):
@@ -100,7 +106,8 @@ def _gemv_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, co
         expert, weight, live = _pair(ids_ptr, weights_ptr, pair, EXPERTS)
         if live:
             dots = dot_rows(act_ptr + pair.to(tl.int64) * I, 0, one, one == 0, w2_ptr + expert * hidden * I, I,
-                            col, col_ok, ws_ptr + expert * stride_se, stride_ws, I, 1, BN, BK, STAGES, W_SCALES)
+                            col, col_ok, ws_ptr + expert * stride_se, stride_ws, I, 1, BN, BK, STAGES, W_SCALES,
+                            ROW_BLOCKS)
             total += tl.reshape(dots * weight, (BN,)).to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row.to(tl.int64) * hidden + col, total.to(out_ptr.dtype.element_ty), mask=col_ok)
     if NORM:
@@ -140,6 +147,12 @@ def _expert_scales(scales: tuple) -> tuple:
     return scale, scale.stride(0), stride_ws
 
 
+def _gate_up_row_blocks(inter: int, rows: int) -> int:
+    """`gemv.fp8_args`' ROW_BLOCKS of a gate/up program: its rows pair BN / 2 consecutive gate rows with the up rows
+    `inter` below them, a scale block each where `inter` is a whole number of blocks (else unknown, 0)."""
+    return 2 if inter % SCALE_BLOCK == 0 and rows // 2 <= SCALE_BLOCK else 0
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                   topk_weights: torch.Tensor, reduce: bool = True,
                   config: tuple[Tiles, Tiles] | None = None, norm: ResidualNorm | None = None,
@@ -164,8 +177,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
                                     down_tiles(hidden, inter, down_fp8, top_k))
         if up_tiles.BN < 2 or up_tiles.BT != 1 or down.BT != 1:
             raise ValueError(f"GEMV expert tiles need BT = 1 and at least 2 gate/up rows; got {up_tiles}, {down}")
-        up_scales, up_kinds = fp8_args(up_fp8, w13, up_tiles)
-        down_scales, down_kinds = fp8_args(down_fp8, w2, down)
+        up_scales, up_kinds = fp8_args(up_fp8, w13, up_tiles, _gate_up_row_blocks(inter, up_tiles.BN))
+        down_scales, down_kinds = fp8_args(down_fp8, w2, down, consecutive_row_blocks(down.BN))
         ids = topk_ids.reshape(-1).contiguous()
         weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
         act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)

@@ -28,6 +28,41 @@ def wait_for_previous(USE_PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+PREFETCH_BYTES = tl.constexpr(16 << 10)  # weight bytes a program asks L2 for before it waits (2-8 MB a launch)
+LINE = tl.constexpr(128)  # bytes of an L2 line request
+
+
+@triton.jit
+def _prefetch_l2(ptrs, mask):
+    """Ask L2 for the line of each pointer where `mask` (fire and forget: no register waits on it)."""
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                              "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_rows(w_ptr, rows, row_ok, stride_w, ROW_LENGTH: tl.constexpr):
+    """Ask L2 for the first bytes of each of `rows` of w (rows `stride_w` elements apart, ROW_LENGTH elements
+    long): PREFETCH_BYTES over all of them, at least a line a row."""
+    BN: tl.constexpr = rows.shape[0]
+    SIZE: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+    SPAN: tl.constexpr = _span(ROW_LENGTH * SIZE, PREFETCH_BYTES // BN)
+    LINES: tl.constexpr = _power_of_two_at_least((SPAN + LINE - 1) // LINE)
+    line = tl.arange(0, LINES) * LINE
+    starts = w_ptr.to(tl.pointer_type(tl.int8), bitcast=True) + rows.to(tl.int64) * stride_w * SIZE
+    _prefetch_l2(starts[:, None] + line[None, :], row_ok[:, None] & (line < SPAN)[None, :])
+
+
+@triton.constexpr_function
+def _span(row_bytes: int, share: int) -> int:
+    """Bytes of a row to prefetch: its share of the budget, at least a line, at most the row."""
+    return min(row_bytes, max(LINE.value, share))
+
+
+@triton.constexpr_function
+def _power_of_two_at_least(n: int) -> int:
+    return triton.next_power_of_2(n)
+
+
 @functools.cache
 def _enabled(device: torch.device) -> bool:
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":

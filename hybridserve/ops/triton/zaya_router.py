@@ -42,7 +42,7 @@ from hybridserve.ops.reference.zaya_router import Routing
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.counters import arrival_counters
 from hybridserve.ops.triton.norm import residual_rms_norm
-from hybridserve.ops.triton.pdl import wait_for_previous
+from hybridserve.ops.triton.pdl import prefetch_rows, wait_for_previous
 from hybridserve.ops.triton.sizes import cdiv, next_power_of_2
 
 # The largest decode batch captured in a CUDA graph (and the last tile bucket the launch constants below were sized
@@ -120,11 +120,13 @@ def _dense_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr
     """out[rows, cols] = act(x'[rows] @ w[cols]^T + b[cols]) (+ carry[rows, cols] * scale[cols], with CARRY) for
     this program's BT tokens and BN columns; x' = norm_weight * x * rstd(x) with NORM, act = GELU with GELU.
     With SELECT, the token block's last program to finish then selects its classes from the whole out rows."""
-    wait_for_previous(USE_PDL)
     rows = tl.program_id(1) * BT + tl.arange(0, BT)
     row_ok = rows < num_tokens
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
     col_ok = cols < N
+    if USE_PDL:  # no kernel writes the weights: their stream starts before the wait (ops/triton/pdl.py)
+        prefetch_rows(w_ptr, cols, col_ok, K, K)
+    wait_for_previous(USE_PDL)
     acc, squares = _rows_times_cols(x_ptr, w_ptr, norm_ptr, rows, row_ok, cols, col_ok, K, BT, BN, BK, STAGES, NORM,
                                     False, "")
     if NORM:  # rstd after the product: (x * w_norm) @ W^T * rstd = (w_norm * x * rstd) @ W^T
