@@ -30,9 +30,12 @@ _ALWAYS_ON = {
     "--enable-auto-tool-choice": "tool_choice 'auto' is always available",
     "--enable-prompt-tokens-details": "usage carries prompt_tokens_details.cached_tokens whenever the prefix cache "
                                       "served some of the prompt",
-    "--enable-chunked-prefill": "long prompts are always prefilled in chunks (--chunked-prefill-size)",
+    "--enable-chunked-prefill": "prompts longer than the token budget are always prefilled in chunks "
+                                "(--chunked-prefill-size)",
     "--enable-metrics": "Prometheus /metrics is always served",
 }
+# `hybridserve generate`'s own defaults (greedy, 64 tokens), under the generation config's and the command line's
+_GENERATE_DEFAULTS = {"max_tokens": 64, "temperature": 0.0}
 _SPECULATIVE_FLAGS = {"method": "--speculative-algorithm", "num_speculative_tokens": "--speculative-num-draft-tokens",
                       "prompt_lookup_min": "--speculative-ngram-min-match-window-size",
                       "prompt_lookup_max": "--speculative-ngram-max-match-window-size"}
@@ -152,6 +155,7 @@ def _server_options(args: argparse.Namespace, model_path: str) -> ServerOptions:
 
 
 def _serve(args: argparse.Namespace) -> NoReturn:
+    from hybridserve.generation_config import load_generation_config
     from hybridserve.hub import local_checkpoint
     from hybridserve.server.app import bind_socket, run_server
 
@@ -167,6 +171,7 @@ def _serve(args: argparse.Namespace) -> NoReturn:
 
         run_worker_node(config)
         sys.exit(0)
+    load_generation_config(config.generation_config, config.model)  # a bad --generation-config fails here
     sock = bind_socket(args.host, args.port)  # before the engine starts: a port in use fails at once
     code = run_server(config, options, sock)
     # Nothing is left to clean up: end the process now rather than have the interpreter free the model and the
@@ -182,8 +187,10 @@ def _generate(args: argparse.Namespace) -> int:
 
     kwargs = _engine_kwargs(args)  # a bad option fails before the demo is written or a model fetched
     llm = LLM(_model(args), **kwargs)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.request_seed)
+    given = {name: getattr(args, name) for name in ("max_tokens", "temperature", "top_p", "top_k")
+             if getattr(args, name) is not None}
+    defaults = {**_GENERATE_DEFAULTS, **llm.engine.generation_config.sampling_defaults}
+    params = SamplingParams(**{**defaults, **given}, seed=args.request_seed)
     if args.chat:
         output = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
     else:
@@ -227,10 +234,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_options(gen)
     gen.add_argument("--prompt", required=True, help="the prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
-    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: 64)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default: 1)")
-    gen.add_argument("--top-k", type=int, default=-1, help="sample among the k likeliest tokens (default: -1, off)")
+    model_default = "the generation config's (--generation-config), else"
+    gen.add_argument("--max-tokens", type=int, default=None,
+                     help=f"tokens to generate (default: {model_default} {_GENERATE_DEFAULTS['max_tokens']})")
+    gen.add_argument("--temperature", type=float, default=None,
+                     help=f"0 = greedy (default: {model_default} {_GENERATE_DEFAULTS['temperature']:g})")
+    gen.add_argument("--top-p", type=float, default=None,
+                     help=f"nucleus sampling threshold (default: {model_default} 1)")
+    gen.add_argument("--top-k", type=int, default=None,
+                     help=f"sample among the k likeliest tokens (default: {model_default} -1, off)")
     gen.add_argument("--request-seed", type=int, default=None, help="seed of this request's sampling (default: "
                                                                     "--seed's stream)")
     gen.set_defaults(run=_generate)

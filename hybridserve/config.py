@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridserve.options import option
+from hybridserve.options import option, option_flag
 from hybridserve.sampling import MAX_LOGPROBS
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -14,6 +14,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 KERNEL_BACKENDS = ("auto", "triton", "torch")
 SPECULATIVE_METHODS = ("ngram", "mtp")
 MAX_SPECULATIVE_TOKENS = 16
+NO_CHUNKING = -1  # chunked_prefill_size: a prompt that fits the token budget is prefilled in one step (SGLang's -1)
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,12 @@ class EngineConfig:
                                   default_help="main")
     download_dir: str | None = option(None, "where Hub models are downloaded and looked up (a huggingface_hub "
                                             "cache directory)", default_help="$HF_HUB_CACHE, ~/.cache/huggingface/hub")
+    generation_config: str = option(
+        "auto", "where requests' sampling defaults come from: auto = the model's generation_config.json (its "
+                "temperature, top_p, top_k, min_p, repetition_penalty, and max_new_tokens as max_tokens, for the "
+                "fields a request leaves unset); vllm = the engine's own defaults (the model's end-of-sequence ids "
+                "still apply); DIR = the generation_config.json in DIR instead of the model's",
+        metavar="auto|vllm|DIR")
     dtype: str | torch.dtype = option("auto", "weight and activation dtype (auto: the checkpoint's torch_dtype)",
                                       choices=DTYPES)
     device: str = option("auto", "auto (cuda when available) | cpu | cuda | cuda:N")
@@ -114,8 +121,14 @@ class EngineConfig:
                                          default_help="sized from the cache budget")
     state_to_kv_ratio: float = option(0.9, "state bytes : KV bytes when the cache budget is split (unless "
                                            "--max-state-slots)")
-    chunked_prefill_size: int | None = option(None, "most prompt tokens of one request per step",
-                                              default_help="the token budget, --max-num-batched-tokens")
+    chunked_prefill_size: int | None = option(
+        None, "most prompt tokens of one request per step; -1 (SGLang's): no chunking, a prompt that fits the "
+              "token budget waits for a step with room for all of it instead of being split across steps (a longer "
+              "one is still split at the budget)", default_help="the token budget, --max-num-batched-tokens")
+    max_total_tokens: int | None = option(
+        None, "most tokens the KV cache holds (SGLang's): caps the KV pool of the memory plan; a multiple of "
+              "--page-size, and more than the cache budget holds is an error",
+        default_help="what the cache budget holds")
     enable_prefix_caching: bool = option(True, "reuse KV pages and state checkpoints of shared prefixes",
                                          negation=("--disable-prefix-caching", "--no-enable-prefix-caching",
                                                    "--disable-radix-cache"))
@@ -169,7 +182,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         def fail(name: str, why: str) -> None:
-            raise ValueError(f"invalid engine option {name}={getattr(self, name)!r}: {why}")
+            flag = option_flag(EngineConfig, name)
+            raise ValueError(f"invalid engine option {name}={getattr(self, name)!r} ({flag}): {why}")
 
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             fail("page_size", "must be a power of two")
@@ -185,8 +199,15 @@ class EngineConfig:
             fail("max_state_slots", "must be >= 1")
         if self.state_to_kv_ratio <= 0:
             fail("state_to_kv_ratio", "must be positive")
-        if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
-            fail("chunked_prefill_size", "must be >= 1")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1 \
+                and self.chunked_prefill_size != NO_CHUNKING:
+            fail("chunked_prefill_size", f"must be >= 1, or {NO_CHUNKING} for no chunking")
+        if self.max_total_tokens is not None and (self.max_total_tokens < self.page_size
+                                                  or self.max_total_tokens % self.page_size):
+            fail("max_total_tokens", f"must be a positive multiple of page_size ({self.page_size}): the KV cache "
+                                     "holds whole pages")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            fail("generation_config", "must be auto, vllm or a directory holding generation_config.json")
         if self.state_checkpoint_interval < self.page_size or self.state_checkpoint_interval % self.page_size:
             fail("state_checkpoint_interval", f"must be a positive multiple of page_size ({self.page_size})")
         if self.checkpoint_slots_per_request < 0:

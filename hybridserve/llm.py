@@ -35,6 +35,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() and chat() use when given no SamplingParams: the model's generation-config defaults
+        (`generation_config`: auto, vllm or a directory), else SamplingParams' own."""
+        return self.engine.default_sampling_params()
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | None = None) -> list[RequestOutput]:
@@ -43,7 +48,7 @@ class LLM:
         Every prompt is checked before any is queued, so a bad one (ValueError) leaves nothing behind; an
         interrupted call aborts what it queued."""
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")

@@ -36,6 +36,11 @@ def flags_of(f: dataclasses.Field) -> tuple[str, ...]:
     return f.metadata["flags"] or (f"--{f.name.replace('_', '-')}",)
 
 
+def option_flag(cls: type, name: str) -> str:
+    """The command-line flag of `cls`'s option field `name` (its first), for errors that name what the user typed."""
+    return flags_of(next(f for f in option_fields(cls) if f.name == name))[0]
+
+
 def _value_type(annotation: Any) -> type:
     """The type an option parses to: its annotation's first member other than None (`int | None` -> int, `str |
     torch.dtype` -> str)."""

@@ -6,6 +6,7 @@ keep one request's cost per step small (stop strings and stop ids are checked af
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 
 from hybridserve.outputs import RequestOutputKind
@@ -35,6 +36,16 @@ class SamplingParamError(ValueError):
 
     def __reduce__(self):  # pickled from the engine's process to the server's with its fields
         return type(self), (self.param, self.value, self.why)
+
+
+def out_of_vocabulary(token_ids: Iterable[int], vocab_size: int) -> str | None:
+    """Why some of `token_ids` are not the model's, None when all are. Worded as vLLM words it ("Token id N is out
+    of vocabulary", N the largest), since vLLM's clients and tests match that phrase, plus the valid range."""
+    bad = sorted({t for t in token_ids if not 0 <= t < vocab_size})
+    if not bad:
+        return None
+    more = f" (outside it: {bad[:5]}{' ...' if len(bad) > 5 else ''})" if len(bad) > 1 else ""
+    return f"Token id {bad[-1]} is out of vocabulary: token ids must be in [0, {vocab_size}){more}"
 
 
 def _is_int(value, low: int = INT64_MIN, high: int = INT64_MAX) -> bool:
@@ -149,10 +160,9 @@ class SamplingParams:
         """The model-dependent checks: stop ids are tokens the model has, and min_tokens leaves one token it may
         sample (it bans the stop ids and EOS until then)."""
         for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
-            bad = sorted(t for t in getattr(self, name) if t >= vocab_size)
-            if bad:
-                raise SamplingParamError(name, getattr(self, name),
-                                         f"ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+            why = out_of_vocabulary(getattr(self, name), vocab_size)
+            if why is not None:
+                raise SamplingParamError(name, getattr(self, name), why)
         banned = set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))
         if self.min_tokens and len(banned) >= vocab_size:
             raise SamplingParamError("min_tokens", self.min_tokens,

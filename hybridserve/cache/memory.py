@@ -16,6 +16,9 @@ the same way), so more window pages than full pages are never useful: the window
 F is what the full group gets from the rest, and the full group gets all the rest, bought at its own bytes per
 token (F = (KV - window pages * window page bytes) // full page bytes). The prefix cache keeps window pages in the
 window group's free room and loses them (least recently used first) when running requests need it.
+
+`max_total_tokens` (SGLang's --max-total-tokens) caps the full group's tokens (and the window group's pages at as
+many); the bytes above the cap stay unused, and a cap above what the budget holds is an error.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ class MemoryPlan:
     num_window_pages: int = 0  # usable pages of the window group (sliding layers; a dummy page comes on top)
     window_page_bytes: int = 0
     min_window_pages: int = 0  # what the running requests may need of them at once
+    max_total_tokens: int | None = None  # the cap on the full group's tokens that set num_pages, if any
 
     @property
     def kv_bytes(self) -> int:
@@ -55,8 +59,9 @@ class MemoryPlan:
             window = (f" (full layers {_size(self.num_pages * self.page_bytes)}, sliding-window layers "
                       f"{_size(self.num_window_pages * self.window_page_bytes)} = {self.num_window_pages} pages: "
                       f"the running requests' windows and one step need at most {self.min_window_pages})")
+        cap = ", capped by --max-total-tokens" if self.max_total_tokens is not None else ""
         return (f"cache budget {_size(self.budget_bytes)}: KV {_size(self.kv_bytes)} = "
-                f"{self.num_pages * page_size} tokens ({self.num_pages} pages of {page_size}){window} | state "
+                f"{self.num_pages * page_size} tokens ({self.num_pages} pages of {page_size}{cap}){window} | state "
                 f"{_size(self.state_bytes)} = {self.num_state_slots} slots of {_size(self.slot_bytes)}{speculative}"
                 f" | max running requests {self.max_running_requests}")
 
@@ -77,11 +82,12 @@ def plan_memory(budget_bytes: int, page_bytes: int, slot_bytes: int, *, max_runn
                 state_to_kv_ratio: float = 0.9, slots_per_request: int = 1, num_speculative_tokens: int = 0,
                 max_state_slots: int | None = None, slots_hold_checkpoints: bool = False,
                 window_page_bytes: int = 0, sliding_window: int | None = None, page_size: int = 1,
-                max_num_batched_tokens: int = 0) -> MemoryPlan:
+                max_num_batched_tokens: int = 0, max_total_tokens: int | None = None) -> MemoryPlan:
     """Solve the split; raise ValueError naming the knob to change when the configuration cannot work.
 
     With `window_page_bytes` (a window group for sliding-window layers of `sliding_window` keys) the KV bytes are
-    split between the groups as the module docstring says."""
+    split between the groups as the module docstring says. `max_total_tokens` (a multiple of `page_size`) caps the
+    full group's tokens; the bytes it leaves stay unused."""
     rho, draft = slots_per_request, num_speculative_tokens
     if budget_bytes <= 0:
         raise ValueError("no memory is left for the caches after the weights and activations; raise "
@@ -108,16 +114,30 @@ def plan_memory(budget_bytes: int, page_bytes: int, slot_bytes: int, *, max_runn
     plan = MemoryPlan(budget_bytes=budget_bytes, num_pages=int(kv_bytes // page_bytes), num_state_slots=slots,
                       max_running_requests=running, intermediate_bytes=intermediate, page_bytes=page_bytes,
                       slot_bytes=slot_bytes)
-    if not window_page_bytes:
-        return plan
-    reserved = min_window_pages(running, sliding_window, page_size, max_num_batched_tokens)
-    pages = int((kv_bytes - reserved * window_page_bytes) // page_bytes)
-    window = reserved
-    if pages < reserved:  # fewer full pages than that: one window page per full page is all the group can use
-        pages = window = int(kv_bytes // (page_bytes + window_page_bytes))
-    if pages < 1:
-        raise ValueError(f"{_size(kv_bytes)} of KV memory cannot hold one page of the full layers and one of the "
-                         "sliding-window layers; raise the memory budget (gpu_memory_utilization / "
-                         "kv_cache_memory_bytes) or lower max_state_slots / state_to_kv_ratio")
-    return dataclasses.replace(plan, num_pages=pages, num_window_pages=window,
-                               window_page_bytes=window_page_bytes, min_window_pages=reserved)
+    if window_page_bytes:
+        reserved = min_window_pages(running, sliding_window, page_size, max_num_batched_tokens)
+        pages = int((kv_bytes - reserved * window_page_bytes) // page_bytes)
+        window = reserved
+        if pages < reserved:  # fewer full pages than that: one window page per full page is all the group can use
+            pages = window = int(kv_bytes // (page_bytes + window_page_bytes))
+        if pages < 1:
+            raise ValueError(f"{_size(kv_bytes)} of KV memory cannot hold one page of the full layers and one of "
+                             "the sliding-window layers; raise the memory budget (gpu_memory_utilization / "
+                             "kv_cache_memory_bytes) or lower max_state_slots / state_to_kv_ratio")
+        plan = dataclasses.replace(plan, num_pages=pages, num_window_pages=window,
+                                   window_page_bytes=window_page_bytes, min_window_pages=reserved)
+    return plan if max_total_tokens is None else _capped(plan, max_total_tokens, page_size)
+
+
+def _capped(plan: MemoryPlan, max_total_tokens: int, page_size: int) -> MemoryPlan:
+    """`plan` with its full group cut to `max_total_tokens` (SGLang's --max-total-tokens), and the window group to
+    no more pages than that (more are never useful); a cap above what the budget holds cannot be honoured, so it is
+    refused rather than lowered."""
+    pages = max_total_tokens // page_size
+    if pages > plan.num_pages:
+        raise ValueError(f"max_total_tokens={max_total_tokens} (--max-total-tokens): the cache budget holds only "
+                         f"{plan.num_pages * page_size} KV tokens ({plan.describe(page_size)}); lower it, or raise "
+                         "the memory budget (gpu_memory_utilization / kv_cache_memory_bytes) or lower "
+                         "max_state_slots / state_to_kv_ratio")
+    return dataclasses.replace(plan, num_pages=pages, num_window_pages=min(plan.num_window_pages, pages),
+                               max_total_tokens=max_total_tokens)

@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import random
 import time
-from pathlib import Path
 
 from hybridserve.checkpoint import read_config
 from hybridserve.config import EngineConfig
@@ -16,12 +14,13 @@ from hybridserve.engine.drafts import DraftSource, Speculation, draft_source
 from hybridserve.engine.output_processor import Group, OutputProcessor
 from hybridserve.engine.request import Request
 from hybridserve.engine.scheduler import ScheduledStep, Scheduler
+from hybridserve.generation_config import load_generation_config
 from hybridserve.models.registry import check_speculative, check_tensor_parallel
 from hybridserve.ops.backends import any_triton
 from hybridserve.outputs import RequestOutput
 from hybridserve.runtime.model_runner import ModelRunner, StepHandle
 from hybridserve.runtime.tensor_parallel import rank_config, start_workers, stop_workers
-from hybridserve.sampling import SamplingParams
+from hybridserve.sampling import SamplingParams, out_of_vocabulary
 from hybridserve.spec.verify import accepted_length
 from hybridserve.structured.bitmask import TokenMask
 from hybridserve.structured.compiler import shared_compiler
@@ -37,6 +36,8 @@ class LLMEngine:
         model_dir = config.model
         self.model_dir = model_dir
         raw = read_config(model_dir, config.hf_overrides)
+        # Read before the weights load: a bad --generation-config fails at once.
+        self.generation_config = load_generation_config(config.generation_config, model_dir)
         check_tensor_parallel(raw, config.tensor_parallel_size)
         check_speculative(raw, config.speculative_config)
         self.model_type: str = raw["model_type"]
@@ -45,7 +46,10 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.tokenizer or model_dir)
         self.model_config = self.runner.model_config
         self.vocab_size = self.model_config.vocab_size
-        self.eos_token_ids = self._eos_token_ids(model_dir)
+        self.eos_token_ids = self._eos_token_ids()
+        if self.generation_config.sampling_defaults:
+            logger.info("sampling defaults from %s: %s (for the fields a request leaves unset; --generation-config "
+                        "vllm ignores them)", self.generation_config.source, self.generation_config.describe())
         # Structured output: compiled once per spec, shared with the server (which compiles before queueing).
         self.grammars = shared_compiler(config.tokenizer or model_dir, self.vocab_size, sorted(self.eos_token_ids))
         plan = self.runner.memory_plan
@@ -88,12 +92,9 @@ class LLMEngine:
             self.workers, self.runner.channel = [], None
 
     # --- setup helpers ---------------------------------------------------------------------------------------
-    def _eos_token_ids(self, model_dir: str) -> frozenset[int]:
-        ids = set(self.model_config.eos_token_ids)
-        generation = Path(model_dir) / "generation_config.json"
-        if generation.is_file():
-            eos = json.loads(generation.read_text()).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    def _eos_token_ids(self) -> frozenset[int]:
+        """The ids that end a sequence: config.json's, the generation config's and the tokenizer's."""
+        ids = set(self.model_config.eos_token_ids) | set(self.generation_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return frozenset(i for i in ids if 0 <= i < self.vocab_size)  # ids the model cannot emit never stop it
@@ -102,12 +103,19 @@ class LLMEngine:
         limit = self.model_config.max_position_embeddings
         if self.config.max_model_len is not None:
             if self.config.max_model_len > kv_tokens:
+                more = "raise max_total_tokens" if self.config.max_total_tokens is not None else \
+                    "give the cache more memory"
                 raise ValueError(f"max_model_len={self.config.max_model_len} exceeds the {kv_tokens} tokens the KV "
-                                 "cache can hold; lower max_model_len or give the cache more memory")
+                                 f"cache can hold; lower max_model_len or {more}")
             return self.config.max_model_len
         if kv_tokens < limit:
             logger.info("max_model_len lowered from %d to the KV cache capacity %d", limit, kv_tokens)
         return min(limit, kv_tokens)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the generation config's defaults (--generation-config), for requests that bring
+        none."""
+        return SamplingParams(**self.generation_config.sampling_defaults)
 
     # --- requests --------------------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -136,9 +144,12 @@ class LLMEngine:
     def validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("the prompt is empty; give at least one token")
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        others = [t for t in token_ids if not isinstance(t, int)]
+        if others:
+            raise ValueError(f"prompt token ids must be integers, not {others[:5]}")
+        why = out_of_vocabulary(token_ids, self.vocab_size)
+        if why is not None:
+            raise ValueError(why)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens but the context length is "
                              f"{self.max_model_len}; shorten the prompt")

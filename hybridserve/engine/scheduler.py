@@ -6,7 +6,9 @@ requests in arrival order while the token budget, the running-request cap, pages
 and decode rows share one forward. A chunk never crosses a state-snapshot position (sparse checkpoints: the end of
 the prompt's last whole page, every `checkpoint_interval` tokens and branch points), so a snapshot is simply the
 working state at a chunk end. When a running request's pages run out (after eviction), the most recently admitted
-running request is preempted (everything it holds is freed and it is recomputed later).
+running request is preempted (everything it holds is freed and it is recomputed later). With no chunking
+(chunked_prefill_size -1, SGLang's) a prompt that fits the token budget starts only in a step with room for all of
+it.
 
 Speculative decoding (`speculation`): a running request's decode row also carries the drafts its draft source
 proposes (a verify row: its last drawn token, then up to k drafts, with a draw at every position; the row's
@@ -19,6 +21,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from hybridserve.config import NO_CHUNKING
 from hybridserve.core.chunk import FUTURE_TOKEN, ScheduledChunk
 from hybridserve.core.step import PromptLogprobTargets, SamplingRow, StepPlan
 from hybridserve.engine.cache_manager import HybridCacheManager, StepCache
@@ -44,11 +47,13 @@ class Scheduler:
     def __init__(self, cache: HybridCacheManager, token_budget: int, chunked_prefill_size: int | None = None,
                  checkpoint_interval: int | None = None, max_model_len: int | None = None,
                  speculation: Speculation | None = None):
-        """`token_budget`: tokens per step (max_num_batched_tokens); at most `cache.num_rows` requests run."""
+        """`token_budget`: tokens per step (max_num_batched_tokens); at most `cache.num_rows` requests run.
+        `chunked_prefill_size`: the most prompt tokens of a request per step (None: the budget), or NO_CHUNKING."""
         self.cache = cache
         self.max_running = cache.num_rows
         self.token_budget = token_budget
-        self.chunk_cap = chunked_prefill_size or token_budget
+        self.whole_prompts = chunked_prefill_size == NO_CHUNKING
+        self.chunk_cap = token_budget if chunked_prefill_size in (None, NO_CHUNKING) else chunked_prefill_size
         self.scoring_per_step = PROMPT_LOGPROB_TOKENS_PER_STEP
         self.checkpoint_interval = checkpoint_interval
         self.max_model_len = max_model_len if max_model_len is not None else float("inf")
@@ -184,13 +189,20 @@ class Scheduler:
     def _admit(self, step: ScheduledStep, request: Request, budget: int) -> bool:
         """Admit the first waiting request if the cache can hold it (never by preemption). A request preempted with
         a token in flight waits until that token is on the host (its prefix is matched by value)."""
-        if request.num_pending or self._chunk_length(request, budget, step) == 0:
+        if request.num_pending or self._chunk_length(request, budget, step) == 0 or not self._fits(request, budget):
             return False
         if not self.cache.admit(request, lambda r: self._chunk_length(r, budget, step)):
             return False
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         return True
+
+    def _fits(self, request: Request, budget: int) -> bool:
+        """Whether this step may start the request's prompt: always, unless there is no chunking (NO_CHUNKING), where
+        a prompt that fits the token budget waits for a step with room for all of it (one longer than the budget is
+        split at the budget all the same). It waits at the head of the queue, so it is not passed over for ever."""
+        rest = request.num_tokens - request.num_computed_tokens
+        return not self.whole_prompts or rest <= budget or rest > self.token_budget
 
     def _add_chunk(self, step: ScheduledStep, request: Request, count: int, budget: int,
                    drafts: list[int] | None = None) -> int:

@@ -122,7 +122,7 @@ class ModelRunner:
             slots_hold_checkpoints=self.sparse_checkpoints,
             window_page_bytes=window_spec.bytes_per_token() * config.page_size if window_spec else 0,
             sliding_window=self.sliding_window, page_size=config.page_size,
-            max_num_batched_tokens=config.max_num_batched_tokens)
+            max_num_batched_tokens=config.max_num_batched_tokens, max_total_tokens=config.max_total_tokens)
         logger.info("memory plan: %s", self.memory.describe(config.page_size))
         self.kv_pool = KVPool(full_spec, self.memory.num_pages + 1, config.page_size, self.device)
         self.window_pool = KVPool(window_spec, self.memory.num_window_pages + 1, config.page_size, self.device) \

@@ -30,7 +30,7 @@ from pydantic import ValidationError
 
 from hybridserve.config import EngineConfig
 from hybridserve.engine.stats_log import StatsLine
-from hybridserve.sampling import SamplingParams
+from hybridserve.sampling import SamplingParams, out_of_vocabulary
 from hybridserve.server.async_engine import AsyncEngine
 from hybridserve.server.replicas import ReplicaSet
 from hybridserve.server.chat import create_chat_completion
@@ -235,9 +235,9 @@ def build_app(state: ServerState, on_fatal: Callable[[], None], url: str = "") -
     async def detokenize(body: DetokenizeRequest) -> dict:
         info = state.model(body.model)
         warn_unknown("/detokenize", body.check_supported())
-        bad = [token for token in body.tokens if token >= info.vocab_size]
-        if bad:  # the ids a prompt may hold: the model's vocabulary (ids past the tokenizer's decode to "")
-            raise APIError(f"token ids {bad[:5]} are outside the vocabulary [0, {info.vocab_size})", param="tokens")
+        why = out_of_vocabulary(body.tokens, info.vocab_size)
+        if why is not None:  # the ids a prompt may hold: the model's vocabulary (ids past the tokenizer's decode to "")
+            raise APIError(why, param="tokens")
         return {"prompt": await state.prompts.run(info.tokenizer.decode, body.tokens)}
 
     @app.get("/tokenizer_info", response_model=None, responses=responses(TokenizerInfo, 401, 503))
@@ -282,6 +282,14 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def uvicorn_config(app: FastAPI, options: ServerOptions) -> uvicorn.Config:
+    """uvicorn's settings: our logging (log_config=None keeps the root logger's format), at uvicorn's own level
+    (--uvicorn-log-level), and a graceful-shutdown bound past our drain's grace period."""
+    return uvicorn.Config(app, log_config=None, log_level=options.uvicorn_log_level,
+                          timeout_graceful_shutdown=options.shutdown_grace_s + 1,
+                          access_log=not options.disable_uvicorn_access_log)
+
+
 def run_server(config: EngineConfig, options: ServerOptions, sock: socket.socket) -> int:
     """Serve until interrupted; 0 after a clean shutdown, 1 if the engine could not start or failed."""
     engine = AsyncEngine(config, chat_template=options.chat_template) if options.data_parallel_size == 1 else \
@@ -295,8 +303,7 @@ def run_server(config: EngineConfig, options: ServerOptions, sock: socket.socket
 
     app = build_app(state, on_fatal, url)
     logging.getLogger("uvicorn.access").addFilter(_QuietProbes())
-    server = _Server(uvicorn.Config(app, log_config=None, timeout_graceful_shutdown=options.shutdown_grace_s + 1,
-                                    access_log=not options.disable_uvicorn_access_log), state.begin_shutdown)
+    server = _Server(uvicorn_config(app, options), state.begin_shutdown)
     # uvicorn re-raises a caught signal once it is done; with these no-op handlers in place then, a clean shutdown
     # ends here instead of in a KeyboardInterrupt traceback or a kill by SIGTERM.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}

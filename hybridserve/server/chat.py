@@ -118,7 +118,7 @@ class _ChatView:
 async def create_chat_completion(server: ServerState, body: ChatCompletionRequest, http: Request) -> Response:
     info = server.model(body.model)
     warn_unknown("/v1/chat/completions", body.check_supported())
-    params = body.to_sampling_params()
+    params = body.to_sampling_params(info.sampling_defaults)
     server.check_limits(1, params, body.field_names)
     tools = select_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
     options = body.template_options(server.options.trust_request_chat_template, body.messages)

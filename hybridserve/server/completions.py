@@ -73,7 +73,7 @@ class _CompletionView:
 async def create_completion(server: ServerState, body: CompletionRequest, http: Request) -> Response:
     info = server.model(body.model)
     warn_unknown("/v1/completions", body.check_supported())
-    params = body.to_sampling_params()
+    params = body.to_sampling_params(info.sampling_defaults)
     await server.compile_grammar(params, body.structured_field)
     server.check_limits(count_prompts(body.prompt), params)
     prompts = await server.prompts.run(completion_prompts, info.tokenizer, body.prompt,

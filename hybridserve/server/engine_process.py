@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import Any
 
 from hybridserve.config import EngineConfig
 from hybridserve.engine.engine import LLMEngine
@@ -49,6 +50,8 @@ class EngineDescription:
     tokenizer_path: str
     eos_token_ids: tuple[int, ...]
     max_logprobs: int  # the most logprobs per token a request may ask for
+    # SamplingParams field -> default for requests that leave it unset (the generation config, --generation-config)
+    sampling_defaults: dict[str, Any]
 
 
 class _Stop(BaseException):
@@ -90,7 +93,7 @@ def serve(config: EngineConfig, factory: Callable[[EngineConfig], LLMEngine], co
 def describe(engine: LLMEngine, config: EngineConfig) -> EngineDescription:
     return EngineDescription(engine.model_dir, engine.model_type, engine.max_model_len, engine.vocab_size,
                              config.tokenizer or engine.model_dir, tuple(sorted(engine.eos_token_ids)),
-                             config.max_logprobs)
+                             config.max_logprobs, dict(engine.generation_config.sampling_defaults))
 
 
 def _loop(engine: LLMEngine, commands: Connection, events: Connection) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -292,11 +293,12 @@ class SamplingFields(_Request):
         except StructuredOutputError as err:
             raise structured_output_error(err, field) from None
 
-    def sampling_params(self, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
-                        names: dict[str, str] | None = None) -> SamplingParams:
-        """The engine's SamplingParams; fields left null take SamplingParams' defaults. `names` maps a
-        SamplingParams name to the request field it came from (for the error)."""
-        given = {name: getattr(self, name) for name in self.SAMPLING_FIELDS if getattr(self, name) is not None}
+    def sampling_params(self, defaults: Mapping[str, Any], *, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None, names: dict[str, str] | None = None) -> SamplingParams:
+        """The engine's SamplingParams; fields left null take the model's `defaults` (the generation config), else
+        SamplingParams' own. `names` maps a SamplingParams name to the request field it came from (for the
+        error)."""
+        given = sampling_fields(self, self.SAMPLING_FIELDS, defaults)
         try:
             return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                                   structured_output=self.structured_output(), logit_bias=self._token_biases(),
@@ -313,6 +315,14 @@ class SamplingFields(_Request):
             raise APIError(f"invalid value for 'logit_bias': its keys must be token ids (digits), not {bad[:3]}",
                            param="logit_bias")
         return {int(key): value for key, value in bias.items()}
+
+
+def sampling_fields(body: BaseModel, names: tuple[str, ...], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The sampling fields `body` sets, over the model's `defaults` (--generation-config) for those it leaves null.
+    max_tokens is not taken from the defaults here: `ServerState.default_max_tokens` gives it to requests without
+    one, after the route's own default (completions' 16)."""
+    given = {name: getattr(body, name) for name in names if getattr(body, name) is not None}
+    return {**{name: value for name, value in defaults.items() if name != "max_tokens"}, **given}
 
 
 def structured_output_error(err: StructuredOutputError, field: str) -> APIError:
@@ -345,10 +355,10 @@ class CompletionRequest(SamplingFields):
             raise APIError("prompt_logprobs is not available with stream: true", param="prompt_logprobs")
         return super().check_supported()
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: Mapping[str, Any]) -> SamplingParams:
         prompt_logprobs = self.prompt_logprobs if self.prompt_logprobs is not None else \
             self.logprobs if self.echo else None
-        return self.sampling_params(max_tokens=self.max_tokens, logprobs=self.logprobs,
+        return self.sampling_params(defaults, max_tokens=self.max_tokens, logprobs=self.logprobs,
                                     prompt_logprobs=prompt_logprobs)
 
 
@@ -568,9 +578,10 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
         """SamplingParams names -> this request's own fields (errors name the request's)."""
         return {"logprobs": "top_logprobs", "max_tokens": self.max_tokens_param}
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: Mapping[str, Any]) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.sampling_params(max_tokens=max_tokens, logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+        return self.sampling_params(defaults, max_tokens=max_tokens,
+                                    logprobs=(self.top_logprobs or 0) if self.logprobs else None,
                                     prompt_logprobs=self.prompt_logprobs, names=self.field_names)
 
 

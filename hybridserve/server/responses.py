@@ -185,7 +185,7 @@ async def create_response(server: ServerState, body: ResponsesRequest, http: Req
     options = {"add_generation_prompt": True}
     messages = apply_effort(body.effort, "reasoning.effort", info.tokenizer.chat_template, info.model_type,
                             body.messages(earlier), options)
-    params = body.sampling_params()
+    params = body.sampling_params(info.sampling_defaults)
     tools = select_tools(*body.chat_tools(), body.parallel_tool_calls)
     prompt, params, parsing = await tools.prepare_chat(
         server, info.tokenizer, info.max_model_len, messages, params, options, False, "text",

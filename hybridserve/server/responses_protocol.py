@@ -9,6 +9,7 @@ refused by the schema.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, Discriminator, Field, Tag, TypeAdapter, ValidationError
@@ -36,6 +37,7 @@ from hybridserve.server.protocol import (
     _one_of,
     _Request,
     invalid_field,
+    sampling_fields,
     structured_output_error,
 )
 from hybridserve.structured import StructuredOutputError, StructuredOutputParams
@@ -226,8 +228,9 @@ class ResponsesRequest(_Request):
         except StructuredOutputError as err:
             raise structured_output_error(err, "text") from None
 
-    def sampling_params(self) -> SamplingParams:
-        given = {name: getattr(self, name) for name in self.SAMPLING_FIELDS if getattr(self, name) is not None}
+    def sampling_params(self, defaults: Mapping[str, Any]) -> SamplingParams:
+        """The engine's SamplingParams; fields left null take the model's `defaults` (the generation config)."""
+        given = sampling_fields(self, self.SAMPLING_FIELDS, defaults)
         try:
             return SamplingParams(max_tokens=self.max_output_tokens, structured_output=self.structured_output(),
                                   **given)

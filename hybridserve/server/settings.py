@@ -9,6 +9,8 @@ from hybridserve.parsers import REASONING_FORMATS, TOOL_FORMATS, reasoning_forma
 
 MiB = 1 << 20
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+UVICORN_LOG_LEVELS = (*LOG_LEVELS, "trace")  # uvicorn's own, trace below debug
+FALLBACK_MAX_TOKENS = 4096  # requests' max_tokens when neither --default-max-tokens nor the model gives one
 
 
 @dataclass(frozen=True)
@@ -24,8 +26,10 @@ class ServerOptions:
     max_request_body_bytes: int = option(4 * MiB, "larger request bodies get a 413 before they are read",
                                          default_help="4 MiB")
     max_n: int = option(256, "most sequences (prompts x n) one request may ask for")
-    default_max_tokens: int = option(4096, "tokens generated for requests that set no max_tokens (chat) or "
-                                           "max_tokens: null; generation also stops at the end of the context")
+    default_max_tokens: int | None = option(
+        None, "tokens generated for requests that set no max_tokens (chat) or max_tokens: null; generation also "
+              "stops at the end of the context",
+        default_help=f"the generation config's max_new_tokens (--generation-config), else {FALLBACK_MAX_TOKENS}")
     trust_request_chat_template: bool = option(False, "accept chat_template in requests (it runs as code on the "
                                                       "server)")
     data_parallel_size: int = option(1, "independent engine replicas behind this server (each with --tp ranks of "
@@ -45,6 +49,9 @@ class ServerOptions:
     log_requests: bool = option(False, "log a line when each API call arrives (its id, route, prompt size and "
                                        "sampling parameters) and when it ends (tokens, finish reasons, time)",
                                 flags=("--enable-log-requests",), negation=("--disable-log-requests",))
+    uvicorn_log_level: str = option("info", "uvicorn's own log level (vLLM's option; --log-level sets "
+                                            "hybridserve's): warning and above also drop its access-log lines, "
+                                            "which it logs at info", choices=UVICORN_LOG_LEVELS)
     disable_uvicorn_access_log: bool = option(False, "no access-log line per HTTP request (polls of GET /health, "
                                                      "/ping and /metrics are never logged)")
     log_stats_interval_s: float = option(10.0, "seconds between the stats lines logged while the server is busy "
@@ -59,8 +66,11 @@ class ServerOptions:
             raise ValueError(f"--dp {self.data_parallel_size}: at least one replica is needed")
         for flag, value in (("--max-request-body-bytes", self.max_request_body_bytes), ("--max-n", self.max_n),
                             ("--default-max-tokens", self.default_max_tokens)):
-            if value < 1:
+            if value is not None and value < 1:
                 raise ValueError(f"{flag} must be >= 1")
+        if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
+            raise ValueError(f"--uvicorn-log-level {self.uvicorn_log_level!r}: must be one of "
+                             f"{', '.join(UVICORN_LOG_LEVELS)}")
         if self.tool_call_parser is not None:
             tool_format(self.tool_call_parser)
         if self.reasoning_parser is not None:

@@ -15,7 +15,7 @@ from hybridserve.server.errors import APIError, not_ready, shutting_down
 from hybridserve.server.metrics import ServerMetrics
 from hybridserve.server.prompts import PromptWorker
 from hybridserve.server.response_store import ResponseStore
-from hybridserve.server.settings import ServerOptions
+from hybridserve.server.settings import FALLBACK_MAX_TOKENS, ServerOptions
 from hybridserve.server.protocol import invalid_field, structured_output_error
 from hybridserve.structured import StructuredOutputError
 
@@ -90,11 +90,14 @@ class ServerState:
             raise invalid_field(err, names) from None
 
     def default_max_tokens(self, params: SamplingParams) -> SamplingParams:
-        """Requests without max_tokens get the server's default (the engine still stops at the context's end)."""
+        """Requests without max_tokens get --default-max-tokens, else the generation config's max_new_tokens, else
+        FALLBACK_MAX_TOKENS (the engine still stops at the context's end)."""
         if params.max_tokens is not None:
             return params
+        limit = self.options.default_max_tokens or self.info().sampling_defaults.get("max_tokens") or \
+            FALLBACK_MAX_TOKENS
         try:
-            return replace(params, max_tokens=self.options.default_max_tokens)
+            return replace(params, max_tokens=limit)
         except SamplingParamError as err:  # min_tokens above the default
             raise invalid_field(err) from None
 

@@ -139,7 +139,7 @@ def test_text_prompts_and_chat():
 
 @pytest.mark.parametrize("prompt, message", [
     ({"prompt_token_ids": []}, "prompt is empty"),
-    ({"prompt_token_ids": [5, 128]}, "outside the vocabulary"),
+    ({"prompt_token_ids": [5, 128]}, r"Token id 128 is out of vocabulary: token ids must be in \[0, 128\)"),
     ({"prompt_token_ids": [1] * 2000}, "context length"),
 ])
 def test_bad_prompts_raise_clear_errors(llm, prompt, message):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hybridserve import SamplingParams
-from hybridserve.config import EngineConfig
+from hybridserve.config import NO_CHUNKING, EngineConfig
 from hybridserve.engine.engine import LLMEngine
 from hybridserve.engine.scheduler import Scheduler
 
@@ -128,7 +128,7 @@ def _final_states(engine: LLMEngine, monkeypatch) -> dict[str, list[torch.Tensor
     return states
 
 
-@pytest.mark.parametrize("chunk", [PAGE, 3 * PAGE, 1000])
+@pytest.mark.parametrize("chunk", [PAGE, 3 * PAGE, 1000, NO_CHUNKING])
 def test_chunked_prefill_sizes_give_identical_outputs_and_states(model, chunk, monkeypatch):
     kind, directory = model
     prompts = _random_prompts(5, seed=7, low=9, high=33)
@@ -137,7 +137,9 @@ def test_chunked_prefill_sizes_give_identical_outputs_and_states(model, chunk, m
     want_states = _final_states(baseline, monkeypatch)
     want = _tokens(_run(baseline, prompts, params))
     monkeypatch.undo()
-    engine = _engine(directory, enable_prefix_caching=False, chunked_prefill_size=chunk)
+    # No chunking on a budget of 40 tokens: prompts wait for a step with room for all of their 9..33 tokens
+    budget = {"max_num_batched_tokens": 40} if chunk == NO_CHUNKING else {}
+    engine = _engine(directory, enable_prefix_caching=False, chunked_prefill_size=chunk, **budget)
     got_states = _final_states(engine, monkeypatch)
     assert _tokens(_run(engine, prompts, params)) == want
     assert got_states.keys() == want_states.keys()

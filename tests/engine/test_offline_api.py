@@ -2,6 +2,7 @@
 queues any, an interrupted generate() leaves nothing behind, and tqdm progress can be silenced."""
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -26,7 +27,7 @@ def test_the_readme_example_runs_as_written(capsys):
 
 def test_generate_checks_every_prompt_before_queueing_any(llm):
     params = SamplingParams(max_tokens=2, ignore_eos=True)
-    with pytest.raises(ValueError, match=r"prompt 2: prompt token ids \[1000000\] are outside the vocabulary"):
+    with pytest.raises(ValueError, match=r"prompt 2: Token id 1000000 is out of vocabulary"):
         llm.generate([{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3]}, {"prompt_token_ids": [1000000]}],
                      params)
     with pytest.raises(ValueError, match=r"prompt 1: invalid sampling parameter stop_token_ids"):
@@ -61,3 +62,17 @@ def test_progress_bars_show_unless_silenced(llm, zaya_dir, capsys):
     assert "generating" not in silent and "loading weights" not in silent
     LLM(str(zaya_dir), device="cpu", dtype="float32")
     assert "loading weights: 100%" in capsys.readouterr().err
+
+
+def test_generate_without_params_takes_the_generation_configs_defaults(llm, zaya_dir, tmp_path):
+    """vLLM's generation_config: LLM.generate() with no SamplingParams samples as the chosen generation config says
+    (here a directory's: greedy, 3 tokens); a model without one gets SamplingParams' defaults."""
+    assert llm.get_default_sampling_params() == SamplingParams()  # the tiny checkpoint has no generation config
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 3}))
+    configured = LLM(str(zaya_dir), use_tqdm=False, device="cpu", dtype="float32", kv_cache_memory_bytes=16 << 20,
+                     generation_config=str(tmp_path))
+    assert configured.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=3)
+    prompt = {"prompt_token_ids": [1, 2, 3]}
+    (defaulted,) = configured.generate(prompt)
+    (greedy,) = configured.generate(prompt, SamplingParams(temperature=0.0, max_tokens=3))
+    assert defaulted.outputs[0].token_ids == greedy.outputs[0].token_ids and len(greedy.outputs[0].token_ids) <= 3

@@ -2,8 +2,10 @@
 type reach the fields they name, a --config file gives options, and unsupported values fail clearly."""
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -110,3 +112,86 @@ def test_a_config_file_gives_options_and_the_command_line_wins(tmp_path):
     config.write_text("enforce-eager: 1\n")
     with pytest.raises(ValueError, match="enforce-eager takes true or false"):
         parse_args(["serve", "--config", str(config)])
+
+
+def test_uvicorn_log_level_reaches_uvicorns_config():
+    """vLLM's --uvicorn-log-level: uvicorn's own level (default info, as vLLM's), set on its config."""
+    from hybridserve.server.app import uvicorn_config
+
+    def level(*flags: str) -> str:
+        options = _server_options(parse_args(["serve", *flags]), "m")
+        return uvicorn_config(None, options).log_level
+
+    assert level() == "info" and level("--uvicorn-log-level", "warning") == "warning"
+    assert level("--uvicorn-log-level", "trace") == "trace"
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "--uvicorn-log-level", "loud"])
+
+
+def test_sglangs_max_total_tokens_and_no_chunking_reach_the_engine_config():
+    kwargs = _engine_kwargs(parse_args(["serve", "--max-total-tokens", "4096", "--chunked-prefill-size", "-1",
+                                        "--generation-config", "vllm"]))
+    assert (kwargs["max_total_tokens"], kwargs["chunked_prefill_size"], kwargs["generation_config"]) == \
+        (4096, -1, "vllm")
+    defaults = _engine_kwargs(parse_args(["serve"]))
+    assert (defaults["max_total_tokens"], defaults["chunked_prefill_size"], defaults["generation_config"]) == \
+        (None, None, "auto")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--chunked-prefill-size", "0"], "chunked_prefill_size=0 (--chunked-prefill-size): must be >= 1, or -1 for no "
+                                      "chunking"),
+    (["--chunked-prefill-size", "-2"], "chunked_prefill_size=-2 (--chunked-prefill-size)"),
+    (["--max-total-tokens", "100"], "max_total_tokens=100 (--max-total-tokens): must be a positive multiple of "
+                                    "page_size (16)"),
+    (["--max-total-tokens", "0"], "max_total_tokens=0 (--max-total-tokens)"),
+])
+def test_values_the_engine_cannot_honour_are_errors_naming_the_flag(flags, message):
+    from hybridserve.config import EngineConfig
+
+    with pytest.raises(ValueError) as err:
+        EngineConfig(model="m", **_engine_kwargs(parse_args(["serve", *flags])))
+    assert message in str(err.value)
+
+
+def test_a_missing_generation_config_fails_before_the_port_is_bound(zaya_dir, tmp_path):
+    """The port is held by another socket: the generation-config error comes first, so nothing tried to bind."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for folder, why in ((tmp_path / "nowhere", "no such directory"),
+                            (tmp_path, "the directory has no generation_config.json")):
+            result = subprocess.run([sys.executable, "-m", "hybridserve.cli", "serve", str(zaya_dir), "--device",
+                                     "cpu", "--port", str(port), "--generation-config", str(folder)],
+                                    capture_output=True, text=True, timeout=120)
+            assert result.returncode == 2, result.stderr
+            assert result.stderr.startswith(f"error: invalid engine option generation_config='{folder}' "
+                                            f"(--generation-config): {why}"), result.stderr
+
+
+def test_generate_takes_the_generation_configs_defaults_under_its_flags(monkeypatch, capsys):
+    """`hybridserve generate`: a flag given wins, then the model's generation config, then generate's own greedy
+    64-token default."""
+    import hybridserve
+    from hybridserve.cli import main
+
+    seen = []
+
+    class FakeLLM:
+        def __init__(self, model, **options):
+            self.engine = SimpleNamespace(generation_config=SimpleNamespace(
+                sampling_defaults={"temperature": 0.6, "top_k": 20, "max_tokens": 9}))
+
+        def generate(self, prompt, params):
+            seen.append(params)
+            return [SimpleNamespace(outputs=[SimpleNamespace(text="out")])]
+
+    monkeypatch.setattr(hybridserve, "LLM", FakeLLM)
+    assert main(["generate", "org/m", "--device", "cpu", "--prompt", "hi", "--top-k", "5"]) == 0
+    assert capsys.readouterr().out == "out\n"
+    assert (seen[0].temperature, seen[0].top_k, seen[0].max_tokens, seen[0].top_p) == (0.6, 5, 9, 1.0)
+    FakeLLM.__init__ = lambda self, model, **options: setattr(self, "engine", SimpleNamespace(
+        generation_config=SimpleNamespace(sampling_defaults={})))
+    assert main(["generate", "org/m", "--device", "cpu", "--prompt", "hi"]) == 0
+    assert (seen[1].temperature, seen[1].max_tokens) == (0.0, 64)

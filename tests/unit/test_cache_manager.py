@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hybridserve.cache.memory import MemoryPlan, min_window_pages
+from hybridserve.config import NO_CHUNKING
 from hybridserve.engine.cache_manager import HybridCacheManager
 from hybridserve.engine.drafts import Speculation
 from hybridserve.engine.request import Request, RequestStatus
@@ -144,7 +145,7 @@ def setups(draw: st.DrawFn) -> tuple[dict, list]:
                   slots=draw(st.integers(max_running, 10)), caching=draw(st.sampled_from(["off", "per_page", "sparse"])),
                   window=window, window_pages=draw(st.integers(max(4, num_pages // 2), num_pages)) if window else 0,
                   k=k, lookahead=draw(st.integers(0, k)), token_budget=draw(st.integers(1, 16)),
-                  chunk=draw(st.sampled_from([None, 3, 8])),
+                  chunk=draw(st.sampled_from([None, 3, 8, NO_CHUNKING])),
                   interval=draw(st.sampled_from([None, page_size, 2 * page_size])),  # a multiple of the page
                   scoring=draw(st.sampled_from([4, 512])), overlap=draw(st.booleans()), seed=draw(st.integers(0, 99)))
     max_model_len = num_pages * page_size
@@ -252,3 +253,37 @@ def test_a_preempted_request_hits_the_prompt_positions_it_already_scored() -> No
     assert driver.cache.prefix_hit_tokens == 6 and scorer.num_computed_tokens >= 6
     _drain(driver, 20)
     assert scorer.finished and scorer.num_prompt_scored == 7
+
+
+def _prompt_chunks(chunk: int | None) -> dict[str, list[int]]:
+    """The prompt tokens each request got per step, on a budget of 16: r0 (10 tokens) decodes 4 tokens while r1
+    (16 tokens: the whole budget) and r2 (40: more than the budget) wait behind it."""
+    driver = _driver(page_size=4, num_pages=64, max_running=4, slots=4, caching="off", window=None, window_pages=0,
+                     k=0, lookahead=0, token_budget=16, chunk=chunk, interval=None, scoring=512, overlap=False,
+                     seed=0)
+    chunks: dict[str, list[int]] = {}
+    schedule = driver.scheduler.schedule
+
+    def recording() -> ScheduledStep | None:
+        step = schedule()
+        for request, scheduled in zip(step.requests if step else [], step.plan.chunks if step else []):
+            if scheduled.prefix_len < request.num_prompt_tokens:  # a prompt chunk
+                chunks.setdefault(request.request_id, []).append(len(scheduled.token_ids))
+        return step
+
+    driver.scheduler.schedule = recording
+    driver.add(PROMPTS[0][:10], SamplingParams(max_tokens=4))
+    driver.step()
+    driver.add(PROMPTS[1][:16], SamplingParams(max_tokens=1))
+    driver.add(PROMPTS[1][:40], SamplingParams(max_tokens=1))
+    while driver.scheduler.has_work():
+        driver.step()
+        _check(driver)
+    return chunks
+
+
+def test_no_chunking_prefills_a_prompt_that_fits_the_budget_in_one_step():
+    """--chunked-prefill-size -1 (SGLang's): r1 waits for a step with room for its 16 tokens instead of taking the
+    15 left beside r0's decode row; r2, longer than the budget, is split at the budget all the same."""
+    assert _prompt_chunks(None) == {"r0": [10], "r1": [15, 1], "r2": [14, 15, 11]}
+    assert _prompt_chunks(NO_CHUNKING) == {"r0": [10], "r1": [16], "r2": [16, 16, 8]}

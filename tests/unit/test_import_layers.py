@@ -28,7 +28,8 @@ LEVELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("spec", ("spec",)),  # n-gram search, acceptance + state commit, the MTP drafter: engine's and runtime's
     ("models", ("models",)),
     ("cache", ("cache",)),  # pools, prefix tree, memory planner: what the models' cache layouts describe
-    ("config", ("config", "options", "checkpoint")),  # EngineConfig and its CLI fields; checkpoint reading
+    # EngineConfig and its CLI fields; checkpoint reading; the generation config's end ids and sampling defaults
+    ("config", ("config", "options", "checkpoint", "generation_config")),
     ("layers", ("layers",)),
     ("ops", ("ops",)),
     ("requests", ("sampling", "outputs", "structured", "tokenizer")),  # what a request asks for and gets back

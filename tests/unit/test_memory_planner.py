@@ -97,3 +97,31 @@ def test_a_window_group_without_room_for_full_pages_names_the_knobs():
     with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
         plan_memory(64 * P + CELL + 10, CELL, P, max_running_requests=64, max_state_slots=64,
                     window_page_bytes=CELL, sliding_window=8, page_size=1, max_num_batched_tokens=8)
+
+
+def test_max_total_tokens_caps_the_kv_token_pool():
+    """SGLang's --max-total-tokens: the plan holds exactly that many KV tokens; the state side is unchanged."""
+    page = 16
+    free = plan_memory(R, CELL * page, P, max_running_requests=64, page_size=page)
+    capped = plan_memory(R, CELL * page, P, max_running_requests=64, page_size=page, max_total_tokens=4096)
+    assert capped.num_pages * page == 4096 < free.num_pages * page
+    assert (capped.num_state_slots, capped.max_running_requests) == (free.num_state_slots, free.max_running_requests)
+    assert "= 4096 tokens (256 pages of 16, capped by --max-total-tokens)" in capped.describe(page)
+    assert "capped" not in free.describe(page)
+    exact = plan_memory(R, CELL * page, P, max_running_requests=64, page_size=page,
+                        max_total_tokens=free.num_pages * page)  # all the budget holds: allowed, and all of it
+    assert exact.num_pages == free.num_pages
+
+
+def test_max_total_tokens_caps_the_window_group_at_as_many_pages():
+    full_page, window_page = 3 * CELL * 16, 5 * CELL * 16
+    plan = plan_memory(R, full_page, P, max_running_requests=64, window_page_bytes=window_page,
+                       sliding_window=4096, page_size=16, max_num_batched_tokens=8192, max_total_tokens=16 * 1000)
+    assert plan.num_pages == plan.num_window_pages == 1000  # fewer than the 17,024 window pages reserved otherwise
+
+
+def test_max_total_tokens_above_what_the_budget_holds_is_refused_by_name():
+    free = plan_memory(R, CELL, P, max_running_requests=64)
+    with pytest.raises(ValueError, match=rf"max_total_tokens={free.num_pages + 1} \(--max-total-tokens\): the cache "
+                                         rf"budget holds only {free.num_pages} KV tokens"):
+        plan_memory(R, CELL, P, max_running_requests=64, max_total_tokens=free.num_pages + 1)

@@ -44,13 +44,14 @@ def test_the_extremes_of_every_range_are_valid():
 def test_model_dependent_checks():
     eos = frozenset({7})
     SamplingParams(stop_token_ids=[0, 9]).check_vocabulary(10, eos)
-    with pytest.raises(SamplingParamError, match=r"stop_token_ids=.*outside the vocabulary \[0, 10\)"):
+    with pytest.raises(SamplingParamError,
+                       match=r"stop_token_ids=.*Token id 10 is out of vocabulary: token ids must be in \[0, 10\)"):
         SamplingParams(stop_token_ids=[10]).check_vocabulary(10, eos)
     all_but_eos = [t for t in range(10) if t != 7]
     with pytest.raises(SamplingParamError, match="min_tokens.*whole vocabulary"):
         SamplingParams(min_tokens=1, stop_token_ids=all_but_eos).check_vocabulary(10, eos)
     SamplingParams(min_tokens=1, stop_token_ids=all_but_eos, ignore_eos=True).check_vocabulary(10, eos)
-    with pytest.raises(SamplingParamError, match=r"logit_bias=.*outside the vocabulary \[0, 10\)"):
+    with pytest.raises(SamplingParamError, match=r"logit_bias=.*Token id 12 is out of vocabulary"):
         SamplingParams(logit_bias={3: 1.0, 12: -5.0}).check_vocabulary(10, eos)
 
 

@@ -1,0 +1,65 @@
+"""vLLM's and SGLang's server flags that change what the server does, on a real `hybridserve serve` of the tiny
+ZAYA1 checkpoint (vocabulary 128: token-id prompts): --generation-config DIR (sampling defaults for the fields a
+request leaves unset), --max-total-tokens (the KV pool's size), --chunked-prefill-size -1 (no chunking) and
+--uvicorn-log-level (uvicorn's own lines)."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from tests.server.conftest import SMALL_CACHE, serve
+
+NAME = "tiny"
+PROMPT = list(range(1, 60))  # 59 tokens: a prompt the default budget would take whole either way
+
+
+@pytest.fixture(scope="module")
+def flags_server(zaya_dir, tmp_path_factory):
+    generation = tmp_path_factory.mktemp("generation")
+    (generation / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 3}))
+    server = serve([str(zaya_dir), "--served-model-name", NAME, "--dtype", "float32", "--page-size", "4",
+                    "--generation-config", str(generation), "--max-total-tokens", "128", "--chunked-prefill-size",
+                    "-1", "--uvicorn-log-level", "warning", *SMALL_CACHE], tmp_path_factory)
+    yield server
+    server.stop()
+
+
+def _complete(server, **fields) -> dict:
+    response = server.post("/v1/completions", json={"model": NAME, "prompt": PROMPT, "return_token_ids": True,
+                                                    **fields})
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]
+
+
+def test_generation_config_dir_gives_the_defaults_of_unset_fields(flags_server):
+    """The folder's temperature 0 and max_new_tokens 3 apply where the request leaves them null; what a request
+    sets wins."""
+    defaulted = _complete(flags_server, max_tokens=None)
+    greedy = _complete(flags_server, max_tokens=3, temperature=0)
+    assert len(defaulted["token_ids"]) == 3 and defaulted["token_ids"] == greedy["token_ids"]
+    assert len(_complete(flags_server, max_tokens=5)["token_ids"]) == 5
+    assert re.search(r"sampling defaults from \S+generation_config\.json: temperature=0\.0, max_tokens=3",
+                     flags_server.log())
+
+
+def test_max_total_tokens_sizes_the_kv_pool(flags_server):
+    log = flags_server.log()
+    assert re.search(r"memory plan: .*KV [\d.]+ MiB = 128 tokens \(32 pages of 4, capped by --max-total-tokens\)",
+                     log), log
+    models = flags_server.client().models.list().data
+    assert models[0].model_extra["max_model_len"] == 128  # lowered to what the KV pool holds
+    too_long = flags_server.post("/v1/completions", json={"model": NAME, "prompt": [1] * 128, "max_tokens": 1})
+    assert too_long.status_code == 400 and "context length" in too_long.json()["error"]["message"]
+
+
+def test_no_chunking_serves_prompts(flags_server):
+    assert len(_complete(flags_server, max_tokens=2)["token_ids"]) == 2
+
+
+def test_uvicorn_log_level_warning_drops_uvicorns_info_lines(flags_server):
+    _complete(flags_server, max_tokens=1)
+    log = flags_server.log()
+    assert "serving 'tiny' at" in log  # hybridserve's own lines keep --log-level's info
+    assert "Application startup complete" not in log and "uvicorn.access" not in log
