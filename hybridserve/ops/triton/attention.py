@@ -29,7 +29,7 @@ import triton.language as tl
 from hybridserve.core.batch import ForwardBatch
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.counters import arrival_counters
-from hybridserve.ops.triton.pdl import wait_for_previous
+from hybridserve.ops.triton.pdl import prefetch_rows, wait_for_previous
 from hybridserve.ops.triton.sizes import cdiv
 
 LOG2E = 1.4426950408889634
@@ -51,7 +51,6 @@ def _attention_kernel(
     DV: tl.constexpr, DV_PAD: tl.constexpr, V_IN_K: tl.constexpr, HAS_WINDOW: tl.constexpr,
     SPLIT: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    wait_for_previous(USE_PDL)
     q_block = tl.program_id(0)
     row = tl.program_id(1)
     kv_head = tl.program_id(2) // num_splits
@@ -72,6 +71,10 @@ def _attention_kernel(
     per_split = ((hi - lo + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     split_lo = lo + split * per_split
     split_hi = tl.minimum(split_lo + per_split, hi)
+    if USE_PDL:  # the row lengths and page tables come from the host: the first key tile's stream starts before
+        _prefetch_keys(k_ptr, v_ptr, page_table_ptr + row * stride_pt, kv_head, split_lo, split_hi, stride_kr,
+                       stride_kh, stride_vr, stride_vh, BLOCK_N, PAGE_SIZE, D_MAIN + D_TAIL, DV, V_IN_K)
+    wait_for_previous(USE_PDL)  # the wait (this step's own key is the kernel before's output; L2 keeps it coherent)
 
     # M rows: token-major, query heads of this KV head minor (GROUP_PAD >= GROUP; padding rows are masked).
     m = tl.arange(0, BLOCK_Q * GROUP_PAD)
@@ -139,6 +142,20 @@ def _attention_kernel(
             tl.store(counter_ptr + group, 0)
     else:
         tl.store(out, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _prefetch_keys(k_ptr, v_ptr, pages_ptr, kv_head, lo, hi, stride_kr, stride_kh, stride_vr, stride_vh,
+                   BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                   V_IN_K: tl.constexpr):
+    """Ask L2 for the K (and V) rows of keys lo .. lo + BLOCK_N (below hi) of this KV head."""
+    j = lo + tl.arange(0, BLOCK_N)
+    j_ok = j < hi
+    page = tl.load(pages_ptr + j // PAGE_SIZE, mask=j_ok, other=0)
+    kv_rows = page.to(tl.int64) * PAGE_SIZE + j % PAGE_SIZE
+    prefetch_rows(k_ptr + kv_head * stride_kh, kv_rows, j_ok, stride_kr, D)
+    if not V_IN_K:
+        prefetch_rows(v_ptr + kv_head * stride_vh, kv_rows, j_ok, stride_vr, DV)
 
 
 @triton.jit

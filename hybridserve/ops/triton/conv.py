@@ -48,7 +48,7 @@ from hybridserve.core.batch import ForwardBatch
 from hybridserve.ops.qk_cache import QKCache
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.counters import arrival_counters
-from hybridserve.ops.triton.pdl import wait_for_previous
+from hybridserve.ops.triton.pdl import prefetch_rows, wait_for_previous
 from hybridserve.ops.triton.sizes import cdiv, next_power_of_2
 from hybridserve.ops.triton.zaya_qk import norm_rope_store
 
@@ -316,9 +316,13 @@ def _cca_conv_kernel(proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr, b1_ptr, lag_bias
                      BLOCK_K: tl.constexpr, STAGES: tl.constexpr, HAS_LAG_BIAS: tl.constexpr,
                      HAS_FOOTER: tl.constexpr, HAS_VERIFY: tl.constexpr, PRECISION: tl.constexpr,
                      TO_CACHE: tl.constexpr, HALF: tl.constexpr, USE_PDL: tl.constexpr):
-    wait_for_previous(USE_PDL)
     pid = tl.program_id(0)
     item = tl.program_id(1)
+    BLOCKS: tl.constexpr = (D + BLOCK_O - 1) // BLOCK_O  # column blocks per head (1 in the heads form)
+    if USE_PDL and COLUMNS:  # a column block's stage-2 weight rows are no kernel's output: asked of L2 before the wait
+        cols = (item % BLOCKS) * BLOCK_O + tl.arange(0, BLOCK_O)
+        prefetch_rows(w1_ptr, (item // BLOCKS) * D + cols, (cols < D) & (item < (HQ + HK) * BLOCKS), D * K1, D * K1)
+    wait_for_previous(USE_PDL)
     STRIDE: tl.constexpr = BLOCK_T - OVERLAP
     tok = pid * STRIDE + tl.arange(0, BLOCK_T)
     valid = tok < num_tokens
@@ -333,7 +337,6 @@ def _cca_conv_kernel(proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr, b1_ptr, lag_bias
     else:
         out_slot = tl.full([BLOCK_T], -1, tl.int64)
         keep_final = starter
-    BLOCKS: tl.constexpr = (D + BLOCK_O - 1) // BLOCK_O  # column blocks per head (1 in the heads form)
     if item < (HQ + HK) * BLOCKS:
         _conv_head(item // BLOCKS, item % BLOCKS, tok, local, start, seq, mine, starter, out_slot, keep_final,
                    proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr, b1_ptr, qk_out_ptr, conv_ptr, cs0, cs1, cs2, cfoot_ptr,
