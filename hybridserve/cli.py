@@ -28,8 +28,6 @@ _SPECULATIVE_METHODS = {"NEXTN": "mtp", "NGRAM": "ngram"}
 # Switches of vLLM / SGLang for what this server always does: accepted, so their command lines start it.
 _ALWAYS_ON = {
     "--enable-auto-tool-choice": "tool_choice 'auto' is always available",
-    "--enable-prompt-tokens-details": "usage carries prompt_tokens_details.cached_tokens whenever the prefix cache "
-                                      "served some of the prompt",
     "--enable-chunked-prefill": "prompts longer than the token budget are always prefilled in chunks "
                                 "(--chunked-prefill-size)",
     "--enable-metrics": "Prometheus /metrics is always served",

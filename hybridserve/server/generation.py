@@ -203,14 +203,16 @@ class Generation:
                  for prompt_index, output in enumerate(self.final) for c in output.outputs]
         return sorted(found, key=lambda delta: delta.index)
 
+    def cached_tokens(self) -> int:
+        """The prompt tokens the prefix cache served, over the finished prompts."""
+        return sum(output.num_cached_tokens for output in self.final if output is not None)
+
     def usage(self) -> dict:
         prompt = sum(len(request.prompt_token_ids) for request in self.requests)
-        outputs = [output for output in self.final if output is not None]
-        completion = sum(len(c.token_ids) for output in outputs for c in output.outputs)
-        cached = sum(output.num_cached_tokens for output in outputs)
+        completion = sum(len(c.token_ids) for output in self.final if output is not None for c in output.outputs)
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-        if cached:  # as vLLM's: the details only when the prefix cache served some of the prompt
-            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        if self.server.options.prompt_tokens_details:  # as vLLM's: on every response with the flag, else never
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens()}
         return usage
 
 

@@ -33,7 +33,7 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None  # only when the prefix cache served some of the prompt
+    prompt_tokens_details: PromptTokensDetails | None = None  # with --enable-prompt-tokens-details
 
 
 class CompletionLogprobs(BaseModel):

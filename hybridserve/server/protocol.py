@@ -77,6 +77,7 @@ _REFUSED = {
     "truncate_prompt_tokens": (None,), "logits_processors": (None,), "return_tokens_as_token_ids": (None, False),
     "spaces_between_special_tokens": (None, True), "prompt_embeds": (None,),
     "guided_decoding_backend": (None, "xgrammar", "auto"), "guided_whitespace_pattern": (None,),
+    "logprob_token_ids": (None,), "custom_logit_processor": (None,), "custom_params": (None,),
 }
 _REFUSED_COMPLETION = {"suffix": (None, "")}
 _REFUSED_CHAT = {

@@ -149,7 +149,7 @@ class _ResponseEvents:
         usage = generation.usage()
         self.response = self.snapshot(status, params_echo, {
             "input_tokens": usage["prompt_tokens"],
-            "input_tokens_details": usage.get("prompt_tokens_details", {"cached_tokens": 0}),
+            "input_tokens_details": {"cached_tokens": generation.cached_tokens()},
             "output_tokens": usage["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": parser.reasoning_tokens},
             "total_tokens": usage["total_tokens"],

@@ -58,6 +58,9 @@ class ServerOptions:
                                                "(throughput, running / waiting, cache use, prefix-cache hits)",
                                          flags=("--log-stats-interval",), metavar="SECONDS")
     disable_log_stats: bool = option(False, "no periodic stats line")
+    prompt_tokens_details: bool = option(False, "usage carries prompt_tokens_details.cached_tokens (the prompt "
+                                                "tokens the prefix cache served, 0 included) on every response",
+                                         flags=("--enable-prompt-tokens-details", "--enable-cache-report"))
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

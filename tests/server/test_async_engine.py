@@ -16,6 +16,7 @@ import pytest
 from hybridserve.config import EngineConfig
 from hybridserve.demo import bundled_tokenizer_dir
 from hybridserve.engine.engine import LLMEngine
+from hybridserve.generation_config import GenerationConfig
 from hybridserve.outputs import CompletionOutput, RequestOutput
 from hybridserve.sampling import SamplingParams
 from hybridserve.server.async_engine import (
@@ -33,6 +34,7 @@ class StepFailsEngine:
 
     model_dir, model_type, max_model_len, vocab_size, eos_token_ids = "double", "zaya", 64, 100, frozenset({0})
     runner = SimpleNamespace(model=object(), device="cpu", dtype="float32")
+    generation_config = GenerationConfig()  # no generation_config.json: no sampling defaults
 
     def __init__(self, config: EngineConfig):
         self.directory = Path(config.model)
@@ -61,6 +63,16 @@ class StepFailsEngine:
         if self.steps > 1:
             raise RuntimeError("boom")
         return [RequestOutput(rid, None, [0] * 1000, [CompletionOutput(0, "x", [5])]) for rid in self.pending]
+
+
+async def until_ready(engine: AsyncEngine, timeout: float = 60) -> None:
+    """Until the engine's process reports ready; its start-up error (or the timeout) fails the test instead of a
+    wait without end."""
+    async def wait() -> None:
+        while not engine.ready:
+            assert engine.error is None, engine.error
+            await asyncio.sleep(0.05)
+    await asyncio.wait_for(wait(), timeout)
 
 
 def double(directory: Path, factory: type[StepFailsEngine]) -> AsyncEngine:
@@ -209,8 +221,7 @@ def test_grammars_are_shipped_to_the_engine_once(tmp_path: Path) -> None:
     async def scenario() -> None:
         engine = double(tmp_path, GrammarCheckingEngine)
         engine.start(asyncio.get_running_loop(), lambda: None)
-        while not engine.ready:
-            await asyncio.sleep(0.05)
+        await until_ready(engine)
         engine.grammars.compile(spec)  # as the server does before queueing
         params = SamplingParams(structured_output=spec)
         shipped = await engine._grammars_to_ship([EngineRequest("x", [1], params), EngineRequest("y", [1], params)])
@@ -253,8 +264,7 @@ def test_the_engine_process_freezes_its_startup_heap(tmp_path: Path) -> None:
     async def scenario() -> None:
         engine = double(tmp_path, FreezeReportingEngine)
         engine.start(asyncio.get_running_loop(), lambda: None)
-        while not engine.ready:
-            await asyncio.sleep(0.05)
+        await until_ready(engine)
         assert engine.stats()["frozen_objects"] > 10_000  # the interpreter, torch, the engine's modules
         engine.stop()
 

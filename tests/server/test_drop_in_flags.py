@@ -1,7 +1,7 @@
 """vLLM's and SGLang's server flags that change what the server does, on a real `hybridserve serve` of the tiny
 ZAYA1 checkpoint (vocabulary 128: token-id prompts): --generation-config DIR (sampling defaults for the fields a
-request leaves unset), --max-total-tokens (the KV pool's size), --chunked-prefill-size -1 (no chunking) and
---uvicorn-log-level (uvicorn's own lines)."""
+request leaves unset), --max-total-tokens (the KV pool's size), --chunked-prefill-size -1 (no chunking),
+--uvicorn-log-level (uvicorn's own lines) and --enable-prompt-tokens-details (usage's cached tokens, 0 included)."""
 from __future__ import annotations
 
 import json
@@ -21,7 +21,8 @@ def flags_server(zaya_dir, tmp_path_factory):
     (generation / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 3}))
     server = serve([str(zaya_dir), "--served-model-name", NAME, "--dtype", "float32", "--page-size", "4",
                     "--generation-config", str(generation), "--max-total-tokens", "128", "--chunked-prefill-size",
-                    "-1", "--uvicorn-log-level", "warning", *SMALL_CACHE], tmp_path_factory)
+                    "-1", "--uvicorn-log-level", "warning", "--enable-prompt-tokens-details", *SMALL_CACHE],
+                   tmp_path_factory)
     yield server
     server.stop()
 
@@ -63,3 +64,18 @@ def test_uvicorn_log_level_warning_drops_uvicorns_info_lines(flags_server):
     log = flags_server.log()
     assert "serving 'tiny' at" in log  # hybridserve's own lines keep --log-level's info
     assert "Application startup complete" not in log and "uvicorn.access" not in log
+
+
+def test_prompt_tokens_details_on_every_response(flags_server):
+    """With the flag, usage always carries prompt_tokens_details (vLLM's): 0 cached tokens for a prompt first seen,
+    the prefix cache's pages for its repeat, in plain and streamed usage alike."""
+    prompt = list(range(60, 100))
+    body = {"model": NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    first = flags_server.post("/v1/completions", json=body).json()["usage"]
+    again = flags_server.post("/v1/completions", json=body).json()["usage"]
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert 0 < again["prompt_tokens_details"]["cached_tokens"] < len(prompt)
+    streamed = flags_server.client().completions.create(model=NAME, prompt=prompt, max_tokens=1, stream=True,
+                                                        stream_options={"include_usage": True})
+    usage = [chunk.usage for chunk in streamed if chunk.usage is not None]
+    assert usage[-1].prompt_tokens_details.cached_tokens == again["prompt_tokens_details"]["cached_tokens"]

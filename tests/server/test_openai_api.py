@@ -165,16 +165,16 @@ def test_chat_logprobs_list_the_top_alternatives(client):
         assert bytes(item.bytes).decode() == item.token
 
 
-def test_repeated_prompt_reports_cached_tokens(client, demo_server):
+def test_repeated_prompt_hits_the_prefix_cache(client, demo_server):
+    """The repeat is served from the prefix cache (the metrics count its hits), with the same text; usage has no
+    prompt_tokens_details without --enable-prompt-tokens-details (vLLM's; test_drop_in_flags.py has the flag)."""
     prompt = " ".join(f"word{i}" for i in range(60))  # well over a few KV pages
     first = client.completions.create(model=DEMO, prompt=prompt, max_tokens=2, temperature=0)
     state_hits = 'hybridserve:prefix_cache_hits_total{layer_kind="state"}'
     hits_before = demo_server.metrics()[state_hits]
     second = client.completions.create(model=DEMO, prompt=prompt, max_tokens=2, temperature=0)
-    assert first.usage.prompt_tokens_details is None  # as vLLM's: no details when nothing was cached
-    cached = second.usage.prompt_tokens_details.cached_tokens
-    assert 0 < cached < second.usage.prompt_tokens
-    assert demo_server.metrics()[state_hits] - hits_before == cached
+    assert first.usage.prompt_tokens_details is None and second.usage.prompt_tokens_details is None
+    assert 0 < demo_server.metrics()[state_hits] - hits_before < second.usage.prompt_tokens
     assert second.choices[0].text == first.choices[0].text
 
 
