@@ -23,6 +23,7 @@ REPETITION_PENALTY_RANGE = (0.01, 10.0)  # 1 = off; below 0.01 positive logits o
 MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS = 32, 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # biased tokens per request (OpenAI allows 300)
+MAX_LOGPROB_TOKEN_IDS = 128  # logprob_token_ids per request (vLLM's bound)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's: -100 bans a token, 100 all but forces it
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
@@ -78,6 +79,9 @@ class SamplingParams:
     # Only these tokens may be sampled (vLLM's allowed_token_ids); empty: any.
     allowed_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None  # top-k logprobs per generated token (0 = only the chosen token)
+    # With logprobs: these tokens' logprobs too, at every generated token (vLLM's logprob_token_ids: a label set
+    # scored whatever its rank).
+    logprob_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: int | None = None  # the same for every prompt token
     prompt_logprobs_temperature: float = 1.0  # prompt logprobs of the logits divided by it (vLLM's)
     skip_special_tokens: bool = True
@@ -92,6 +96,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias or {})
         self.allowed_token_ids = sorted(set(self.allowed_token_ids or []))
+        self.logprob_token_ids = list(dict.fromkeys(self.logprob_token_ids or []))  # each once, in the given order
         self._validate()
 
     @property
@@ -151,6 +156,11 @@ class SamplingParams:
             fail("stop_token_ids", f"must be at most {MAX_STOP_TOKEN_IDS} non-negative token ids")
         if not all(_is_int(t, 0) for t in self.allowed_token_ids):
             fail("allowed_token_ids", "must be token ids (integers >= 0)")
+        if len(self.logprob_token_ids) > MAX_LOGPROB_TOKEN_IDS or not all(_is_int(t, 0)
+                                                                         for t in self.logprob_token_ids):
+            fail("logprob_token_ids", f"must be at most {MAX_LOGPROB_TOKEN_IDS} token ids (integers >= 0)")
+        if self.logprob_token_ids and self.logprobs is None:
+            fail("logprob_token_ids", "needs logprobs (their logprobs come with the chosen token's)")
         if len(self.logit_bias) > MAX_LOGIT_BIAS or not all(
                 _is_int(t, 0) and _in_range(b, *LOGIT_BIAS_RANGE) for t, b in self.logit_bias.items()):
             fail("logit_bias", "must map at most {} token ids (>= 0) to biases in [{:g}, {:g}]".format(
@@ -159,7 +169,7 @@ class SamplingParams:
     def check_vocabulary(self, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
         """The model-dependent checks: stop ids are tokens the model has, and min_tokens leaves one token it may
         sample (it bans the stop ids and EOS until then)."""
-        for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
+        for name in ("stop_token_ids", "logit_bias", "allowed_token_ids", "logprob_token_ids"):
             why = out_of_vocabulary(getattr(self, name), vocab_size)
             if why is not None:
                 raise SamplingParamError(name, getattr(self, name), why)

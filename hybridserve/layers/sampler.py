@@ -28,25 +28,41 @@ def uniform_for(seed: int, step: int) -> float:
     return (splitmix64(splitmix64(seed & _MASK64) ^ step) >> 11) / float(1 << 53)
 
 
-def _pack(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> torch.Tensor:
-    """[rows, 2 + 2k] float64 on the device: each row's chosen token, its logprob and its top-k (ids, logprobs)
-    (ids travel as float64, exact for any vocabulary), so that one device-to-host copy carries them all."""
+def _pack(logprobs: torch.Tensor, chosen: torch.Tensor, k: int, listed: torch.Tensor | None = None) -> torch.Tensor:
+    """[rows, 2 + 2k (+ listed width)] float64 on the device: each row's chosen token, its logprob, its top-k (ids,
+    logprobs) and the logprobs of the ids in `listed` ([rows, width] long: the rows' logprob_token_ids, padded;
+    the host knows the ids). Ids travel as float64 (exact for any vocabulary), so that one device-to-host copy
+    carries them all."""
     columns = [chosen[:, None].double(), logprobs.gather(-1, chosen[:, None]).double()]
     if k:
         values, ids = logprobs.topk(k, dim=-1)
         columns += [ids.double(), values.double()]
+    if listed is not None:
+        columns.append(logprobs.gather(-1, listed).double())
     return torch.cat(columns, dim=1)
 
 
-def _unpack(host: list[list[float]], k: int) -> tuple[list[int], list[float], list[list]]:
+def _unpack(host: list[list[float]], k: int) -> tuple[list[int], list[float], list[list], list[list[float]]]:
+    """_pack's columns on the host: chosen tokens, their logprobs, the top-k (id, logprob) and the listed logprobs."""
     return ([int(r[0]) for r in host], [r[1] for r in host],
-            [list(zip(map(int, r[2:2 + k]), r[2 + k:])) for r in host])
+            [list(zip(map(int, r[2:2 + k]), r[2 + k:2 + 2 * k])) for r in host], [r[2 + 2 * k:] for r in host])
+
+
+def _listed_index(rows: list[SamplingRow], device: torch.device) -> torch.Tensor | None:
+    """The rows' logprob_token_ids as one [rows, widest] index on the device (shorter rows padded with token 0,
+    whose logprobs the host drops), in one queued copy; None when no row lists any. Its shape comes from the
+    host's parameters, never from device values."""
+    width = max(len(r.params.logprob_token_ids) for r in rows)
+    if not width:
+        return None
+    ids = [r.params.logprob_token_ids + [0] * (width - len(r.params.logprob_token_ids)) for r in rows]
+    return upload(ids, device, torch.long)
 
 
 def logprob_dicts(logprobs: torch.Tensor, chosen: list[int], k: int) -> list[dict[int, float]]:
     """Per row {token: logprob} for the chosen token and the row's top-k (the chosen one included)."""
     packed = _pack(logprobs, torch.tensor(chosen, device=logprobs.device), k)
-    _, chosen_lp, tops = _unpack(packed.tolist(), k)
+    _, chosen_lp, tops, _ = _unpack(packed.tolist(), k)
     return [dict(top) | {token: lp} for token, lp, top in zip(chosen, chosen_lp, tops)]
 
 
@@ -83,12 +99,13 @@ class Draws:
             self._copied.synchronize()
         if self._device_out is self.tokens:
             return [SampledToken(t) for t in self._host.tolist()]
-        token_list, chosen_lp, tops = _unpack(self._host.tolist(), self._top_k)
+        token_list, chosen_lp, tops, listed = _unpack(self._host.tolist(), self._top_k)
         out = [SampledToken(t) for t in token_list]
         for i, row in enumerate(self._rows):
             if row.params.logprobs is not None:
                 out[i].logprob = chosen_lp[i]
-                out[i].top_logprobs = tops[i][: row.params.logprobs]
+                out[i].top_logprobs = tops[i][: row.params.logprobs] + list(zip(row.params.logprob_token_ids,
+                                                                                 listed[i]))
         return out
 
 
@@ -257,7 +274,7 @@ class Sampler:
         if raw_logprobs is None:
             return Draws(tokens, rows, None, 0), counted
         top_k = max(r.params.logprobs or 0 for r in rows)
-        return Draws(tokens, rows, _pack(raw_logprobs, tokens, top_k), top_k), counted
+        return Draws(tokens, rows, _pack(raw_logprobs, tokens, top_k, _listed_index(rows, device)), top_k), counted
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]
                          ) -> tuple[torch.Tensor, list[tuple[int, int]]]:

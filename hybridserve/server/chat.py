@@ -30,7 +30,7 @@ class _ChatView:
     def __init__(self, body: ChatCompletionRequest, tokenizer: PreTrainedTokenizerBase, call_id: str, model: str,
                  parsing: OutputParsing):
         self.body, self.parsing = body, parsing
-        self.token_text = TokenText(tokenizer)
+        self.token_text = TokenText(tokenizer, bool(body.return_tokens_as_token_ids))
         self.created = int(time.time())
         self.call_id, self.model = call_id, model
         self.parsers: dict[int, AssistantParser] = {}  # streamed choices' parsers, by choice index
@@ -43,7 +43,9 @@ class _ChatView:
     def _logprobs(self, delta: Delta) -> dict | None:
         if not self.body.logprobs:
             return None
-        return {"content": chat_logprobs(self.token_text, delta.token_ids, delta.logprobs, self.body.top_logprobs or 0)}
+        # with logprob_token_ids every scored token is shown (the listed ones), as vLLM does
+        top_k = None if self.body.logprob_token_ids else self.body.top_logprobs or 0
+        return {"content": chat_logprobs(self.token_text, delta.token_ids, delta.logprobs, top_k)}
 
     def _chunk(self, choice: dict, generation: Generation, **extra) -> dict:
         chunk = {**self._header("chat.completion.chunk"), **extra, "choices": [choice]}
@@ -127,7 +129,7 @@ async def create_chat_completion(server: ServerState, body: ChatCompletionReques
                             body.messages, options)
     prompt, params, parsing = await tools.prepare_chat(
         server, info.tokenizer, info.max_model_len, messages, params, options, body.add_special_tokens is True,
-        body.structured_field, body.field_names)
+        body.structured_field, body.field_names, body.prompt_truncation(info.max_model_len))
     call_id = f"chatcmpl-{uuid.uuid4().hex}"
     generation = Generation(server, http, call_id, [prompt], server.default_max_tokens(params),
                             prompt_param="messages")

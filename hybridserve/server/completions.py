@@ -24,7 +24,7 @@ class _CompletionView:
         self.body, self.tokenizer, self.prompts = body, tokenizer, prompts
         self.header = {"id": call_id, "object": "text_completion", "created": int(time.time()), "model": model,
                        "system_fingerprint": None}
-        self.token_text = TokenText(tokenizer)
+        self.token_text = TokenText(tokenizer, bool(body.return_tokens_as_token_ids))
         self.chars_sent: dict[int, int] = {}  # choice index -> characters sent (text_offset continues there)
 
     def _prompt_text(self, prompt_index: int) -> str:
@@ -77,7 +77,7 @@ async def create_completion(server: ServerState, body: CompletionRequest, http: 
     await server.compile_grammar(params, body.structured_field)
     server.check_limits(count_prompts(body.prompt), params)
     prompts = await server.prompts.run(completion_prompts, info.tokenizer, body.prompt,
-                                       body.add_special_tokens is not False)
+                                       body.add_special_tokens is not False, body.prompt_truncation(info.max_model_len))
     for ids, _ in prompts:
         check_context(len(ids), params.max_tokens, info.max_model_len, "max_tokens")
     call_id = f"cmpl-{uuid.uuid4().hex}"

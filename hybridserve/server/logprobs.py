@@ -2,9 +2,11 @@
 
 Completions use the legacy object (lm-eval reads it): parallel lists `tokens`, `token_logprobs`, `top_logprobs`
 (dicts keyed by token text, the position's own token included) and `text_offset`. Chat uses
-`content: [{token, logprob, bytes, top_logprobs: [...]}]` with exactly the k most likely alternatives. vLLM's
+`content: [{token, logprob, bytes, top_logprobs: [...]}]` with exactly the k most likely alternatives (or, with
+vLLM's logprob_token_ids, every token the engine scored: the chosen one and the listed ones). vLLM's
 `prompt_logprobs` is a list over the prompt (null for its first token) of {token id: {logprob, rank,
-decoded_token}}.
+decoded_token}}. With vLLM's return_tokens_as_token_ids the tokens (and top_logprobs keys) are named
+"token_id:{id}"; `bytes` and `text_offset` stay those of the token's text.
 """
 from __future__ import annotations
 
@@ -14,10 +16,12 @@ TopLogprobs = dict[int, float]
 
 
 class TokenText:
-    """The text of single tokens, decoded once per id (logprob dicts repeat the same ids a lot)."""
+    """The text of single tokens, decoded once per id (logprob dicts repeat the same ids a lot), and the name
+    logprobs give a token: its text, or "token_id:{id}" with `as_ids` (vLLM's return_tokens_as_token_ids: a client
+    gets the id back exactly, also for a token that is part of a character)."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, as_ids: bool = False):
+        self.tokenizer, self.as_ids = tokenizer, as_ids
         self._cache: dict[int, str] = {}
 
     def __call__(self, token_id: int) -> str:
@@ -25,6 +29,9 @@ class TokenText:
         if text is None:
             text = self._cache[token_id] = self.tokenizer.decode([token_id])
         return text
+
+    def name(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self.as_ids else self(token_id)
 
 
 def _ranked(entry: TopLogprobs) -> list[tuple[int, float]]:
@@ -36,10 +43,9 @@ def legacy_logprobs(text: TokenText, token_ids: list[int], entries: list[TopLogp
     """The completions logprobs object for `token_ids`; a None entry (the first prompt token) gives nulls."""
     result = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token_id, entry in zip(token_ids, entries):
-        token = text(token_id)
-        result["tokens"].append(token)
+        result["tokens"].append(text.name(token_id))
         result["text_offset"].append(text_offset)
-        text_offset += len(token)
+        text_offset += len(text(token_id))
         if entry is None:
             result["token_logprobs"].append(None)
             result["top_logprobs"].append(None)
@@ -47,15 +53,16 @@ def legacy_logprobs(text: TokenText, token_ids: list[int], entries: list[TopLogp
         result["token_logprobs"].append(entry.get(token_id))
         top: dict[str, float] = {}
         for candidate, logprob in _ranked(entry):
-            top.setdefault(text(candidate), logprob)  # ids that decode alike keep the likelier value
+            top.setdefault(text.name(candidate), logprob)  # ids that decode alike keep the likelier value
         result["top_logprobs"].append(top)
     return result
 
 
-def chat_logprobs(text: TokenText, token_ids: list[int], entries: list[TopLogprobs], top_k: int) -> list[dict]:
+def chat_logprobs(text: TokenText, token_ids: list[int], entries: list[TopLogprobs], top_k: int | None
+                  ) -> list[dict]:
+    """The chat logprobs of `token_ids`, each with its `top_k` likeliest alternatives (None: all the entry has)."""
     def item(token_id: int, logprob: float) -> dict:
-        token = text(token_id)
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+        return {"token": text.name(token_id), "logprob": logprob, "bytes": list(text(token_id).encode())}
 
     return [{**item(token_id, entry[token_id]),
              "top_logprobs": [item(candidate, logprob) for candidate, logprob in _ranked(entry)[:top_k]]}

@@ -23,7 +23,7 @@ from typing import TypeVar
 from transformers import PreTrainedTokenizerBase
 
 from hybridserve.server.errors import APIError
-from hybridserve.server.protocol import ChatMessage, PromptInput
+from hybridserve.server.protocol import ChatMessage, PromptInput, Truncation
 from hybridserve.tokenizer import render_chat
 
 TEMPLATE_TIME_LIMIT_S = 5.0
@@ -78,23 +78,35 @@ def count_prompts(prompt: PromptInput) -> int:
     return 1 if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else len(prompt)
 
 
-def completion_prompts(tokenizer: PreTrainedTokenizerBase, prompt: PromptInput,
-                       add_special_tokens: bool) -> list[tuple[list[int], str | None]]:
-    """(token ids, original text or None) per prompt of a completions request."""
+def completion_prompts(tokenizer: PreTrainedTokenizerBase, prompt: PromptInput, add_special_tokens: bool,
+                       truncation: Truncation | None = None) -> list[tuple[list[int], str | None]]:
+    """(token ids, original text or None) per prompt of a completions request, each cut to `truncation`'s length
+    (a cut prompt's text is None: echo then decodes what was kept)."""
     if isinstance(prompt, str):
-        return [(tokenizer.encode(prompt, add_special_tokens=add_special_tokens), prompt)]
-    if not prompt:
+        prompts = [(tokenizer.encode(prompt, add_special_tokens=add_special_tokens), prompt)]
+    elif not prompt:
         raise APIError("prompt is an empty list; give a string, token ids, or a list of either", param="prompt")
-    if isinstance(prompt[0], int):
-        return [(list(prompt), None)]
-    if isinstance(prompt[0], str):
-        return [(tokenizer.encode(text, add_special_tokens=add_special_tokens), text) for text in prompt]
-    return [(list(ids), None) for ids in prompt]
+    elif isinstance(prompt[0], int):
+        prompts = [(list(prompt), None)]
+    elif isinstance(prompt[0], str):
+        prompts = [(tokenizer.encode(text, add_special_tokens=add_special_tokens), text) for text in prompt]
+    else:
+        prompts = [(list(ids), None) for ids in prompt]
+    return [_truncated(ids, text, truncation) for ids, text in prompts]
+
+
+def _truncated(ids: list[int], text: str | None, truncation: Truncation | None) -> tuple[list[int], str | None]:
+    """A prompt cut to `truncation`: the kept ids, and its text only if nothing was cut."""
+    if truncation is None or len(ids) <= truncation.keep:
+        return ids, text
+    return truncation.apply(ids), None
 
 
 def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage], template_options: dict,
-                add_special_tokens: bool, tools: list[dict] | None = None) -> tuple[list[int], str]:
-    """The prompt's token ids and its text."""
+                add_special_tokens: bool, tools: list[dict] | None = None,
+                truncation: Truncation | None = None) -> tuple[list[int], str]:
+    """The prompt's token ids and its text (cut to `truncation`: the text of the kept ids, which the reasoning and
+    tool checks read)."""
     rendered = [message.as_template_input() for message in messages]
     try:
         text = render_chat(tokenizer, rendered, template_options, tools)
@@ -103,7 +115,8 @@ def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage],
                        "stopped", param="messages", code="template_timeout") from None
     except Exception as err:  # the template is code run on user input (jinja errors, raise_exception, bad kwargs)
         raise APIError(f"the chat template could not render these messages: {err}", param="messages") from None
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens), text
+    ids, kept_text = _truncated(tokenizer.encode(text, add_special_tokens=add_special_tokens), text, truncation)
+    return ids, kept_text if kept_text is not None else tokenizer.decode(ids)
 
 
 def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, max_tokens_param: str) -> None:

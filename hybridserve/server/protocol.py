@@ -15,6 +15,7 @@ import json
 import logging
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -34,6 +35,7 @@ from hybridserve.sampling import (
     INT64_MIN,
     LOGIT_BIAS_RANGE,
     MAX_LOGIT_BIAS,
+    MAX_LOGPROB_TOKEN_IDS,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -73,11 +75,10 @@ StopInput = Annotated[StopString | Annotated[list[StopString], Field(max_length=
 # Not implemented, and they would change the result: refused unless they carry one of these neutral values.
 _REFUSED = {
     "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
-    "bad_words": (None, []),
-    "truncate_prompt_tokens": (None,), "logits_processors": (None,), "return_tokens_as_token_ids": (None, False),
+    "bad_words": (None, []), "logits_processors": (None,),
     "spaces_between_special_tokens": (None, True), "prompt_embeds": (None,),
     "guided_decoding_backend": (None, "xgrammar", "auto"), "guided_whitespace_pattern": (None,),
-    "logprob_token_ids": (None,), "custom_logit_processor": (None,), "custom_params": (None,),
+    "custom_logit_processor": (None,), "custom_params": (None,),
 }
 _REFUSED_COMPLETION = {"suffix": (None, "")}
 _REFUSED_CHAT = {
@@ -192,6 +193,20 @@ LogitBias = Annotated[dict[str, Annotated[float, Field(ge=LOGIT_BIAS_RANGE[0], l
                       Field(max_length=MAX_LOGIT_BIAS)]
 
 
+@dataclass(frozen=True)
+class Truncation:
+    """vLLM's truncate_prompt_tokens: a prompt longer than `keep` tokens keeps `keep` of them, its last ones (side
+    left, the default: the oldest are dropped, as a chat history is) or its first ones (side right)."""
+
+    keep: int
+    side: Literal["left", "right"] = "left"
+
+    def apply(self, token_ids: list[int]) -> list[int]:
+        if len(token_ids) <= self.keep:
+            return token_ids
+        return token_ids[len(token_ids) - self.keep:] if self.side == "left" else token_ids[:self.keep]
+
+
 class SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
@@ -230,6 +245,16 @@ class SamplingFields(_Request):
                                                            "to its logit before penalties and sampling")
     allowed_token_ids: list[TokenId] | None = Field(None, description="vLLM's: only these tokens may be sampled")
     return_token_ids: bool | None = Field(None, description="token ids of the prompt and of each output")
+    return_tokens_as_token_ids: bool | None = Field(None, description="vLLM's: logprobs name each token "
+                                                                      "'token_id:{id}' instead of by its text")
+    logprob_token_ids: Annotated[list[TokenId], Field(max_length=MAX_LOGPROB_TOKEN_IDS)] | None = Field(
+        None, description="vLLM's: with logprobs, these tokens' logprobs at every generated position (beside the "
+                          "chosen token's, in place of the most likely ones)")
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = Field(
+        None, description="vLLM's: keep at most this many prompt tokens (-1: the context length less one); at most "
+                          "the context length")
+    truncation_side: Literal["left", "right"] | None = Field(
+        None, description="with truncate_prompt_tokens: left (default) keeps the last tokens, right the first")
     prompt_logprobs_temperature: float | None = Field(
         None, description="vLLM's: prompt logprobs (and echo's) of the logits divided by it (default 1: the model's "
                           "own); the sampling temperature does not apply to them")
@@ -258,10 +283,18 @@ class SamplingFields(_Request):
                            param=given[1])
         return given[0] if given else None
 
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether the outputs' logprobs were asked for (each route has its own switch)."""
+        raise NotImplementedError
+
     def check_supported(self) -> list[str]:
         """Raise an APIError for what this server cannot honour; return the unknown fields (for a warning)."""
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed with stream: true", param="stream_options")
+        if self.logprob_token_ids and not self.wants_logprobs:
+            raise APIError("logprob_token_ids needs logprobs (completions: an integer, chat: true): their logprobs "
+                           "come beside the chosen token's", param="logprob_token_ids")
         unknown = self.unknown_fields()
         for name in ("stream_options", "response_format", "structured_outputs"):
             if getattr(self, name) is not None:
@@ -300,13 +333,31 @@ class SamplingFields(_Request):
         SamplingParams' own. `names` maps a SamplingParams name to the request field it came from (for the
         error)."""
         given = sampling_fields(self, self.SAMPLING_FIELDS, defaults)
+        listed = self.logprob_token_ids or []
+        if listed and logprobs is not None:
+            logprobs = 0  # as vLLM: the listed tokens take the place of the most likely ones
         try:
             return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                                  structured_output=self.structured_output(), logit_bias=self._token_biases(),
-                                  **given)
+                                  logprob_token_ids=listed, structured_output=self.structured_output(),
+                                  logit_bias=self._token_biases(), **given)
         except SamplingParamError as err:
             raise invalid_field(err, names) from None
 
+    def prompt_truncation(self, max_model_len: int) -> Truncation | None:
+        """truncate_prompt_tokens as vLLM reads it (None: the prompt stays whole): -1 keeps the context length less
+        one (a token is left to generate); more than the context length is a 400, as 0 is (it would leave no
+        prompt)."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return None
+        if keep > max_model_len:
+            raise APIError(f"truncate_prompt_tokens={keep} is more than this model's context length of "
+                           f"{max_model_len} tokens; ask for at most {max_model_len} (or -1)",
+                           param="truncate_prompt_tokens")
+        if keep == 0:
+            raise APIError("truncate_prompt_tokens=0 would leave an empty prompt; keep at least 1 token (or -1: as "
+                           "many as fit)", param="truncate_prompt_tokens")
+        return Truncation(max(1, max_model_len - 1) if keep == -1 else keep, self.truncation_side or "left")
 
     def _token_biases(self) -> dict[int, float]:
         """logit_bias with its keys as token ids (JSON object keys are strings)."""
@@ -350,6 +401,10 @@ class CompletionRequest(SamplingFields):
     prompt_logprobs: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = Field(
         None, description="top logprobs per prompt token (at most --max-logprobs), in each choice's prompt_logprobs "
                           "(not with stream)")
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
 
     def check_supported(self) -> list[str]:
         if self.prompt_logprobs is not None and self.stream:
@@ -561,6 +616,10 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
                           "prompt_logprobs (not with stream)")
     reasoning_effort: Effort | None = Field(None, description="none: thinking off; any other: on (the model's "
                                                               "thinking switch)")
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return bool(self.logprobs)
 
     def check_supported(self) -> list[str]:
         unknown = super().check_supported()

@@ -22,7 +22,7 @@ from hybridserve.sampling import SamplingParamError, SamplingParams
 from hybridserve.server.assistant import OutputParsing
 from hybridserve.server.errors import APIError
 from hybridserve.server.prompts import chat_prompt, check_context
-from hybridserve.server.protocol import ChatTool, NamedToolChoice, invalid_field
+from hybridserve.server.protocol import ChatTool, NamedToolChoice, Truncation, invalid_field
 from hybridserve.structured import StructuredOutputParams
 
 if TYPE_CHECKING:
@@ -54,14 +54,14 @@ class ToolSelection:
 
     async def prepare_chat(self, server: ServerState, tokenizer: PreTrainedTokenizerBase, max_model_len: int,
                            messages: list, params: SamplingParams, template_options: dict, add_special_tokens: bool,
-                           grammar_field: str | None, names: dict[str, str]
+                           grammar_field: str | None, names: dict[str, str], truncation: Truncation | None = None
                            ) -> tuple[list[int], SamplingParams, OutputParsing]:
         """A chat-shaped request (chat completions, responses) made ready to queue: its prompt (the template on
-        the prompt worker), the context checked, the selection applied (`apply`), and only then the request's own
-        grammar compiled (named by `grammar_field` in errors): a request that fails a cheap check never waits for
-        a compile. `names` maps SamplingParams names to the request's fields."""
+        the prompt worker, cut to `truncation`), the context checked, the selection applied (`apply`), and only
+        then the request's own grammar compiled (named by `grammar_field` in errors): a request that fails a cheap
+        check never waits for a compile. `names` maps SamplingParams names to the request's fields."""
         prompt, text = await server.prompts.run(chat_prompt, tokenizer, messages, template_options,
-                                                add_special_tokens, self.template_tools)
+                                                add_special_tokens, self.template_tools, truncation)
         check_context(len(prompt), params.max_tokens, max_model_len, names["max_tokens"])
         own_grammar = params.structured_output is not None
         params, parsing = await self.apply(server, text, params, names)

@@ -253,7 +253,8 @@ def test_forced_acceptance_yields_wrong_drafts_with_the_targets_logprobs(model):
 
 
 SAMPLING = [
-    SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, ignore_eos=True, seed=3, logprobs=2),
+    SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, ignore_eos=True, seed=3, logprobs=2,
+                   logprob_token_ids=[7, 100]),
     SamplingParams(temperature=1.0, top_k=5, min_p=0.05, max_tokens=16, ignore_eos=True, seed=4, logprobs=0),
     SamplingParams(temperature=1.0, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2,
                    max_tokens=16, seed=5, min_tokens=6),
@@ -297,6 +298,7 @@ def test_seeded_sampling_with_speculation_draws_the_plain_runs_tokens(model, par
     assert _completions(spec) == _completions(plain)
     if params.logprobs is not None:
         assert _logprobs(spec) == pytest.approx(_logprobs(plain), abs=1e-5)
+        assert all(set(params.logprob_token_ids) <= set(entry) for o in spec for c in o.outputs for entry in c.logprobs)
     stats = engine.stats()
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
     _assert_idle(engine)

@@ -1,7 +1,8 @@
 """No device->host sync while a step is queued (docs/architecture.md, "Ops and kernels"), checked on the H200 around
 the whole of `ModelRunner.launch` — not only the forward that a CUDA-graph capture covers, but what surrounds it:
 table updates, page copies, prefix-cache restores and snapshots, the verify rows' commit, penalties and min_tokens
-bans, seeded sampling, n > 1 forks and the draft layer (Ling's MTP), eager and with CUDA graphs.
+bans, seeded sampling, logprobs with logprob_token_ids, n > 1 forks and the draft layer (Ling's MTP), eager and with
+CUDA graphs.
 
 Two rounds of the same prompts, so the second round restores cached state. Drafts are replayed (random, so verify
 rows accept few of them) to make every decode step of the speculative runs a verify step. A sync inside `launch`
@@ -25,10 +26,10 @@ pytestmark = pytest.mark.gpu(engine=True)
 def mixed_params() -> list[SamplingParams]:
     common = dict(max_tokens=14, logprobs=2)
     return [
-        SamplingParams(temperature=0, ignore_eos=True, **common),
+        SamplingParams(temperature=0, ignore_eos=True, logprob_token_ids=[5, 17, 900], **common),
         SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=5, ignore_eos=True, **common),
         SamplingParams(temperature=0.7, presence_penalty=0.5, frequency_penalty=0.3, seed=1, ignore_eos=True,
-                       **common),
+                       logprob_token_ids=[3], **common),
         SamplingParams(temperature=0, repetition_penalty=1.3, ignore_eos=True, **common),
         SamplingParams(temperature=1.0, min_p=0.05, min_tokens=10, seed=2, **common),
         SamplingParams(temperature=0.9, n=2, seed=7, ignore_eos=True, **common),
@@ -67,6 +68,7 @@ def test_launch_queues_steps_without_host_sync(model: str, method: str, eager: b
             for sequence in output.outputs:
                 assert sequence.finish_reason in ("length", "stop"), sequence.finish_reason
                 assert len(sequence.token_ids) >= p.min_tokens and len(sequence.logprobs) == len(sequence.token_ids)
+                assert all(set(p.logprob_token_ids) <= set(position) for position in sequence.logprobs)
     print(f"\n{model} {method} {'eager' if eager else 'graphs'}: {seen}")
     assert seen["verify"] > 5 and seen["restores"] > 0
     assert seen["snapshots"] > 0 or not llm.engine.scheduler.sparse  # per-page state is written by the forward

@@ -25,7 +25,8 @@ INF, NAN = float("inf"), float("nan")
     ("stop_token_ids", [2**63]), ("stop_token_ids", list(range(1025))), ("seed", 1.5), ("seed", 2**70),
     ("seed", -(2**63) - 1), ("logit_bias", {-1: 1.0}), ("logit_bias", {1: 100.5}), ("logit_bias", {1: NAN}),
     ("logit_bias", {i: 1.0 for i in range(1025)}), ("prompt_logprobs_temperature", 0.0),
-    ("prompt_logprobs_temperature", 100.5), ("prompt_logprobs_temperature", NAN),
+    ("prompt_logprobs_temperature", 100.5), ("prompt_logprobs_temperature", NAN), ("logprob_token_ids", [-1]),
+    ("logprob_token_ids", list(range(129))), ("logprob_token_ids", [3]),  # the last: without logprobs
 ])
 def test_invalid_parameters_name_themselves(name, value):
     with pytest.raises(SamplingParamError, match=rf"invalid sampling parameter {name}=") as caught:
@@ -53,6 +54,8 @@ def test_model_dependent_checks():
     SamplingParams(min_tokens=1, stop_token_ids=all_but_eos, ignore_eos=True).check_vocabulary(10, eos)
     with pytest.raises(SamplingParamError, match=r"logit_bias=.*Token id 12 is out of vocabulary"):
         SamplingParams(logit_bias={3: 1.0, 12: -5.0}).check_vocabulary(10, eos)
+    with pytest.raises(SamplingParamError, match=r"logprob_token_ids=.*Token id 10 is out of vocabulary"):
+        SamplingParams(logprobs=0, logprob_token_ids=[9, 10]).check_vocabulary(10, eos)
 
 
 def test_logprobs_are_bounded_by_the_engines_max_logprobs():
@@ -206,6 +209,23 @@ def test_logprobs_are_the_models_raw_distribution():
     top = reference[0].topk(3)
     assert [t for t, _ in out[0].top_logprobs] == top.indices.tolist()
     assert out[1].top_logprobs == []
+
+
+def test_logprob_token_ids_are_scored_in_every_row_that_lists_them():
+    """Each row gets the raw logprobs of its own listed ids (whatever their rank, and under allowed_token_ids),
+    after its top-k; rows listing fewer or none in the same call are untouched by the padding."""
+    logits = torch.randn(3, 30, generator=torch.Generator().manual_seed(5))
+    rows = [_row(temperature=0, logprobs=0, logprob_token_ids=[29, 3, 17], allowed_token_ids=[8]),
+            _row(temperature=0.8, seed=2, logprobs=2, logprob_token_ids=[5]), _row(temperature=0, logprobs=1)]
+    out = Sampler()(logits, rows)
+    reference = torch.log_softmax(logits, -1)
+    assert out[0].token_id == 8
+    assert [t for t, _ in out[0].top_logprobs] == [29, 3, 17]
+    assert [t for t, _ in out[1].top_logprobs] == reference[1].topk(2).indices.tolist() + [5]
+    assert [t for t, _ in out[2].top_logprobs] == reference[2].topk(1).indices.tolist()
+    for i, token in enumerate(out):
+        for token_id, logprob in token.top_logprobs:
+            assert math.isclose(logprob, reference[i, token_id].item(), rel_tol=1e-6)
 
 
 def test_logit_bias_shifts_the_logits_before_sampling_and_penalties():
