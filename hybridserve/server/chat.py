@@ -28,9 +28,9 @@ def tool_call_json(call: ToolCall, index: int | None = None) -> dict:
 
 class _ChatView:
     def __init__(self, body: ChatCompletionRequest, tokenizer: PreTrainedTokenizerBase, call_id: str, model: str,
-                 parsing: OutputParsing):
+                 parsing: OutputParsing, tokens_as_ids: bool):
         self.body, self.parsing = body, parsing
-        self.token_text = TokenText(tokenizer, bool(body.return_tokens_as_token_ids))
+        self.token_text = TokenText(tokenizer, tokens_as_ids)
         self.created = int(time.time())
         self.call_id, self.model = call_id, model
         self.parsers: dict[int, AssistantParser] = {}  # streamed choices' parsers, by choice index
@@ -133,5 +133,6 @@ async def create_chat_completion(server: ServerState, body: ChatCompletionReques
     call_id = f"chatcmpl-{uuid.uuid4().hex}"
     generation = Generation(server, http, call_id, [prompt], server.default_max_tokens(params),
                             prompt_param="messages")
-    return await respond(generation, _ChatView(body, info.tokenizer, call_id, server.model_name, parsing),
-                         bool(body.stream))
+    view = _ChatView(body, info.tokenizer, call_id, server.model_name, parsing,
+                     server.tokens_as_ids(body.return_tokens_as_token_ids))
+    return await respond(generation, view, bool(body.stream))

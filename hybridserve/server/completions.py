@@ -20,11 +20,11 @@ class _CompletionView:
     """Turns deltas into completion choices; with echo, a choice's first delta carries the prompt too."""
 
     def __init__(self, body: CompletionRequest, tokenizer: PreTrainedTokenizerBase,
-                 prompts: list[tuple[list[int], str | None]], call_id: str, model: str):
+                 prompts: list[tuple[list[int], str | None]], call_id: str, model: str, tokens_as_ids: bool):
         self.body, self.tokenizer, self.prompts = body, tokenizer, prompts
         self.header = {"id": call_id, "object": "text_completion", "created": int(time.time()), "model": model,
                        "system_fingerprint": None}
-        self.token_text = TokenText(tokenizer, bool(body.return_tokens_as_token_ids))
+        self.token_text = TokenText(tokenizer, tokens_as_ids)
         self.chars_sent: dict[int, int] = {}  # choice index -> characters sent (text_offset continues there)
 
     def _prompt_text(self, prompt_index: int) -> str:
@@ -83,5 +83,6 @@ async def create_completion(server: ServerState, body: CompletionRequest, http: 
     call_id = f"cmpl-{uuid.uuid4().hex}"
     generation = Generation(server, http, call_id, [ids for ids, _ in prompts], server.default_max_tokens(params),
                             prompt_param="prompt")
-    view = _CompletionView(body, info.tokenizer, prompts, call_id, server.model_name)
+    view = _CompletionView(body, info.tokenizer, prompts, call_id, server.model_name,
+                           server.tokens_as_ids(body.return_tokens_as_token_ids))
     return await respond(generation, view, bool(body.stream))

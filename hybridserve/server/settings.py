@@ -58,6 +58,8 @@ class ServerOptions:
                                                "(throughput, running / waiting, cache use, prefix-cache hits)",
                                          flags=("--log-stats-interval",), metavar="SECONDS")
     disable_log_stats: bool = option(False, "no periodic stats line")
+    return_tokens_as_token_ids: bool = option(False, "logprobs name tokens as 'token_id:{id}' unless a request's "
+                                                     "return_tokens_as_token_ids says otherwise (vLLM's)")
     prompt_tokens_details: bool = option(False, "usage carries prompt_tokens_details.cached_tokens (the prompt "
                                                 "tokens the prefix cache served, 0 included) on every response",
                                          flags=("--enable-prompt-tokens-details", "--enable-cache-report"))

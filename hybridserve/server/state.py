@@ -89,6 +89,11 @@ class ServerState:
         except SamplingParamError as err:
             raise invalid_field(err, names) from None
 
+    def tokens_as_ids(self, requested: bool | None) -> bool:
+        """Whether logprobs name tokens "token_id:{id}": the request's return_tokens_as_token_ids, else the
+        server's --return-tokens-as-token-ids."""
+        return self.options.return_tokens_as_token_ids if requested is None else requested
+
     def default_max_tokens(self, params: SamplingParams) -> SamplingParams:
         """Requests without max_tokens get --default-max-tokens, else the generation config's max_new_tokens, else
         FALLBACK_MAX_TOKENS (the engine still stops at the context's end)."""

@@ -1,7 +1,8 @@
 """vLLM's and SGLang's server flags that change what the server does, on a real `hybridserve serve` of the tiny
 ZAYA1 checkpoint (vocabulary 128: token-id prompts): --generation-config DIR (sampling defaults for the fields a
 request leaves unset), --max-total-tokens (the KV pool's size), --chunked-prefill-size -1 (no chunking),
---uvicorn-log-level (uvicorn's own lines) and --enable-prompt-tokens-details (usage's cached tokens, 0 included)."""
+--uvicorn-log-level (uvicorn's own lines), --enable-prompt-tokens-details (usage's cached tokens, 0 included) and
+--return-tokens-as-token-ids (logprobs' tokens as "token_id:{id}" unless a request says otherwise)."""
 from __future__ import annotations
 
 import json
@@ -21,7 +22,8 @@ def flags_server(zaya_dir, tmp_path_factory):
     (generation / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 3}))
     server = serve([str(zaya_dir), "--served-model-name", NAME, "--dtype", "float32", "--page-size", "4",
                     "--generation-config", str(generation), "--max-total-tokens", "128", "--chunked-prefill-size",
-                    "-1", "--uvicorn-log-level", "warning", "--enable-prompt-tokens-details", *SMALL_CACHE],
+                    "-1", "--uvicorn-log-level", "warning", "--enable-prompt-tokens-details",
+                    "--return-tokens-as-token-ids", *SMALL_CACHE],
                    tmp_path_factory)
     yield server
     server.stop()
@@ -79,3 +81,13 @@ def test_prompt_tokens_details_on_every_response(flags_server):
                                                         stream_options={"include_usage": True})
     usage = [chunk.usage for chunk in streamed if chunk.usage is not None]
     assert usage[-1].prompt_tokens_details.cached_tokens == again["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_tokens_named_by_id_unless_the_request_says_otherwise(flags_server):
+    default = _complete(flags_server, max_tokens=2, temperature=0, logprobs=1)
+    assert default["logprobs"]["tokens"] == [f"token_id:{t}" for t in default["token_ids"]]
+    assert all(list(top) == [f"token_id:{t}"] for top, t in zip(default["logprobs"]["top_logprobs"],
+                                                                 default["token_ids"]))
+    texts = _complete(flags_server, max_tokens=2, temperature=0, logprobs=1, return_tokens_as_token_ids=False)
+    assert texts["token_ids"] == default["token_ids"]
+    assert not any(token.startswith("token_id:") for token in texts["logprobs"]["tokens"])
