@@ -1,12 +1,15 @@
 """Launches each decoder layer of ZAYA1 or Ling-2.6 issues per decode step, counted on CPU.
 
-The model's Triton kernels run through Triton's interpreter and each launch counts once; every other aten op that
-would launch a CUDA kernel is counted by a dispatch mode (views and allocations launch nothing); entry points kept
-opaque (ZAYA1's attention and MoE, whose kernels have their own launch accounting) count as calls, reported apart.
-Forward hooks on the decoder layers attribute every launch to the layer running it ("outside" for the embedding and
-the final norm). This checks the design without a GPU; on one, `python -m benchmarks.ops launches` counts the real
-CUDA launches (cuBLAS may add a split-K reduction per GEMM, which no CPU count can see). The budgets are pinned by
-tests/ops/test_layer_launches.py; `python -m benchmarks.ops layer-launches` prints the counts.
+Each launch of the model's Triton kernels (through Triton's interpreter, so that they are plain Python calls) counts
+once and is not run: the forward makes no host decision on device values (no device-to-host syncs), so its launches do
+not depend on them; the launch zero-fills its tensor arguments instead, so the aten ops after it read defined values.
+Every other aten op that would launch a CUDA kernel is counted by a dispatch mode (views and allocations launch
+nothing); entry points kept opaque (ZAYA1's attention and MoE, whose kernels have their own launch accounting) count
+as calls, reported apart. Forward hooks on the decoder layers attribute every launch to the layer running it
+("outside" for the embedding and the final norm). This checks the design without a GPU; on one, `python -m
+benchmarks.ops launches` counts the real CUDA launches (cuBLAS may add a split-K reduction per GEMM, which no CPU
+count can see). The budgets are pinned by tests/ops/test_layer_launches.py; `python -m benchmarks.ops layer-launches`
+prints the counts.
 """
 from __future__ import annotations
 
@@ -100,10 +103,17 @@ def _counted(spec: CountedModel, model: torch.nn.Module, counter: _AtenCounter):
                 counter.paused -= 1
         return run
 
-    original_run = interpreter.InterpretedFunction.run
-
     def launch(self, *args, **kwargs):
-        return opaque(f"triton.{self.fn.__name__}", original_run)(self, *args, **kwargs)
+        if counter.paused:
+            return
+        counter.count(f"triton.{self.fn.__name__}")
+        counter.paused += 1
+        try:  # not run: defined values (zeros) wherever the kernel may write, for the aten ops after it
+            for value in (*args, *kwargs.values()):
+                if isinstance(value, torch.Tensor):
+                    value.zero_()
+        finally:
+            counter.paused -= 1
 
     def enter(index):
         def hook(module, args):
