@@ -1,5 +1,5 @@
 """Check the fused EDA router's tile constants on this GPU: device time per call of each candidate
-(PROGRAMS, TILE_ELEMENTS, PIPELINE_STAGES of ops/triton/fp32_gemv.py) at the decode sizes, ZAYA1-8B widths, timed
+(PROGRAMS, TILE_ELEMENTS, PIPELINE_STAGES of ops/triton/zaya_router.py) at the decode sizes, ZAYA1-8B widths, timed
 as a CUDA graph of 40 layers' calls with their own weights (as a decode step runs them), and the fastest per size.
 The module's constants are what it ships; this prints whether another candidate is faster (edit them by hand).
 
@@ -14,7 +14,6 @@ import torch
 
 from benchmarks.ops._micro import graphed, time_ms
 from benchmarks.ops.zaya_router import LAYERS, _inputs
-from hybridserve.ops.triton import fp32_gemv
 from hybridserve.ops.triton import zaya_router as kernel
 
 KNOBS = ("PROGRAMS", "TILE_ELEMENTS", "PIPELINE_STAGES")
@@ -26,18 +25,18 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="*", default=[1, 16, 64, 256])
     args = parser.parse_args()
     device = torch.device("cuda")
-    shipped = tuple(getattr(fp32_gemv, name) for name in KNOBS)
+    shipped = tuple(getattr(kernel, name) for name in KNOBS)
     print("shipped:", dict(zip(KNOBS, shipped)))
     for tokens in args.tokens:
         layers = [_inputs(tokens, device) for _ in range(LAYERS)]
         times = {}
         for values in CANDIDATES:
             for name, value in zip(KNOBS, values):
-                setattr(fp32_gemv, name, value)
+                setattr(kernel, name, value)
             replay = graphed([lambda a=a: kernel.fused_route(**a) for a in layers])
             times[values] = time_ms(replay, repeat=20) * 1e3 / LAYERS
         for name, value in zip(KNOBS, shipped):
-            setattr(fp32_gemv, name, value)
+            setattr(kernel, name, value)
         best = min(times, key=times.get)
         print(f"T={tokens:<4} shipped {times.get(shipped, float('nan')):7.2f} us   best {times[best]:7.2f} us "
               f"{dict(zip(KNOBS, best))}   all: " + " ".join(f"{v}:{t:.1f}" for v, t in sorted(times.items())))

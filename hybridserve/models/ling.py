@@ -14,6 +14,7 @@ import re
 from collections.abc import Hashable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.cache.kv_pool import KVCacheSpec
@@ -37,7 +38,7 @@ from hybridserve.models.ling_config import LingConfig
 from hybridserve.ops.activation import silu_and_mul
 from hybridserve.ops.lightning import QKNormRope, lightning_attention
 from hybridserve.ops.ling_norm import qk_norm_rope
-from hybridserve.ops.router import route
+from hybridserve.ops.router import grouped_topk
 
 
 def alibi_slopes(num_heads: int) -> list[float]:
@@ -129,9 +130,9 @@ class LingMLP(nn.Module):
 
 class LingRouter(nn.Module):
     """Sigmoid scores in fp32; `expert_bias` (aux-loss-free balancing) steers the group-limited top-k selection
-    only, the weights are the unbiased scores of the chosen experts, renormalised and scaled. The logits
-    (fp32) and the selection are `ops.router.route`: one launch at decode sizes on CUDA. Replicated: every rank
-    needs all scores for the group ranking."""
+    only, the weights are the unbiased scores of the chosen experts, renormalised and scaled. The
+    logits GEMM stays in torch (fp32); the selection is `ops.router.grouped_topk` (one kernel on CUDA).
+    Replicated: every rank needs all scores for the group ranking."""
 
     def __init__(self, config: LingConfig):
         super().__init__()
@@ -143,8 +144,9 @@ class LingRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H]: given in fp32 (the norm's fp32 copy, exact), the logits GEMM needs no cast of its own."""
-        return route(x.float(), self.weight, self.expert_bias, self.n_group, self.topk_group, self.top_k,
-                     self.routed_scaling_factor)
+        logits = F.linear(x.float(), self.weight)  # [T, E] fp32
+        return grouped_topk(logits, self.expert_bias, self.n_group, self.topk_group, self.top_k,
+                            self.routed_scaling_factor)
 
 
 class LingMoE(nn.Module):

@@ -1,8 +1,7 @@
-"""Ling's group-limited top-k router on fp32 logits: the Triton kernels on CUDA, the torch reference elsewhere."""
+"""Ling's group-limited top-k router on fp32 logits: the Triton kernel on CUDA, the torch reference elsewhere."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from hybridserve.ops import backends
 from hybridserve.ops.reference import router as reference
@@ -12,11 +11,7 @@ def _check(logits: torch.Tensor, expert_bias: torch.Tensor | None, n_group: int,
            top_k: int) -> None:
     if logits.dim() != 2 or logits.dtype != torch.float32:
         raise ValueError(f"router logits must be fp32 [T, E]; got {logits.dtype} {tuple(logits.shape)}")
-    _check_selection(logits.shape[1], expert_bias, n_group, topk_group, top_k)
-
-
-def _check_selection(experts: int, expert_bias: torch.Tensor | None, n_group: int, topk_group: int,
-                     top_k: int) -> None:
+    experts = logits.shape[1]
     if n_group < 1 or experts % n_group or experts // n_group < 2:
         raise ValueError(f"{experts} experts must split into n_group={n_group} groups of at least 2 "
                          "(a group's score is its top-2 sum)")
@@ -37,21 +32,3 @@ def grouped_topk(logits: torch.Tensor, expert_bias: torch.Tensor | None, n_group
         from hybridserve.ops.triton import router as kernel
         return kernel.grouped_topk(logits, expert_bias, n_group, topk_group, top_k, routed_scaling_factor)
     return reference.grouped_topk(logits, expert_bias, n_group, topk_group, top_k, routed_scaling_factor)
-
-
-def route(x: torch.Tensor, weight: torch.Tensor, expert_bias: torch.Tensor | None, n_group: int, topk_group: int,
-          top_k: int, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 x [T, H] and the router's fp32 weight [E, H] -> grouped_topk of the logits x @ weight^T. On CUDA, steps
-    of at most FUSED_MAX_TOKENS tokens (decode) run both in one launch; the logits' sum order is then the kernel's,
-    not cuBLAS's."""
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.dtype != torch.float32 \
-            or weight.dtype != torch.float32:
-        raise ValueError(f"the router takes fp32 x [T, H] and weight [E, H]; got x {x.dtype} {tuple(x.shape)}, "
-                         f"weight {weight.dtype} {tuple(weight.shape)}")
-    _check_selection(weight.shape[0], expert_bias, n_group, topk_group, top_k)
-    if backends.use_triton("router", x.device):
-        from hybridserve.ops.triton import router as kernel
-        if x.shape[0] <= kernel.FUSED_MAX_TOKENS:
-            return kernel.route(x.contiguous(), weight.contiguous(), expert_bias, n_group, topk_group, top_k,
-                                routed_scaling_factor)
-    return grouped_topk(F.linear(x, weight), expert_bias, n_group, topk_group, top_k, routed_scaling_factor)

@@ -7,18 +7,14 @@ from the sigmoid and the order of the 8-term sum).
 """
 from __future__ import annotations
 
-from unittest import mock
-
 import pytest
 import torch
 
 from tests.ops.conftest import DEVICE
 from tests.ops.router_grid import LOGIT_STEPS, grid_bias, grid_logits
-from hybridserve.ops import backends
 from hybridserve.ops import router as entry
 from hybridserve.ops.reference import router as reference
 from hybridserve.ops.triton import router as kernel
-from hybridserve.ops.triton.counters import arrival_counters
 
 
 def test_router_grid_keeps_comparisons_apart() -> None:
@@ -113,65 +109,3 @@ def test_bad_arguments(kwargs: dict, message: str) -> None:
     args.update(kwargs)
     with pytest.raises(ValueError, match=message):
         entry.grouped_topk(args["logits"], args["bias"], args["n_group"], args["topk_group"], args["top_k"], 1.0)
-
-
-def _exact_inputs(tokens: int, experts: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x [T, 2E + 32], weight [E, 2E + 32], logits): x @ weight^T equals the grid logits exactly in any summation
-    order (each logit is a + b, both multiples of 1/8, plus products with zero weights), so the ids must match."""
-    logits = grid_logits(tokens, experts, seed, torch.device("cpu"))
-    a = torch.floor(logits * 4) / 8
-    extra = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(seed))
-    x = torch.cat([a, logits - a, extra], dim=1)
-    eye = torch.eye(experts)
-    weight = torch.cat([eye, eye, torch.zeros(experts, 32)], dim=1)
-    assert torch.equal(x @ weight.T, logits)
-    return x.to(DEVICE), weight.to(DEVICE), logits.to(DEVICE)
-
-
-@pytest.mark.parametrize("tokens", [1, 3, kernel.FUSED_MAX_TOKENS])
-@pytest.mark.parametrize("experts,n_group,topk_group,top_k", [(256, 8, 4, 8), (24, 4, 2, 3), (48, 3, 2, 5)])
-@pytest.mark.parametrize("bias", [True, False])
-def test_one_launch_route_matches_reference(tokens: int, experts: int, n_group: int, topk_group: int, top_k: int,
-                                            bias: bool) -> None:
-    """The logits GEMV and the selection in one launch (`route`) against the reference selection of the same
-    logits; every token block's last program selects, and leaves its arrival counter at zero for the next call."""
-    x, weight, logits = _exact_inputs(tokens, experts, seed=tokens + experts)
-    expert_bias = grid_bias(experts, n_group, DEVICE) if bias else None
-    args = (expert_bias, n_group, topk_group, top_k, 2.5)
-    _check_same(kernel.route(x, weight, *args), reference.grouped_topk(logits, *args))
-    assert not arrival_counters("ling_router", kernel.FUSED_MAX_TOKENS, DEVICE).any()
-
-
-def test_one_launch_route_on_dense_weights() -> None:
-    """Random dense x and weight at Ling's expert layout: the same experts as the reference on torch's logits (no
-    choice lies within the two sums' rounding here), weights within fp32 rounding of the logits' sum order."""
-    gen = torch.Generator().manual_seed(11)
-    x, weight = torch.randn(5, 128, generator=gen), torch.randn(256, 128, generator=gen) / 8
-    bias = torch.randn(256, generator=gen) * 0.05
-    got = kernel.route(x.to(DEVICE), weight.to(DEVICE), bias.to(DEVICE), 8, 4, 8, 2.5)
-    want = reference.grouped_topk(x @ weight.T, bias, 8, 4, 8, 2.5)
-    assert torch.equal(got[0].cpu(), want[0])
-    torch.testing.assert_close(got[1].cpu(), want[1], rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("tokens, one_launch", [(kernel.FUSED_MAX_TOKENS, True), (kernel.FUSED_MAX_TOKENS + 1, False)])
-def test_route_takes_one_launch_at_decode_sizes_only(tokens: int, one_launch: bool) -> None:
-    """ops.router.route with the Triton backend: `route`'s one launch up to FUSED_MAX_TOKENS tokens, beyond it
-    torch's logits GEMM and the selection kernel; both equal the reference."""
-    x, weight, logits = _exact_inputs(tokens, 48, seed=5)
-    args = (grid_bias(48, 3, DEVICE), 3, 2, 5, 2.5)
-    with mock.patch.object(backends, "use_triton", lambda op, device: op == "router"), \
-            mock.patch.object(kernel, "route", wraps=kernel.route) as fused, \
-            mock.patch.object(kernel, "grouped_topk", wraps=kernel.grouped_topk) as selection:
-        got = entry.route(x, weight, *args)
-    assert (fused.call_count, selection.call_count) == ((1, 0) if one_launch else (0, 1))
-    _check_same(got, reference.grouped_topk(logits, *args))
-
-
-@pytest.mark.parametrize("x, weight", [
-    (torch.zeros(2, 8, dtype=torch.float16), torch.zeros(16, 8)),
-    (torch.zeros(2, 8), torch.zeros(16, 9)),
-])
-def test_route_refuses_what_it_cannot_take(x: torch.Tensor, weight: torch.Tensor) -> None:
-    with pytest.raises(ValueError, match="fp32 x"):
-        entry.route(x, weight, None, 4, 2, 4, 1.0)

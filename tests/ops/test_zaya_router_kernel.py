@@ -18,7 +18,6 @@ import torch
 import triton
 
 from hybridserve.ops.reference import zaya_router as reference
-from hybridserve.ops.triton import fp32_gemv
 from hybridserve.ops.triton import zaya_router as kernel
 from tests.ops.conftest import DEVICE
 
@@ -87,7 +86,7 @@ def test_fused_form_matches_reference(tokens, with_carry, hidden, width, experts
     args = router_inputs(tokens, hidden, width, experts, skip_bias, seed=tokens, device="cpu")
     if not with_carry:
         args["carry"] = None
-    with mock.patch.object(fp32_gemv, "TILE_ELEMENTS", tile or fp32_gemv.TILE_ELEMENTS), \
+    with mock.patch.object(kernel, "TILE_ELEMENTS", tile or kernel.TILE_ELEMENTS), \
             mock.patch.object(kernel, "gemm_route", side_effect=AssertionError("the prefill form ran")):
         got, want = run_both(args)
     check_routing(got, want, biased_probs(args, want.carry))
@@ -101,7 +100,7 @@ def test_fused_form_matches_reference(tokens, with_carry, hidden, width, experts
 # (tokens, programs to aim for, GEMM tile rows): the tiles 16x32, 32x32, 64x32 and 128x32 (gemm_tiles) at token
 # counts the interpreter runs quickly, fewer programs standing for the larger token buckets that choose them on an
 # H200.
-@pytest.mark.parametrize("tokens, programs, tile_rows", [(kernel.FUSED_MAX_TOKENS + 1, fp32_gemv.PROGRAMS, 16),
+@pytest.mark.parametrize("tokens, programs, tile_rows", [(kernel.FUSED_MAX_TOKENS + 1, kernel.PROGRAMS, 16),
                                                          (300, 16, 32), (300, 8, 64), (600, 8, 128)])
 @pytest.mark.parametrize("with_carry", [True, False])
 def test_prefill_form_matches_reference(tokens, programs, tile_rows, with_carry, monkeypatch):
@@ -145,9 +144,9 @@ def test_fused_form_repeats_bitwise():
 def test_fused_tiles_spread_over_the_programs():
     """ZAYA1-8B's router width 256: about PROGRAMS programs per launch at every decode bucket, never pad rows."""
     for tokens in (1, 2, 3, 4, 8, 16, 17, 32, 64, 128, 256):
-        bt, bn = fp32_gemv.fused_tiles(tokens, 256)
+        bt, bn = kernel.fused_tiles(tokens, 256)
         programs = -(-256 // bn) * -(-tokens // bt)
-        assert bt <= triton.next_power_of_2(tokens) and fp32_gemv.PROGRAMS // 2 <= programs <= fp32_gemv.PROGRAMS, tokens
+        assert bt <= triton.next_power_of_2(tokens) and kernel.PROGRAMS // 2 <= programs <= kernel.PROGRAMS, tokens
 
 
 def test_router_kernel_refuses_other_dtypes():

@@ -7,12 +7,16 @@ Decode (at most `FUSED_MAX_TOKENS` tokens, the CUDA-graph batch sizes): three la
     3. u2 = GELU(fc2(u1)), then per token block the last program to finish it computes the E + 1 class logits,
        softmax, the biased argmax and the routing outputs.
 At a few tokens a step what costs is reading the weights (the down-projection's is 2 MB of fp32) and the launches,
-not arithmetic: each launch is the decode form of `ops.triton.fp32_gemv`, split over output columns and tokens into
-about PROGRAMS programs, each reading only its slice of the weight. The class selection rides on launch 3 instead of
-a launch of its own: each program stores its u2 columns, then bumps its token block's arrival counter (acq_rel: the
-stores before it are visible to whoever acquires it later); the program that arrives last reads the whole u2 rows
-back through L2 and resets the counter to 0, so the next call (and every CUDA-graph replay) starts from zero
-(ops/triton/counters.py).
+not arithmetic. So each launch is split over output columns and tokens into about `PROGRAMS` programs (one per SM
+of an H200), each reading only its slice of the weight, and no program pads its rows to tl.dot's 16: products are
+broadcast multiply-adds into a [tokens, columns, K chunk] fp32 register tile, reduced over K once at the end (a
+reduction per chunk would cost more shuffles than multiply-adds). One token (the commonest decode) reads its whole
+K in a single chunk, every load in flight at once; larger buckets loop over K with the chunks' loads pipelined
+(cp.async, PIPELINE_STAGES deep), since a loop of plain loads waits one memory round trip per chunk. The
+class selection rides on launch 3 instead of a launch of its own: each program stores its u2 columns, then bumps
+its token block's arrival counter (acq_rel: the stores before it are visible to whoever acquires it later); the
+program that arrives last reads the whole u2 rows back through L2 and resets the counter to 0, so the next call (and
+every CUDA-graph replay) starts from zero (ops/triton/counters.py).
 
 Prefill (more tokens): the three matmuls become FLOP-bound (8192 tokens: 8.6 GFLOP in the down-projection; at
 512 tokens 0.54 GFLOP), and plain fp32 FMAs are slow: cuBLAS's fp32 GEMM ran the 8192-token down-projection in
@@ -37,7 +41,6 @@ import triton.language as tl
 from hybridserve.ops.reference.zaya_router import Routing
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.counters import arrival_counters
-from hybridserve.ops.triton.fp32_gemv import PROGRAMS, fused_tiles, gelu, k_chunk, k_loop, rows_times_cols
 from hybridserve.ops.triton.norm import residual_rms_norm
 from hybridserve.ops.triton.pdl import prefetch_rows, wait_for_previous
 from hybridserve.ops.triton.sizes import cdiv, next_power_of_2
@@ -45,9 +48,42 @@ from hybridserve.ops.triton.sizes import cdiv, next_power_of_2
 # The largest decode batch captured in a CUDA graph (and the last tile bucket the launch constants below were sized
 # for); beyond it the prefill form (cuBLAS matmuls) runs. benchmarks/ops/zaya_router.py times both forms on each side.
 FUSED_MAX_TOKENS = 256
+PROGRAMS = 128  # programs per fused launch to aim for: about one per SM of an H200 (132 SMs)
+TILE_ELEMENTS = 8192  # a program's [tokens, columns, K chunk] product tile: 64 fp32 registers a thread at 4 warps
+PIPELINE_STAGES = 6  # K chunks in flight (cp.async) per program when its loop has several: latency, not FLOPs
 SELECT_TOKENS = 16  # tokens per program of the prefill form's selection
 GEMM_BK = 32  # K chunk of the prefill form's GEMM tiles (fp32: [128, 32] + [32, 128] is 32 KB a stage)
 GEMM_STAGES = 3
+
+
+@triton.jit
+def _gelu(x):
+    return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+
+
+@triton.jit
+def _rows_times_cols(x_ptr, w_ptr, vec_ptr, rows, row_ok, cols, col_ok, K: tl.constexpr, BT: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, X_VEC: tl.constexpr,
+                     X_GELU: tl.constexpr, CACHE: tl.constexpr):
+    """([BT, BN] fp32: sum over k of x'[rows, k] * w[cols, k] (both row-major with K columns), [BT]: sum over k of
+    x[rows, k]^2), where x' is x (times vec[k], with X_VEC) (GELU'd, with X_GELU). Products are accumulated per K
+    lane, summed once at the end (no shuffles inside the loop); STAGES > 1 pipelines the chunks' loads (cp.async),
+    so that more than one chunk is in flight. The squares cost nothing where unused (dead code)."""
+    acc = tl.zeros((BT, BN, BK), dtype=tl.float32)
+    squares = tl.zeros((BT, BK), dtype=tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        k = k0 + tl.arange(0, BK)
+        k_ok = k < K
+        x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
+                    cache_modifier=CACHE)
+        squares += x * x
+        if X_VEC:
+            x *= tl.load(vec_ptr + k, mask=k_ok, other=0.0)[None, :]
+        if X_GELU:
+            x = _gelu(x)  # GELU(0) = 0: masked lanes stay out of the sum
+        w = tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += x[:, None, :] * w[None, :, :]
+    return tl.sum(acc, axis=2), tl.sum(squares, axis=1)
 
 
 @triton.jit
@@ -58,7 +94,7 @@ def _select(u_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_p
     first of equal maxima, as torch's argmax), and the routing outputs."""
     c = tl.arange(0, BC)
     c_valid = c < CLASSES
-    logits, _ = rows_times_cols(u_ptr, wo_ptr, u_ptr, rows, row_ok, c, c_valid, K, BT, BC, BK, 1, False, U_GELU,
+    logits, _ = _rows_times_cols(u_ptr, wo_ptr, u_ptr, rows, row_ok, c, c_valid, K, BT, BC, BK, 1, False, U_GELU,
                                  CACHE)
     c_ok = c_valid[None, :]
     logits = tl.where(c_ok, logits, float("-inf"))
@@ -91,7 +127,7 @@ def _dense_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr
     if USE_PDL:  # no kernel writes the weights: their stream starts before the wait (ops/triton/pdl.py)
         prefetch_rows(w_ptr, cols, col_ok, K, K)
     wait_for_previous(USE_PDL)
-    acc, squares = rows_times_cols(x_ptr, w_ptr, norm_ptr, rows, row_ok, cols, col_ok, K, BT, BN, BK, STAGES, NORM,
+    acc, squares = _rows_times_cols(x_ptr, w_ptr, norm_ptr, rows, row_ok, cols, col_ok, K, BT, BN, BK, STAGES, NORM,
                                     False, "")
     if NORM:  # rstd after the product: (x * w_norm) @ W^T * rstd = (w_norm * x * rstd) @ W^T
         acc *= tl.rsqrt(squares / K + eps)[:, None]
@@ -102,7 +138,7 @@ def _dense_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr
         scale = tl.load(scale_ptr + cols, mask=col_ok, other=0.0)
         acc += tl.load(carry_ptr + tile, mask=ok, other=0.0) * scale[None, :]
     if GELU:
-        acc = gelu(acc)
+        acc = _gelu(acc)
     tl.store(out_ptr + tile, acc, mask=ok)
     if SELECT:
         tl.debug_barrier()  # every thread's stores precede the release below
@@ -130,7 +166,7 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, K: tl.constexpr, N: t
         acc = tl.dot(x, w, acc, input_precision="tf32x3")
     acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0)[None, :]
     if GELU:
-        acc = gelu(acc)
+        acc = _gelu(acc)
     tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -145,6 +181,27 @@ def _select_kernel(u_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, exp
 def _arrival_counters(device: torch.device) -> torch.Tensor:
     """The per-token-block arrival counters of launch 3 (a block holds at least one token)."""
     return arrival_counters("zaya_router", FUSED_MAX_TOKENS, device)
+
+
+def _loop(rows: int, cols: int, k: int) -> dict:
+    """BK and STAGES of a fused launch's K loop: pipelined when it has more than one chunk."""
+    chunk = _chunk(rows, cols, k)
+    return dict(BK=chunk, STAGES=PIPELINE_STAGES if chunk < k else 1)
+
+
+def _chunk(rows: int, cols: int, k: int) -> int:
+    """K chunk of a [rows, cols, chunk] product tile of about TILE_ELEMENTS (at least 8 lanes, one 32-byte sector
+    of a row; at most K)."""
+    return min(max(8, TILE_ELEMENTS // (rows * cols)), next_power_of_2(k))
+
+
+def fused_tiles(tokens: int, n: int) -> tuple[int, int]:
+    """(tokens, columns) per program of a fused launch with N output columns: about PROGRAMS programs, as square
+    as powers of two allow (a program reads (BT + BN) * K inputs for BT * BN * K products). Bucketed by the next
+    power of two of the token count, as the warm-up ladder is."""
+    area = max(1, next_power_of_2(tokens) * n // PROGRAMS)
+    bt = min(next_power_of_2(tokens), 1 << ((area.bit_length() - 1) // 2))
+    return bt, min(next_power_of_2(n), next_power_of_2(-(-area // bt)))
 
 
 def _outputs(tokens: int, planes: int, width: int, device: torch.device):
@@ -184,17 +241,17 @@ def fused_route(x32, down_weight, down_bias, carry, states_scale, norm_weight, e
         bc = next_power_of_2(classes)
         dummy = x32
         select = (_arrival_counters(x32.device), out_weight, balancing_biases, choice, weight, ids, expert_w, skip_w)
-        common = dict(N=width, CLASSES=classes, BT=bt, BN=bn, BC=bc, BKC=k_chunk(bt, bc, width), num_warps=4,
+        common = dict(N=width, CLASSES=classes, BT=bt, BN=bn, BC=bc, BKC=_chunk(bt, bc, width), num_warps=4,
                       **pdl.launch(x32.device))
         _dense_kernel[grid](x32, down_weight, down_bias, z, tokens, carry if carry is not None else dummy,
                             states_scale if carry is not None else dummy, dummy, eps, *(dummy,) * 8,
-                            K=hidden, **k_loop(bt, bn, hidden), CARRY=carry is not None, NORM=False, GELU=False,
+                            K=hidden, **_loop(bt, bn, hidden), CARRY=carry is not None, NORM=False, GELU=False,
                             SELECT=False, **common)
         _dense_kernel[grid](z, fc1_weight, fc1_bias, u1, tokens, dummy, dummy, norm_weight, eps, *(dummy,) * 8,
-                            K=width, **k_loop(bt, bn, width), CARRY=False, NORM=True, GELU=True, SELECT=False,
+                            K=width, **_loop(bt, bn, width), CARRY=False, NORM=True, GELU=True, SELECT=False,
                             **common)
         _dense_kernel[grid](u1, fc2_weight, fc2_bias, u2, tokens, dummy, dummy, dummy, eps, *select,
-                            K=width, **k_loop(bt, bn, width), CARRY=False, NORM=False, GELU=True, SELECT=True,
+                            K=width, **_loop(bt, bn, width), CARRY=False, NORM=False, GELU=True, SELECT=True,
                             **common)
     return Routing(choice, weight, ids, expert_w, skip_w, z)
 
@@ -210,13 +267,13 @@ def gemm_tiles(tokens: int, n: int) -> tuple[int, int]:
     return bm, bn
 
 
-def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out: torch.Tensor, with_gelu: bool) -> None:
+def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out: torch.Tensor, gelu: bool) -> None:
     tokens, k = x.shape
     n = weight.shape[0]
     bm, bn = gemm_tiles(tokens, n)
     _gemm_kernel[(cdiv(n, bn), cdiv(tokens, bm))](
         x, weight, bias, out, tokens, K=k, N=n, BM=bm, BN=bn, BK=min(GEMM_BK, next_power_of_2(k)),
-        STAGES=GEMM_STAGES, GELU=with_gelu, num_warps=8 if bm * bn >= 128 * 64 else 4)
+        STAGES=GEMM_STAGES, GELU=gelu, num_warps=8 if bm * bn >= 128 * 64 else 4)
 
 
 def gemm_route(x32, down_weight, down_bias, carry, states_scale, norm_weight, eps, fc1_weight, fc1_bias, fc2_weight,
@@ -226,15 +283,15 @@ def gemm_route(x32, down_weight, down_bias, carry, states_scale, norm_weight, ep
     tokens = x32.shape[0]
     width, classes = down_weight.shape[0], out_weight.shape[0]
     choice, ids, weight, expert_w, skip_w, (z, u1, u2) = _outputs(tokens, 3, width, x32.device)
-    _gemm(x32, down_weight, down_bias, z, with_gelu=False)
+    _gemm(x32, down_weight, down_bias, z, gelu=False)
     if carry is None:
         new_carry, normed, _ = residual_rms_norm(z, norm_weight, eps)
     else:
         new_carry, normed, _ = residual_rms_norm(carry, norm_weight, eps, residual=z, update_scale=states_scale)
-    _gemm(normed, fc1_weight, fc1_bias, u1, with_gelu=True)
-    _gemm(u1, fc2_weight, fc2_bias, u2, with_gelu=True)
+    _gemm(normed, fc1_weight, fc1_bias, u1, gelu=True)
+    _gemm(u1, fc2_weight, fc2_bias, u2, gelu=True)
     bc = next_power_of_2(classes)
     _select_kernel[(cdiv(tokens, SELECT_TOKENS),)](
         u2, out_weight, balancing_biases, choice, weight, ids, expert_w, skip_w, tokens, K=width, CLASSES=classes,
-        BT=SELECT_TOKENS, BC=bc, BK=k_chunk(SELECT_TOKENS, bc, width), num_warps=4)
+        BT=SELECT_TOKENS, BC=bc, BK=_chunk(SELECT_TOKENS, bc, width), num_warps=4)
     return Routing(choice, weight, ids, expert_w, skip_w, new_carry)
