@@ -285,6 +285,9 @@ class HybridCacheManager:
             self._insert(request, full, None)
 
     def _insert(self, request: Request, position: int, checkpoint: int | None) -> None:
+        """Cache the request's first `position` tokens under a lock it holds. Its forks that share leading pages
+        with it hold those through a lock of their own (a page a running request holds is never evictable, and
+        the request's lock ends when it does)."""
         pages = position // self.page_size
         window = request.window_page_ids[:pages] if self.window_pages is not None else None
         node = self.prefix_cache.insert(request.token_ids(0, position), request.page_ids[:pages], checkpoint, window)
@@ -293,6 +296,20 @@ class HybridCacheManager:
         request.cache_node = node
         request.cached_len = max(request.cached_len, position)
         self._use_cached_pages(request, node)
+        for holder in self.holders:
+            shared = self._shared_pages(holder, request.page_ids[:pages]) * self.page_size
+            if holder is not request and shared > holder.cached_len:
+                self._insert(holder, shared, None)
+
+    @staticmethod
+    def _shared_pages(request: Request, pages: list[int]) -> int:
+        """How many of `pages` the request holds as its own leading pages."""
+        count = 0
+        for mine, theirs in zip(request.page_ids, pages):
+            if mine != theirs:
+                break
+            count += 1
+        return count
 
     def _use_cached_pages(self, request: Request, node: TreeNode) -> None:
         """Where the tree already held pages of the same tokens (the request computed them again: it scored its

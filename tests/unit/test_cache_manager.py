@@ -287,3 +287,26 @@ def test_no_chunking_prefills_a_prompt_that_fits_the_budget_in_one_step():
     15 left beside r0's decode row; r2, longer than the budget, is split at the budget all the same."""
     assert _prompt_chunks(None) == {"r0": [10], "r1": [15, 1], "r2": [14, 15, 11]}
     assert _prompt_chunks(NO_CHUNKING) == {"r0": [10], "r1": [16], "r2": [16, 16, 8]}
+
+
+def test_a_fork_keeps_the_pages_it_shares_protected_when_its_parent_caches_them_and_ends() -> None:
+    """Found by the random schedules: a parent (n=2) forks with pages shared, then caches them in a node deeper
+    than the fork's lock and ends. The shared pages must stay protected while the fork runs (they were counted
+    evictable, so the counters drifted from the recount)."""
+    driver = _driver(page_size=2, num_pages=6, max_running=2, slots=3, caching="sparse", window=3, window_pages=4,
+                     k=1, lookahead=0, token_budget=2, chunk=None, interval=2, scoring=4, overlap=False, seed=0)
+    driver.add(PROMPTS[0][:5], SamplingParams(n=1, max_tokens=1))
+    driver.step()
+    driver.add([0, 3, 0], SamplingParams(n=1, max_tokens=2))
+    for _ in range(4):
+        driver.step()
+    driver.add(PROMPTS[0][:1], SamplingParams(n=1, max_tokens=2))
+    driver.end(0, "abort")
+    driver.add(PROMPTS[0][:5], SamplingParams(n=2, max_tokens=3))
+    forked_while_parent_ran = False
+    while driver.scheduler.has_work():
+        driver.step()
+        _check(driver)
+        running = {r.request_id for r in driver.scheduler.running}
+        forked_while_parent_ran |= {"r3", "r3#4"} <= running
+    assert forked_while_parent_ran
