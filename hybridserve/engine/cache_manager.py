@@ -69,6 +69,8 @@ class HybridCacheManager:
         self.prefix_kv_match_tokens = 0  # attention KV matched, also beyond the deepest state checkpoint
         self._free_rows = list(range(self.num_rows - 1, -1, -1))
         self._holders: dict[int, Request] = {}  # by serial: the requests that hold pages, a slot and a row
+        # by serial: the holders forked from one request (n > 1), which may share pages their own locks miss
+        self._families: dict[int, list[Request]] = {}
         self._pending = StepCache()  # work for the next plan
         self._unsettled: dict[int, Snapshot] = {}  # by slot: checkpoints of scheduled steps not yet processed
 
@@ -154,6 +156,10 @@ class HybridCacheManager:
         ops.restores.append((parent.state_slot, slot))
         child.state_slot, child.num_computed_tokens = slot, parent.num_computed_tokens
         self._take_row(child)
+        if full:  # they share pages (a parent preempted meanwhile holds none)
+            family = self._families.setdefault(parent.serial, [parent])
+            family.append(child)
+            self._families[child.serial] = family
         if self.prefix_cache is not None:
             self.prefix_cache.lock(parent.cache_node)
             child.cache_node, child.cached_len = parent.cache_node, parent.cached_len
@@ -167,6 +173,9 @@ class HybridCacheManager:
         for snapshot in self._unsettled.values():
             snapshot.void |= snapshot.request is request  # re-admitted before its step ran, it holds new pages
         self._holders.pop(request.serial, None)
+        family = self._families.pop(request.serial, None)
+        if family is not None:
+            family.remove(request)
         self._drop(request)
 
     def accept(self, request: Request, computed: int) -> None:
@@ -285,9 +294,9 @@ class HybridCacheManager:
             self._insert(request, full, None)
 
     def _insert(self, request: Request, position: int, checkpoint: int | None) -> None:
-        """Cache the request's first `position` tokens under a lock it holds. Its forks that share leading pages
-        with it hold those through a lock of their own (a page a running request holds is never evictable, and
-        the request's lock ends when it does)."""
+        """Cache the request's first `position` tokens under a lock it holds. The requests of its fork family
+        that share leading pages with it hold those through a lock of their own (a page a running request holds
+        is never evictable, and the request's lock ends when it does)."""
         pages = position // self.page_size
         window = request.window_page_ids[:pages] if self.window_pages is not None else None
         node = self.prefix_cache.insert(request.token_ids(0, position), request.page_ids[:pages], checkpoint, window)
@@ -296,7 +305,7 @@ class HybridCacheManager:
         request.cache_node = node
         request.cached_len = max(request.cached_len, position)
         self._use_cached_pages(request, node)
-        for holder in self.holders:
+        for holder in self._families.get(request.serial, ()):
             shared = self._shared_pages(holder, request.page_ids[:pages]) * self.page_size
             if holder is not request and shared > holder.cached_len:
                 self._insert(holder, shared, None)
@@ -374,6 +383,8 @@ class HybridCacheManager:
                 raise RuntimeError(f"{kind} accounting broken: free + evictable + protected = {parts}, total "
                                    f"{counts[f'{kind}_total']} ({recounted}, {counts})")
         rows = [r.table_row for r in holders]
+        if any(self._holders.get(r.serial) is not r for family in self._families.values() for r in family):
+            raise RuntimeError("a fork family lists a request that no longer holds anything")
         if sorted(rows + self._free_rows) != list(range(self.num_rows)):
             raise RuntimeError(f"device-table rows broken: held {rows}, free {self._free_rows}")
         if self.window_pages is not None:

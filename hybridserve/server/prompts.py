@@ -97,9 +97,8 @@ def completion_prompts(tokenizer: PreTrainedTokenizerBase, prompt: PromptInput, 
 
 def _truncated(ids: list[int], text: str | None, truncation: Truncation | None) -> tuple[list[int], str | None]:
     """A prompt cut to `truncation`: the kept ids, and its text only if nothing was cut."""
-    if truncation is None or len(ids) <= truncation.keep:
-        return ids, text
-    return truncation.apply(ids), None
+    kept = ids if truncation is None else truncation.apply(ids)
+    return kept, text if len(kept) == len(ids) else None
 
 
 def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage], template_options: dict,

@@ -90,7 +90,7 @@ def compile_for_sm90(record: dict) -> None:
 def covering(records: list[dict]) -> list[dict]:
     """Records that between them give every constexpr of every kernel each value it was launched with (greedy),
     so every branch a launch took is compiled without compiling every combination."""
-    missing = {(r["module"], r["name"], key, repr(value)) for r in records for key, value in r["constexprs"].items()}
+    missing = set().union(*map(_pairs, records))
     chosen = []
     while missing:
         best = max(records, key=lambda r: len(_pairs(r) & missing))

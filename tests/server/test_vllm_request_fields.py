@@ -121,7 +121,7 @@ def test_listed_ids_get_the_models_own_logprobs(client):
     listed = _complete(client, logprobs=0, max_tokens=1, logprob_token_ids=sorted(_ids(top)),
                        allowed_token_ids=[42], return_tokens_as_token_ids=True)
     scored = listed.choices[0].logprobs.top_logprobs[0]
-    assert {name: scored[name] for name in top} == pytest.approx(top, abs=1e-4)
+    assert {name: scored[name] for name in top} == pytest.approx(top, abs=1e-5)  # fp32, other chunking
 
 
 def test_listed_ids_when_streamed(client):
