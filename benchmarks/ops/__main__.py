@@ -8,6 +8,7 @@ MODES = {
     "micro": ("benchmarks.ops._micro", "each kernel against its torch reference and its bytes/FLOPs floor "
                                           "(cases: benchmarks/ops/<op>.py)"),
     "fp8": ("benchmarks.ops.fp8", "the FP8 kernels against the bf16 paths they replace: achieved bandwidth"),
+    "grid-sync": ("benchmarks.ops.grid_sync", "a kernel boundary against a grid barrier in one persistent launch"),
     "launches": ("benchmarks.ops._launches", "CUDA kernel launches of one decode step at real widths"),
     "layer-launches": ("benchmarks.ops._layer_launches", "launches per decoder layer, counted on CPU "
                                                          "(no GPU needed)"),

@@ -58,26 +58,70 @@ def _pair(ids_ptr, weights_ptr, pair, EXPERTS: tl.constexpr):
 
 
 @triton.jit
+def gate_up_block(x_ptr, stride_x, w13_ptr, act_ptr, inter, ws_ptr, stride_se, stride_ws, pair, block, expert,
+                  TOP_K: tl.constexpr, H: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+                  W_SCALES: tl.constexpr, ROW_BLOCKS: tl.constexpr):
+    """act[pair, cols] = SiLU(gate) * up of the BN / 2 intermediate columns of block `block` of a live pair with
+    expert `expert`; w13 rows 2j (gate) and 2j + 1 (up) of the tile are column j's (W_SCALES: e4m3 weights with
+    scales `stride_se` apart per expert, `gemv.dot_rows`)."""
+    lane = tl.arange(0, BN)
+    col = block * (BN // 2) + lane // 2
+    one = tl.arange(0, 1)
+    dots = dot_rows(x_ptr + tl.cast(pair // TOP_K, tl.int64) * stride_x, 0, one, one == 0,
+                    w13_ptr + expert * 2 * inter * H, H, col + (lane % 2) * inter, col < inter,
+                    ws_ptr + expert * stride_se, stride_ws, H, 1, BN, BK, STAGES, W_SCALES, ROW_BLOCKS)
+    gate, up = tl.split(tl.reshape(dots, (BN // 2, 2)))
+    out = (gate / (1.0 + tl.exp(-gate)) * up).to(act_ptr.dtype.element_ty)  # the grouped form's SiLU(gate)*up
+    half = block * (BN // 2) + tl.arange(0, BN // 2)
+    tl.store(act_ptr + tl.cast(pair, tl.int64) * inter + half, out, mask=half < inter)
+
+
+@triton.jit
 def _gemv_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, weights_ptr, act_ptr, stride_x, inter, ws_ptr, stride_se,
                          stride_ws, TOP_K: tl.constexpr, EXPERTS: tl.constexpr, H: tl.constexpr, BN: tl.constexpr,
                          BK: tl.constexpr, STAGES: tl.constexpr, W_SCALES: tl.constexpr, ROW_BLOCKS: tl.constexpr,
                          USE_PDL: tl.constexpr):
-    """act[pair, cols] = SiLU(gate) * up of BN / 2 intermediate columns; w13 rows 2j (gate) and 2j + 1 (up) of the
-    tile are column j's (W_SCALES: e4m3 weights with scales `stride_se` apart per expert, `gemv.dot_rows`)."""
+    """`gate_up_block` of pair program_id(0), block program_id(1)."""
     wait_for_previous(USE_PDL)
     pair = tl.program_id(0)
     expert, _, live = _pair(ids_ptr, weights_ptr, pair, EXPERTS)
     if live:  # else the down launch skips the pair too: its act row is never read
-        lane = tl.arange(0, BN)
-        col = tl.program_id(1) * (BN // 2) + lane // 2
-        one = tl.arange(0, 1)
-        dots = dot_rows(x_ptr + (pair // TOP_K).to(tl.int64) * stride_x, 0, one, one == 0,
-                        w13_ptr + expert * 2 * inter * H, H, col + (lane % 2) * inter, col < inter,
-                        ws_ptr + expert * stride_se, stride_ws, H, 1, BN, BK, STAGES, W_SCALES, ROW_BLOCKS)
-        gate, up = tl.split(tl.reshape(dots, (BN // 2, 2)))
-        out = (gate / (1.0 + tl.exp(-gate)) * up).to(act_ptr.dtype.element_ty)  # the grouped form's SiLU(gate)*up
-        half = tl.program_id(1) * (BN // 2) + tl.arange(0, BN // 2)
-        tl.store(act_ptr + pair.to(tl.int64) * inter + half, out, mask=half < inter)
+        gate_up_block(x_ptr, stride_x, w13_ptr, act_ptr, inter, ws_ptr, stride_se, stride_ws, pair, tl.program_id(1),
+                      expert, TOP_K, H, BN, BK, STAGES, W_SCALES, ROW_BLOCKS)
+
+
+@triton.jit
+def down_block(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, counter_ptr, ws_ptr, stride_se, stride_ws,
+               r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0, nw_ptr, x_out_ptr, h_ptr, h32_ptr,
+               width, eps, row, block, blocks, CHOICES: tl.constexpr, EXPERTS: tl.constexpr, I: tl.constexpr,
+               BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, W_SCALES: tl.constexpr,
+               ROW_BLOCKS: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+               HAS_UB: tl.constexpr, HAS_US: tl.constexpr, HAS_RB: tl.constexpr, HAS_RS: tl.constexpr,
+               HAS_SKIP: tl.constexpr, FP32_COPY: tl.constexpr):
+    """out[row, cols] of column block `block` (of `blocks`) = the sum over the row's CHOICES pairs, in order, of
+    (act[pair] @ w2[e]^T * weight) rounded to out's dtype, summed in fp32 and rounded once (one pair: its weighted
+    row); with NORM, then the row's residual norm by the last of its `blocks` programs (module docstring; the
+    arguments are `norm.residual_norm_row`'s)."""
+    col = block * BN + tl.arange(0, BN)
+    col_ok = col < hidden
+    one = tl.arange(0, 1)
+    total = tl.zeros([BN], dtype=tl.float32)
+    for choice in tl.static_range(CHOICES):
+        pair = row * CHOICES + choice
+        expert, weight, live = _pair(ids_ptr, weights_ptr, pair, EXPERTS)
+        if live:
+            dots = dot_rows(act_ptr + tl.cast(pair, tl.int64) * I, 0, one, one == 0, w2_ptr + expert * hidden * I, I,
+                            col, col_ok, ws_ptr + expert * stride_se, stride_ws, I, 1, BN, BK, STAGES, W_SCALES,
+                            ROW_BLOCKS)
+            total += tl.reshape(dots * weight, (BN,)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + tl.cast(row, tl.int64) * hidden + col, total.to(out_ptr.dtype.element_ty), mask=col_ok)
+    if NORM:
+        tl.debug_barrier()  # every thread's stores precede the release below
+        if tl.atomic_add(counter_ptr + row, 1, sem="acq_rel") == blocks - 1:
+            residual_norm_row(row, out_ptr, hidden, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr,
+                              sx_s0, nw_ptr, x_out_ptr, h_ptr, h32_ptr, width, eps, BLOCK, HAS_RESIDUAL, HAS_UB,
+                              HAS_US, HAS_RB, HAS_RS, HAS_SKIP, FP32_COPY, ".cg")
+            tl.store(counter_ptr + row, 0)
 
 
 @triton.jit
@@ -88,35 +132,18 @@ def _gemv_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, co
                       ROW_BLOCKS: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
                       HAS_RESIDUAL: tl.constexpr, HAS_UB: tl.constexpr, HAS_US: tl.constexpr, HAS_RB: tl.constexpr,
                       HAS_RS: tl.constexpr, HAS_SKIP: tl.constexpr, FP32_COPY: tl.constexpr, USE_PDL: tl.constexpr):
-    """out[row, cols] = the sum over the row's CHOICES pairs, in order, of (act[pair] @ w2[e]^T * weight) rounded
-    to out's dtype, summed in fp32 and rounded once (one pair: its weighted row); with NORM, then the row's residual
-    norm by its last program (module docstring; the arguments are `norm.residual_norm_row`'s)."""
-    row = tl.program_id(0)
-    col = tl.program_id(1) * BN + tl.arange(0, BN)
-    col_ok = col < hidden
+    """`down_block` of output row program_id(0), column block program_id(1)."""
     if USE_PDL:  # the pairs' experts were chosen two launches back, before the gate/up launch could start: their
-        for choice in tl.static_range(CHOICES):  # weights' stream starts before the wait (ops/triton/pdl.py)
-            expert, _, live = _pair(ids_ptr, weights_ptr, row * CHOICES + choice, EXPERTS)
-            prefetch_rows(w2_ptr + expert * hidden * I, col, col_ok & live, I, I)
+        col = tl.program_id(1) * BN + tl.arange(0, BN)  # weights' stream starts before the wait (ops/triton/pdl.py)
+        for choice in tl.static_range(CHOICES):
+            expert, _, live = _pair(ids_ptr, weights_ptr, tl.program_id(0) * CHOICES + choice, EXPERTS)
+            prefetch_rows(w2_ptr + expert * hidden * I, col, (col < hidden) & live, I, I)
     wait_for_previous(USE_PDL)
-    one = tl.arange(0, 1)
-    total = tl.zeros([BN], dtype=tl.float32)
-    for choice in tl.static_range(CHOICES):
-        pair = row * CHOICES + choice
-        expert, weight, live = _pair(ids_ptr, weights_ptr, pair, EXPERTS)
-        if live:
-            dots = dot_rows(act_ptr + pair.to(tl.int64) * I, 0, one, one == 0, w2_ptr + expert * hidden * I, I,
-                            col, col_ok, ws_ptr + expert * stride_se, stride_ws, I, 1, BN, BK, STAGES, W_SCALES,
-                            ROW_BLOCKS)
-            total += tl.reshape(dots * weight, (BN,)).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row.to(tl.int64) * hidden + col, total.to(out_ptr.dtype.element_ty), mask=col_ok)
-    if NORM:
-        tl.debug_barrier()  # every thread's stores precede the release below
-        if tl.atomic_add(counter_ptr + row, 1, sem="acq_rel") == tl.num_programs(1) - 1:
-            residual_norm_row(row, out_ptr, hidden, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr,
-                              sx_s0, nw_ptr, x_out_ptr, h_ptr, h32_ptr, width, eps, BLOCK, HAS_RESIDUAL, HAS_UB,
-                              HAS_US, HAS_RB, HAS_RS, HAS_SKIP, FP32_COPY, ".cg")
-            tl.store(counter_ptr + row, 0)
+    down_block(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, counter_ptr, ws_ptr, stride_se, stride_ws,
+               r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0, nw_ptr, x_out_ptr, h_ptr, h32_ptr,
+               width, eps, tl.program_id(0), tl.program_id(1), tl.num_programs(1), CHOICES, EXPERTS, I, BN, BK,
+               STAGES, W_SCALES, ROW_BLOCKS, NORM, BLOCK, HAS_RESIDUAL, HAS_UB, HAS_US, HAS_RB, HAS_RS, HAS_SKIP,
+               FP32_COPY)
 
 
 def _rows_streamed(rows: int, top_k: int, fp8: Fp8Scales | None) -> int:
@@ -141,13 +168,13 @@ def takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.
     return topk_ids.numel() <= MAX_PAIRS and x.stride(1) == 1 and w13.is_contiguous() and w2.is_contiguous()
 
 
-def _expert_scales(scales: tuple) -> tuple:
+def expert_scales(scales: tuple) -> tuple:
     """`gemv.fp8_args`' scale arguments for a stack: the scales' stride between experts after their base."""
     scale, stride_ws = scales
     return scale, scale.stride(0), stride_ws
 
 
-def _gate_up_row_blocks(inter: int, rows: int) -> int:
+def gate_up_row_blocks(inter: int, rows: int) -> int:
     """`gemv.fp8_args`' ROW_BLOCKS of a gate/up program: its rows pair BN / 2 consecutive gate rows with the up rows
     `inter` below them, a scale block each where `inter` is a whole number of blocks (else unknown, 0)."""
     return 2 if inter % SCALE_BLOCK == 0 and rows // 2 <= SCALE_BLOCK else 0
@@ -177,18 +204,18 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
                                     down_tiles(hidden, inter, down_fp8, top_k))
         if up_tiles.BN < 2 or up_tiles.BT != 1 or down.BT != 1:
             raise ValueError(f"GEMV expert tiles need BT = 1 and at least 2 gate/up rows; got {up_tiles}, {down}")
-        up_scales, up_kinds = fp8_args(up_fp8, w13, up_tiles, _gate_up_row_blocks(inter, up_tiles.BN))
+        up_scales, up_kinds = fp8_args(up_fp8, w13, up_tiles, gate_up_row_blocks(inter, up_tiles.BN))
         down_scales, down_kinds = fp8_args(down_fp8, w2, down, consecutive_row_blocks(down.BN))
         ids = topk_ids.reshape(-1).contiguous()
         weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
         act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
         _gemv_gate_up_kernel[(pairs, cdiv(2 * inter, up_tiles.BN))](
-            x, w13, ids, weights, act, x.stride(0), inter, *_expert_scales(up_scales), TOP_K=top_k, EXPERTS=experts,
+            x, w13, ids, weights, act, x.stride(0), inter, *expert_scales(up_scales), TOP_K=top_k, EXPERTS=experts,
             H=hidden, BN=up_tiles.BN, BK=up_tiles.BK, STAGES=up_tiles.STAGES, **up_kinds, num_warps=up_tiles.num_warps,
             **pdl.launch(x.device))
         counter = arrival_counters("moe_down_norm", MAX_PAIRS, x.device) if norm is not None else out
         _gemv_down_kernel[(out.shape[0], cdiv(hidden, down.BN))](
-            act, w2, ids, weights, out, hidden, counter, *_expert_scales(down_scales), *epilogue,
+            act, w2, ids, weights, out, hidden, counter, *expert_scales(down_scales), *epilogue,
             CHOICES=top_k if reduce else 1, EXPERTS=experts, I=inter, BN=down.BN, BK=down.BK, STAGES=down.STAGES,
             **down_kinds, NORM=norm is not None, **flags, num_warps=down.num_warps, **pdl.launch(x.device))
     if norm is not None:

@@ -87,11 +87,12 @@ def _rows_times_cols(x_ptr, w_ptr, vec_ptr, rows, row_ok, cols, col_ok, K: tl.co
 
 
 @triton.jit
-def _select(u_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr, rows, row_ok,
-            K: tl.constexpr, CLASSES: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-            U_GELU: tl.constexpr, CACHE: tl.constexpr):
+def select(u_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr, rows, row_ok, store_ok,
+           K: tl.constexpr, CLASSES: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+           U_GELU: tl.constexpr, CACHE: tl.constexpr):
     """Class logits of u's `rows` (GELU'd on load with U_GELU), softmax, argmax over p + balancing biases (the
-    first of equal maxima, as torch's argmax), and the routing outputs."""
+    first of equal maxima, as torch's argmax), and the routing outputs of the rows where `store_ok`.
+    -> (expert ids, expert weights) [BT]: the choice with skip as expert 0, the weight with skip as 0."""
     c = tl.arange(0, BC)
     c_valid = c < CLASSES
     logits, _ = _rows_times_cols(u_ptr, wo_ptr, u_ptr, rows, row_ok, c, c_valid, K, BT, BC, BK, 1, False, U_GELU,
@@ -104,31 +105,30 @@ def _select(u_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_p
     choice = tl.argmax(biased, axis=1, tie_break_left=True)
     weight = tl.sum(tl.where(c[None, :] == choice[:, None], probs, 0.0), axis=1)
     skip = choice == CLASSES - 1
-    tl.store(choice_ptr + rows, choice.to(tl.int64), mask=row_ok)
-    tl.store(weight_ptr + rows, weight, mask=row_ok)
-    tl.store(ids_ptr + rows, tl.where(skip, 0, choice).to(tl.int64), mask=row_ok)
-    tl.store(expert_w_ptr + rows, tl.where(skip, 0.0, weight), mask=row_ok)
-    tl.store(skip_w_ptr + rows, tl.where(skip, weight, 0.0), mask=row_ok)
+    ids = tl.where(skip, 0, choice).to(tl.int64)
+    expert_w = tl.where(skip, 0.0, weight)
+    tl.store(choice_ptr + rows, choice.to(tl.int64), mask=store_ok)
+    tl.store(weight_ptr + rows, weight, mask=store_ok)
+    tl.store(ids_ptr + rows, ids, mask=store_ok)
+    tl.store(expert_w_ptr + rows, expert_w, mask=store_ok)
+    tl.store(skip_w_ptr + rows, tl.where(skip, weight, 0.0), mask=store_ok)
+    return ids, expert_w
 
 
-@triton.jit(do_not_specialize=["num_tokens"])  # one variant for every token count of a tile bucket
-def _dense_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr, norm_ptr, eps,
-                  counter_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr,
-                  K: tl.constexpr, N: tl.constexpr, CLASSES: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr, STAGES: tl.constexpr, BC: tl.constexpr, BKC: tl.constexpr, CARRY: tl.constexpr,
-                  NORM: tl.constexpr, GELU: tl.constexpr, SELECT: tl.constexpr, USE_PDL: tl.constexpr):
+@triton.jit
+def dense_block(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr, norm_ptr, eps, token_block, col_block,
+                K: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                STAGES: tl.constexpr, CARRY: tl.constexpr, NORM: tl.constexpr, GELU: tl.constexpr,
+                X_CACHE: tl.constexpr):
     """out[rows, cols] = act(x'[rows] @ w[cols]^T + b[cols]) (+ carry[rows, cols] * scale[cols], with CARRY) for
-    this program's BT tokens and BN columns; x' = norm_weight * x * rstd(x) with NORM, act = GELU with GELU.
-    With SELECT, the token block's last program to finish then selects its classes from the whole out rows."""
-    rows = tl.program_id(1) * BT + tl.arange(0, BT)
+    BT tokens and BN columns (blocks `token_block`, `col_block`); x' = norm_weight * x * rstd(x) with NORM, act =
+    GELU with GELU; x loaded with X_CACHE (".cg" where other programs of the launch wrote it). -> (rows, row_ok)."""
+    rows = token_block * BT + tl.arange(0, BT)
     row_ok = rows < num_tokens
-    cols = tl.program_id(0) * BN + tl.arange(0, BN)
+    cols = col_block * BN + tl.arange(0, BN)
     col_ok = cols < N
-    if USE_PDL:  # no kernel writes the weights: their stream starts before the wait (ops/triton/pdl.py)
-        prefetch_rows(w_ptr, cols, col_ok, K, K)
-    wait_for_previous(USE_PDL)
     acc, squares = _rows_times_cols(x_ptr, w_ptr, norm_ptr, rows, row_ok, cols, col_ok, K, BT, BN, BK, STAGES, NORM,
-                                    False, "")
+                                    False, X_CACHE)
     if NORM:  # rstd after the product: (x * w_norm) @ W^T * rstd = (w_norm * x * rstd) @ W^T
         acc *= tl.rsqrt(squares / K + eps)[:, None]
     acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0)[None, :]
@@ -140,12 +140,29 @@ def _dense_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr
     if GELU:
         acc = _gelu(acc)
     tl.store(out_ptr + tile, acc, mask=ok)
+    return rows, row_ok
+
+
+@triton.jit(do_not_specialize=["num_tokens"])  # one variant for every token count of a tile bucket
+def _dense_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr, norm_ptr, eps,
+                  counter_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr,
+                  K: tl.constexpr, N: tl.constexpr, CLASSES: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, STAGES: tl.constexpr, BC: tl.constexpr, BKC: tl.constexpr, CARRY: tl.constexpr,
+                  NORM: tl.constexpr, GELU: tl.constexpr, SELECT: tl.constexpr, USE_PDL: tl.constexpr):
+    """`dense_block` of this program's BT tokens and BN columns. With SELECT, the token block's last program to
+    finish then selects its classes from the whole out rows."""
+    if USE_PDL:  # no kernel writes the weights: their stream starts before the wait (ops/triton/pdl.py)
+        cols = tl.program_id(0) * BN + tl.arange(0, BN)
+        prefetch_rows(w_ptr, cols, cols < N, K, K)
+    wait_for_previous(USE_PDL)
+    rows, row_ok = dense_block(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr, norm_ptr, eps,
+                               tl.program_id(1), tl.program_id(0), K, N, BT, BN, BK, STAGES, CARRY, NORM, GELU, "")
     if SELECT:
         tl.debug_barrier()  # every thread's stores precede the release below
         arrived = tl.atomic_add(counter_ptr + tl.program_id(1), 1, sem="acq_rel")
         if arrived == tl.num_programs(0) - 1:
-            _select(out_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr, rows,
-                    row_ok, N, CLASSES, BT, BC, BKC, False, ".cg")  # .cg: the other programs' u2, from L2
+            select(out_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr, rows,
+                   row_ok, row_ok, N, CLASSES, BT, BC, BKC, False, ".cg")  # .cg: the other programs' u2, from L2
             tl.store(counter_ptr + tl.program_id(1), 0)
 
 
@@ -174,8 +191,9 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, K: tl.constexpr, N: t
 def _select_kernel(u_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr, num_tokens,
                    K: tl.constexpr, CLASSES: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
-    _select(u_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr, rows,
-            rows < num_tokens, K, CLASSES, BT, BC, BK, False, "")
+    row_ok = rows < num_tokens
+    select(u_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr, rows, row_ok, row_ok, K,
+           CLASSES, BT, BC, BK, False, "")
 
 
 def _arrival_counters(device: torch.device) -> torch.Tensor:
@@ -183,13 +201,13 @@ def _arrival_counters(device: torch.device) -> torch.Tensor:
     return arrival_counters("zaya_router", FUSED_MAX_TOKENS, device)
 
 
-def _loop(rows: int, cols: int, k: int) -> dict:
+def k_loop(rows: int, cols: int, k: int) -> dict:
     """BK and STAGES of a fused launch's K loop: pipelined when it has more than one chunk."""
-    chunk = _chunk(rows, cols, k)
+    chunk = k_chunk(rows, cols, k)
     return dict(BK=chunk, STAGES=PIPELINE_STAGES if chunk < k else 1)
 
 
-def _chunk(rows: int, cols: int, k: int) -> int:
+def k_chunk(rows: int, cols: int, k: int) -> int:
     """K chunk of a [rows, cols, chunk] product tile of about TILE_ELEMENTS (at least 8 lanes, one 32-byte sector
     of a row; at most K)."""
     return min(max(8, TILE_ELEMENTS // (rows * cols)), next_power_of_2(k))
@@ -204,7 +222,7 @@ def fused_tiles(tokens: int, n: int) -> tuple[int, int]:
     return bt, min(next_power_of_2(n), next_power_of_2(-(-area // bt)))
 
 
-def _outputs(tokens: int, planes: int, width: int, device: torch.device):
+def outputs(tokens: int, planes: int, width: int, device: torch.device):
     """(choice [T], ids [T, 1], weight, expert weight, skip weight [T, 1], `planes` fp32 [T, width] buffers) in two
     allocations (each a few us of host time, 40 layers a step). Every piece starts on a 16-byte boundary (rows padded
     to `padded`): Triton specialises pointers on that, so every token count shares the same variants."""
@@ -234,24 +252,24 @@ def fused_route(x32, down_weight, down_bias, carry, states_scale, norm_weight, e
     """The decode form: three `_dense_kernel` launches (module docstring). Arguments as `eda_route`'s, checked."""
     tokens, hidden = x32.shape
     width, classes = down_weight.shape[0], out_weight.shape[0]
-    choice, ids, weight, expert_w, skip_w, (z, u1, u2) = _outputs(tokens, 3, width, x32.device)
+    choice, ids, weight, expert_w, skip_w, (z, u1, u2) = outputs(tokens, 3, width, x32.device)
     if tokens:
         bt, bn = fused_tiles(tokens, width)
         grid = (cdiv(width, bn), cdiv(tokens, bt))
         bc = next_power_of_2(classes)
         dummy = x32
         select = (_arrival_counters(x32.device), out_weight, balancing_biases, choice, weight, ids, expert_w, skip_w)
-        common = dict(N=width, CLASSES=classes, BT=bt, BN=bn, BC=bc, BKC=_chunk(bt, bc, width), num_warps=4,
+        common = dict(N=width, CLASSES=classes, BT=bt, BN=bn, BC=bc, BKC=k_chunk(bt, bc, width), num_warps=4,
                       **pdl.launch(x32.device))
         _dense_kernel[grid](x32, down_weight, down_bias, z, tokens, carry if carry is not None else dummy,
                             states_scale if carry is not None else dummy, dummy, eps, *(dummy,) * 8,
-                            K=hidden, **_loop(bt, bn, hidden), CARRY=carry is not None, NORM=False, GELU=False,
+                            K=hidden, **k_loop(bt, bn, hidden), CARRY=carry is not None, NORM=False, GELU=False,
                             SELECT=False, **common)
         _dense_kernel[grid](z, fc1_weight, fc1_bias, u1, tokens, dummy, dummy, norm_weight, eps, *(dummy,) * 8,
-                            K=width, **_loop(bt, bn, width), CARRY=False, NORM=True, GELU=True, SELECT=False,
+                            K=width, **k_loop(bt, bn, width), CARRY=False, NORM=True, GELU=True, SELECT=False,
                             **common)
         _dense_kernel[grid](u1, fc2_weight, fc2_bias, u2, tokens, dummy, dummy, dummy, eps, *select,
-                            K=width, **_loop(bt, bn, width), CARRY=False, NORM=False, GELU=True, SELECT=True,
+                            K=width, **k_loop(bt, bn, width), CARRY=False, NORM=False, GELU=True, SELECT=True,
                             **common)
     return Routing(choice, weight, ids, expert_w, skip_w, z)
 
@@ -282,7 +300,7 @@ def gemm_route(x32, down_weight, down_bias, carry, states_scale, norm_weight, ep
     for carry + RMSNorm, `_select_kernel` for the selection. Arguments as `eda_route`'s, checked."""
     tokens = x32.shape[0]
     width, classes = down_weight.shape[0], out_weight.shape[0]
-    choice, ids, weight, expert_w, skip_w, (z, u1, u2) = _outputs(tokens, 3, width, x32.device)
+    choice, ids, weight, expert_w, skip_w, (z, u1, u2) = outputs(tokens, 3, width, x32.device)
     _gemm(x32, down_weight, down_bias, z, gelu=False)
     if carry is None:
         new_carry, normed, _ = residual_rms_norm(z, norm_weight, eps)
@@ -293,5 +311,5 @@ def gemm_route(x32, down_weight, down_bias, carry, states_scale, norm_weight, ep
     bc = next_power_of_2(classes)
     _select_kernel[(cdiv(tokens, SELECT_TOKENS),)](
         u2, out_weight, balancing_biases, choice, weight, ids, expert_w, skip_w, tokens, K=width, CLASSES=classes,
-        BT=SELECT_TOKENS, BC=bc, BK=_chunk(SELECT_TOKENS, bc, width), num_warps=4)
+        BT=SELECT_TOKENS, BC=bc, BK=k_chunk(SELECT_TOKENS, bc, width), num_warps=4)
     return Routing(choice, weight, ids, expert_w, skip_w, new_carry)
