@@ -6,8 +6,16 @@ class runs no expert; its scaled identity joins the norm) and the residual norm 
     (x_new, h) = norm(u [+ skip_weight * x])               ops.norm's ResidualNorm (the skip term: scaled identity)
 
 The model runs these three ops as they are (the reference: ops/reference/zaya_moe.py), except where `takes` says
-one persistent launch does them all (ops/triton/zaya_moe.py): CUDA, one rank, a decode-sized step."""
+one persistent launch does them all (ops/triton/zaya_moe.py): CUDA, one rank, a decode-sized step, and only with
+HYBRIDSERVE_ONE_LAUNCH_MOE=1. It is off by default because it has not yet shown a gain: its first form (one
+program per SM) decoded 40-layer ZAYA1-8B at batch 1 at 356 tok/s against the separate kernels' 431 on an H200
+(benchmarks/results/h200-zaya1-8b-40layers-one-launch-moe.json); the present form (two programs per SM, so that
+the experts' weight streams are as many as the separate kernels') is unmeasured. docs/performance.md has the A/B
+command."""
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 
@@ -18,11 +26,17 @@ from hybridserve.ops.norm import ResidualNorm
 from hybridserve.ops.reference.zaya_router import EDARouterWeights
 
 
+@functools.cache
+def enabled() -> bool:
+    """Whether HYBRIDSERVE_ONE_LAUNCH_MOE=1 asks for the one launch (read once per process)."""
+    return os.environ.get("HYBRIDSERVE_ONE_LAUNCH_MOE", "0") == "1"
+
+
 def takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, fp8: tuple[Fp8Scales, Fp8Scales] | None) -> bool:
-    """Whether the one launch runs this step (host sizes only): the Triton kernels on CUDA, one rank (the experts'
-    output is whole before the norm), at most the kernel's MAX_TOKENS tokens, 16-bit experts (FP8 ones keep the
-    separate kernels)."""
-    if fp8 is not None or tp_size() != 1 or not backends.use_triton("zaya_moe", x.device):
+    """Whether the one launch runs this step (host sizes only): asked for (`enabled`), the Triton kernels on CUDA,
+    one rank (the experts' output is whole before the norm), at most the kernel's MAX_TOKENS tokens, 16-bit experts
+    (FP8 ones keep the separate kernels)."""
+    if not enabled() or fp8 is not None or tp_size() != 1 or not backends.use_triton("zaya_moe", x.device):
         return False
     from hybridserve.ops.triton import zaya_moe as kernel
     return kernel.takes(x, w13, w2)

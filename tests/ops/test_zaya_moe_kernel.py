@@ -60,10 +60,10 @@ def one_launch(inputs: dict, scaled_identity: bool, programs: int | None = None)
                                                programs=programs, one_launch=False)
 
 
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-@pytest.mark.parametrize("tokens,skip_bias,carry,scaled_identity", [
-    (1, -10.0, True, True), (1, 10.0, True, True), (3, 0.3, False, True), (5, 0.3, True, False),
-    (8, 0.3, True, True)])
+@pytest.mark.parametrize("tokens,skip_bias,carry,scaled_identity,dtype", [
+    (1, -10.0, True, True, KERNEL_DTYPES[0]), (1, 10.0, True, True, KERNEL_DTYPES[-1]),
+    (3, 0.3, False, True, KERNEL_DTYPES[1]), (5, 0.3, True, False, KERNEL_DTYPES[-1]),
+    (8, 0.3, True, True, KERNEL_DTYPES[0])])
 def test_the_step_is_the_separate_kernels_bits(tokens, skip_bias, carry, scaled_identity, dtype):
     inputs = step_inputs(tokens, dtype, skip_bias, carry)
     (x, h, _), route = one_launch(inputs, scaled_identity)
@@ -76,7 +76,7 @@ def test_the_step_is_the_separate_kernels_bits(tokens, skip_bias, carry, scaled_
     assert skipped.all() if skip_bias > 5 else not skipped.any() if skip_bias < -5 else True
 
 
-@pytest.mark.parametrize("programs", [1, 3, 8, 64])
+@pytest.mark.parametrize("programs", [1, 3])
 def test_any_number_of_programs_gives_the_same_bits(programs):
     inputs = step_inputs(5, torch.float32, 0.3, True, seed=3)
     (x, h, _), route = one_launch(inputs, True)
@@ -105,10 +105,29 @@ def test_the_step_matches_the_reference_ops(scaled_identity):
     assert torch.allclose(h.cpu(), want_h, rtol=1e-5, atol=1e-5)
 
 
-def test_the_op_takes_only_what_the_launch_runs():
-    """CPU tensors, more tokens than MAX_TOKENS and FP8 experts keep the separate ops (the model's other path)."""
+@pytest.fixture
+def one_launch_env(monkeypatch):
+    """Sets HYBRIDSERVE_ONE_LAUNCH_MOE (None: unset) and forgets `enabled`'s answer, now and after the test."""
+    def set_to(value: str | None) -> None:
+        if value is None:
+            monkeypatch.delenv("HYBRIDSERVE_ONE_LAUNCH_MOE", raising=False)
+        else:
+            monkeypatch.setenv("HYBRIDSERVE_ONE_LAUNCH_MOE", value)
+        ops.enabled.cache_clear()
+    yield set_to
+    ops.enabled.cache_clear()
+
+
+def test_the_op_takes_only_what_the_launch_runs(one_launch_env):
+    """Not asked for (HYBRIDSERVE_ONE_LAUNCH_MOE unset or not 1), CPU tensors, more tokens than MAX_TOKENS and FP8
+    experts keep the separate ops (the model's other path)."""
     inputs = step_inputs(2, torch.float32, 0.3, True)
     args = (inputs["x"], inputs["w13"], inputs["w2"])
+    for value in (None, "0"):
+        one_launch_env(value)
+        assert not ops.enabled() and not ops.takes(*args, None)
+    one_launch_env("1")
+    assert ops.enabled()
     if DEVICE.type == "cpu":
         assert not ops.takes(*args, None)
         with pytest.raises(ValueError, match="ops.zaya_moe.takes"):

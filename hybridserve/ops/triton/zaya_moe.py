@@ -1,24 +1,26 @@
 """ZAYA1's MoE half of a decode layer in one persistent launch: the EDA router, the top-1 expert's SwiGLU and the
-residual norm after it (contract: `ops.zaya_moe.routed_experts_residual_norm`).
+residual norm after it (contract: `ops.zaya_moe.routed_experts_residual_norm`; off unless asked for, see there).
 
 At batch 1 the separate kernels (`ops.triton.zaya_router`'s three, `ops.triton.moe_gemv`'s two) each pay a launch
-and a ramp, about 28 us a layer on an H100 against a 7.5 us floor, most of it between kernels. Here one launch of
-about one program per SM runs the same five steps as phases, with a grid barrier (ops/triton/grid_sync.py) where a
-kernel boundary was:
-    0. z = x32 @ Wd^T + bd (+ carry * scale)             column blocks of the router width (`zaya_router.dense_block`)
-    1. u1 = GELU(fc1(RMSNorm(z)))                         the same blocks
-    2. u2 = GELU(fc2(u1))                                 the same blocks
-    3. every program selects every token's class itself (17 x 256 fp32 weights: cheaper than a barrier more), program
-       0 stores the routing; the gate|up rows of each live pair (`moe_gemv.gate_up_block`), after asking L2 for the
-       down rows the program will read in phase 4, so their stream overlaps the gate|up one
+and a ramp: they add 28 us a layer to an H100's batch-1 step against an 8.3 us bytes floor (docs/performance.md).
+Here one launch of two programs per SM runs the same five steps as phases, with a grid barrier
+(ops/triton/grid_sync.py) where a kernel boundary was:
+    0. z = x32 @ Wd^T + bd (+ carry * scale)       column blocks of the router width (`zaya_router.dense_block`)
+    1. u1 = GELU(fc1(RMSNorm(z)))                   the same blocks
+    2. u2 = GELU(fc2(u1))                           the same blocks
+    3. every program selects every token's class itself, in the router's token blocks (17 x 256 fp32 weights:
+       cheaper than one more barrier), program 0 stores the routing; L2 is asked for the down rows the program
+       reads in phase 4, so that their stream overlaps the gate|up one; the gate|up rows of each live pair
+       (`moe_gemv.gate_up_block`)
     4. the down rows (`moe_gemv.down_block`), each token's last program running its residual norm.
-Each program takes the work items of a phase in turn (item = pid, pid + programs, ...), on the tiles of the separate
-kernels, with the same block functions: a token's numbers are the separate kernels' bits (tests compare them).
+Each program takes the work items of a phase in turn (item = pid, pid + programs, ...), on the tiles of the
+separate kernels, with the same block functions: a token's numbers are the separate kernels' bits (tests compare
+them).
 
-Before the PDL wait each program asks L2 for its rows of the router weights. The grid is at most one program per
-SM (`grid_sync.resident_programs`), so all are resident at once. In Triton's interpreter (programs run one after
-another, where a barrier cannot work) each phase is a launch of its own: the same code, the kernel boundary in
-place of the barrier.
+Before the PDL wait each program asks L2 for its rows of the router weights. The grid is at most two programs per
+SM (`PROGRAMS_PER_SM`), so all are resident at once. In Triton's interpreter (programs run one after another,
+where a barrier cannot work) each phase is a launch of its own: the same code, the kernel boundary in place of the
+barrier.
 """
 from __future__ import annotations
 
@@ -43,14 +45,17 @@ from hybridserve.ops.triton.zaya_router import dense_block, fused_tiles, k_chunk
 MAX_TOKENS = 8  # tokens a step this form takes (the decode graphs' smallest buckets); more: the separate kernels
 PHASES = 5
 CPU_PROGRAMS = 8  # programs of an interpreted launch (tests): any count gives the same numbers
+# Programs an SM holds at once: two 4-warp programs always fit (registers: 2 x 128 threads x 255 at most of 64K;
+# shared memory: the experts' cp.async stages, under 64 KB a program, of an H100's or H200's 227 KB).
+PROGRAMS_PER_SM = 2
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _moe_step_kernel(
         x32_ptr, wd_ptr, bd_ptr, carry_ptr, scale_ptr, rn_ptr, r_eps, w1_ptr, b1_ptr, w2r_ptr, b2_ptr, wo_ptr,
         bias_ptr, z_ptr, u1_ptr, u2_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr,
-        x_ptr, stride_x, w13_ptr, w2_ptr, act_ptr, out_ptr, counter_ptr, barrier_ptr, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0,
-        nw_ptr, x_out_ptr, h_ptr, h32_ptr, width, eps, num_tokens,
+        x_ptr, stride_x, w13_ptr, w2_ptr, act_ptr, out_ptr, counter_ptr, barrier_ptr, r_ptr, r_s0, ub_ptr, us_ptr,
+        rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0, nw_ptr, x_out_ptr, h_ptr, h32_ptr, width, eps, num_tokens,
         FIRST: tl.constexpr, LAST: tl.constexpr, H: tl.constexpr, R: tl.constexpr, I: tl.constexpr,
         CLASSES: tl.constexpr, EXPERTS: tl.constexpr, CARRY: tl.constexpr,
         BT: tl.constexpr, BN: tl.constexpr, BK0: tl.constexpr, STAGES0: tl.constexpr, BKR: tl.constexpr,
@@ -97,9 +102,17 @@ def _moe_step_kernel(
         grid_barrier(barrier_ptr, 3 - FIRST)
     if FIRST <= 3 and LAST >= 3:
         tokens = tl.arange(0, TS)
-        token_ok = tokens < num_tokens
-        ids, expert_w = select(u2_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr,
-                               tokens, token_ok, token_ok & (pid == 0), R, CLASSES, TS, BC, BKC, False, ".cg")
+        ids = tl.zeros([TS], dtype=tl.int64)
+        expert_w = tl.zeros([TS], dtype=tl.float32)
+        for token_block in tl.static_range((TS + BT - 1) // BT):  # the router's token blocks: its selection's bits
+            rows = token_block * BT + tl.arange(0, BT)
+            row_ok = rows < num_tokens
+            block_ids, block_w = select(u2_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr,
+                                        skip_w_ptr, rows, row_ok, row_ok & (pid == 0), R, CLASSES, BT, BC, BKC, False,
+                                        ".cg")
+            here = tokens[:, None] == rows[None, :]
+            ids += tl.sum(tl.where(here, block_ids[None, :], 0), axis=1)
+            expert_w += tl.sum(tl.where(here, block_w[None, :], 0.0), axis=1)
         if PREFETCH:  # phase 4's down rows, for this phase's choices (its stores are not visible to all yet)
             for item in range(pid, num_tokens * BLOCKS_D, programs):
                 row = item // BLOCKS_D
@@ -117,10 +130,10 @@ def _moe_step_kernel(
         grid_barrier(barrier_ptr, 4 - FIRST)
     if FIRST <= 4 and LAST >= 4:
         for item in range(pid, num_tokens * BLOCKS_D, programs):
-            down_block(act_ptr, w2_ptr, ids_ptr, expert_w_ptr, out_ptr, H, counter_ptr, w2_ptr, 0, 0, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0, nw_ptr,
-                       x_out_ptr, h_ptr, h32_ptr, width, eps, item // BLOCKS_D, item % BLOCKS_D, BLOCKS_D, 1,
-                       EXPERTS, I, BN_D, BK_D, STAGES_D, "", 0, True, BLOCK,
-                       HAS_RESIDUAL, HAS_UB, HAS_US, HAS_RB, HAS_RS, HAS_SKIP, FP32_COPY)
+            down_block(act_ptr, w2_ptr, ids_ptr, expert_w_ptr, out_ptr, H, counter_ptr, w2_ptr, 0, 0, r_ptr, r_s0,
+                       ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0, nw_ptr, x_out_ptr, h_ptr, h32_ptr, width,
+                       eps, item // BLOCKS_D, item % BLOCKS_D, BLOCKS_D, 1, EXPERTS, I, BN_D, BK_D, STAGES_D, "", 0,
+                       True, BLOCK, HAS_RESIDUAL, HAS_UB, HAS_US, HAS_RB, HAS_RS, HAS_SKIP, FP32_COPY)
     if LAST > FIRST:
         finish(barrier_ptr, LAST - FIRST)
 
@@ -146,15 +159,17 @@ def takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
 
 
 def programs_for(device: torch.device, items: int) -> int:
-    """Programs of a launch with at most `items` work items in a phase: one per SM at most (all resident)."""
-    return max(1, min(items, resident_programs(device) if barriers_work(device) else CPU_PROGRAMS))
+    """Programs of a launch with at most `items` work items in a phase: PROGRAMS_PER_SM an SM at most (all
+    resident), so that the experts' items, each a program of the separate kernels, keep as many weight streams in
+    flight as those kernels do."""
+    return max(1, min(items, PROGRAMS_PER_SM * resident_programs(device) if barriers_work(device) else CPU_PROGRAMS))
 
 
 def routed_experts_residual_norm(x: torch.Tensor, x32: torch.Tensor, carry: torch.Tensor | None,
                                  router: EDARouterWeights, w13: torch.Tensor, w2: torch.Tensor, norm: ResidualNorm,
                                  scaled_identity: bool, programs: int | None = None, one_launch: bool | None = None):
     """`ops.zaya_moe.routed_experts_residual_norm` in one launch (its arguments, 16-bit experts; `takes`).
-    `programs` (tests): the grid instead of one program per SM; `one_launch` False: a launch per phase (what the
+    `programs` (tests): the grid instead of two programs per SM; `one_launch` False: a launch per phase (what the
     interpreter always does; on the GPU a test compares the two). -> (x, h, h32 of `norm`, Routing)."""
     tokens, hidden = x.shape
     width, classes = router.down_weight.shape[0], router.out_weight.shape[0]
@@ -186,14 +201,16 @@ def routed_experts_residual_norm(x: torch.Tensor, x32: torch.Tensor, carry: torc
     args = (x32, router.down_weight, router.down_bias, carry if has_carry else x32,
             router.states_scale if has_carry else x32, router.norm_weight, router.eps, router.fc1_weight,
             router.fc1_bias, router.fc2_weight, router.fc2_bias, router.out_weight, router.balancing_biases, z, u1, u2,
-            choice, weight, ids, expert_w, skip_w, x, x.stride(0), w13, w2, act, out, arrival_counters("zaya_moe_norm", MAX_TOKENS, device),
-            barrier_counter("zaya_moe", device), *epilogue, tokens)
+            choice, weight, ids, expert_w, skip_w, x, x.stride(0), w13, w2, act, out,
+            arrival_counters("zaya_moe_norm", MAX_TOKENS, device), barrier_counter("zaya_moe", device), *epilogue,
+            tokens)
     constexprs = dict(
         H=hidden, R=width, I=inter, CLASSES=classes, EXPERTS=experts, CARRY=has_carry, BT=bt, BN=bn,
         **{f"{key}0": value for key, value in k_loop(bt, bn, hidden).items()}, BKR=router_k["BK"],
-        STAGESR=router_k["STAGES"], TS=next_power_of_2(tokens), BC=bc, BKC=k_chunk(next_power_of_2(tokens), bc, width),
+        STAGESR=router_k["STAGES"], TS=next_power_of_2(tokens), BC=bc, BKC=k_chunk(bt, bc, width),
         BN_U=tiles.gate_up.BN, BK_U=tiles.gate_up.BK, STAGES_U=tiles.gate_up.STAGES, BLOCKS_U=blocks_up,
-        BN_D=tiles.down.BN, BK_D=tiles.down.BK, STAGES_D=tiles.down.STAGES, BLOCKS_D=blocks_down, **flags, PREFETCH=barriers_work(device), num_warps=tiles.gate_up.num_warps)
+        BN_D=tiles.down.BN, BK_D=tiles.down.BK, STAGES_D=tiles.down.STAGES, BLOCKS_D=blocks_down, **flags,
+        PREFETCH=barriers_work(device), num_warps=tiles.gate_up.num_warps)
     together = barriers_work(device) if one_launch is None else one_launch
     if together and not barriers_work(device):
         raise ValueError("one launch needs grid barriers: a CUDA device, not the interpreter")
