@@ -30,12 +30,11 @@ from hybridserve.layers.norm import RMSNorm
 from hybridserve.layers.rotary import RotaryEmbedding
 from hybridserve.layers.weights import check_shape, new_parameter
 from hybridserve.models.zaya_config import ZayaConfig
-from hybridserve.ops import backends
+from hybridserve.ops import backends, zaya_moe
 from hybridserve.ops.attention import paged_attention
 from hybridserve.ops.conv import cca_conv_to_cache
 from hybridserve.ops.norm import ResidualNorm, residual_rms_norm
 from hybridserve.ops.qk_cache import QKCache
-from hybridserve.ops import zaya_moe
 from hybridserve.ops.reference.zaya_router import EDARouterWeights
 from hybridserve.ops.zaya_router import Routing, eda_route
 

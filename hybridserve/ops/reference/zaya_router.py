@@ -6,7 +6,7 @@
 """
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 import torch
@@ -44,7 +44,7 @@ class EDARouterWeights:
 
     def check(self, carry: torch.Tensor | None) -> None:
         """What the kernels need: contiguous fp32 tensors (the carry's too)."""
-        tensors = [t for t in astuple(self) + (carry,) if isinstance(t, torch.Tensor)]
+        tensors = [t for t in [getattr(self, f.name) for f in fields(self)] + [carry] if isinstance(t, torch.Tensor)]
         if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
             raise ValueError("the router kernels take contiguous fp32 tensors")
 
