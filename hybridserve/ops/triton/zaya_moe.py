@@ -50,6 +50,25 @@ CPU_PROGRAMS = 8  # programs of an interpreted launch (tests): any count gives t
 PROGRAMS_PER_SM = 2
 
 
+@triton.jit
+def _router_layer(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr, norm_ptr, eps, items,
+                  K: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  STAGES: tl.constexpr, CARRY: tl.constexpr, NORM: tl.constexpr, GELU: tl.constexpr,
+                  X_CACHE: tl.constexpr):
+    """One router layer (`zaya_router.dense_block`) on this program's share of its `items` blocks."""
+    cols: tl.constexpr = (N + BN - 1) // BN
+    for item in range(tl.program_id(0), items, tl.num_programs(0)):
+        dense_block(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr, norm_ptr, eps, item // cols,
+                    item % cols, K, N, BT, BN, BK, STAGES, CARRY, NORM, GELU, X_CACHE)
+
+
+@triton.jit
+def _boundary(barrier_ptr, AFTER: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr):
+    """The grid barrier between phase AFTER and the next, if this launch runs both."""
+    if FIRST <= AFTER and LAST > AFTER:
+        grid_barrier(barrier_ptr, AFTER + 1 - FIRST)
+
+
 @triton.jit(do_not_specialize=["num_tokens"])
 def _moe_step_kernel(
         x32_ptr, wd_ptr, bd_ptr, carry_ptr, scale_ptr, rn_ptr, r_eps, w1_ptr, b1_ptr, w2r_ptr, b2_ptr, wo_ptr,
@@ -70,8 +89,7 @@ def _moe_step_kernel(
     has)."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    router_cols: tl.constexpr = (R + BN - 1) // BN
-    router_items = router_cols * tl.cdiv(num_tokens, BT)
+    router_items = tl.cdiv(R, BN) * tl.cdiv(num_tokens, BT)
     if USE_PDL:  # no kernel writes the weights: their stream starts before the wait (ops/triton/pdl.py)
         router_rows = pid * BN + tl.arange(0, BN)
         prefetch_rows(wd_ptr, router_rows, router_rows < R, H, H)
@@ -81,25 +99,17 @@ def _moe_step_kernel(
         prefetch_rows(wo_ptr, classes, classes < CLASSES, R, R)
     wait_for_previous(USE_PDL)
     if FIRST <= 0 and LAST >= 0:
-        for item in range(pid, router_items, programs):
-            dense_block(x32_ptr, wd_ptr, bd_ptr, z_ptr, num_tokens, carry_ptr, scale_ptr, rn_ptr, r_eps,
-                        item // router_cols, item % router_cols, H, R, BT, BN, BK0, STAGES0, CARRY, False, False, "")
-    if FIRST <= 0 and LAST >= 1:
-        grid_barrier(barrier_ptr, 1 - FIRST)
+        _router_layer(x32_ptr, wd_ptr, bd_ptr, z_ptr, num_tokens, carry_ptr, scale_ptr, rn_ptr, r_eps, router_items,
+                      H, R, BT, BN, BK0, STAGES0, CARRY, False, False, "")
+    _boundary(barrier_ptr, 0, FIRST, LAST)
     if FIRST <= 1 and LAST >= 1:
-        for item in range(pid, router_items, programs):
-            dense_block(z_ptr, w1_ptr, b1_ptr, u1_ptr, num_tokens, carry_ptr, scale_ptr, rn_ptr, r_eps,
-                        item // router_cols, item % router_cols, R, R, BT, BN, BKR, STAGESR, False, True, True,
-                        ".cg")
-    if FIRST <= 1 and LAST >= 2:
-        grid_barrier(barrier_ptr, 2 - FIRST)
+        _router_layer(z_ptr, w1_ptr, b1_ptr, u1_ptr, num_tokens, carry_ptr, scale_ptr, rn_ptr, r_eps, router_items,
+                      R, R, BT, BN, BKR, STAGESR, False, True, True, ".cg")
+    _boundary(barrier_ptr, 1, FIRST, LAST)
     if FIRST <= 2 and LAST >= 2:
-        for item in range(pid, router_items, programs):
-            dense_block(u1_ptr, w2r_ptr, b2_ptr, u2_ptr, num_tokens, carry_ptr, scale_ptr, rn_ptr, r_eps,
-                        item // router_cols, item % router_cols, R, R, BT, BN, BKR, STAGESR, False, False, True,
-                        ".cg")
-    if FIRST <= 2 and LAST >= 3:
-        grid_barrier(barrier_ptr, 3 - FIRST)
+        _router_layer(u1_ptr, w2r_ptr, b2_ptr, u2_ptr, num_tokens, carry_ptr, scale_ptr, rn_ptr, r_eps, router_items,
+                      R, R, BT, BN, BKR, STAGESR, False, False, True, ".cg")
+    _boundary(barrier_ptr, 2, FIRST, LAST)
     if FIRST <= 3 and LAST >= 3:
         tokens = tl.arange(0, TS)
         ids = tl.zeros([TS], dtype=tl.int64)
@@ -126,8 +136,7 @@ def _moe_step_kernel(
             if tl.sum(tl.where(tokens == pair, expert_w, 0.0)) != 0.0:  # else phase 4 skips the pair too
                 gate_up_block(x_ptr, stride_x, w13_ptr, act_ptr, I, w13_ptr, 0, 0, pair, item % BLOCKS_U, expert, 1, H,
                               BN_U, BK_U, STAGES_U, "", 0)
-    if FIRST <= 3 and LAST >= 4:
-        grid_barrier(barrier_ptr, 4 - FIRST)
+    _boundary(barrier_ptr, 3, FIRST, LAST)
     if FIRST <= 4 and LAST >= 4:
         for item in range(pid, num_tokens * BLOCKS_D, programs):
             down_block(act_ptr, w2_ptr, ids_ptr, expert_w_ptr, out_ptr, H, counter_ptr, w2_ptr, 0, 0, r_ptr, r_s0,
