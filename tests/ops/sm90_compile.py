@@ -4,7 +4,7 @@ The interpreter never runs a kernel's GPU-only branches: under `USE_PDL` the gri
 prefetches' inline PTX (ops/triton/pdl.py). This module is a pytest plugin (`-p tests.ops.sm90_compile`) that
 records the signature and constexprs of the first launch of every kernel variant the interpreted tests make, and a
 command (`python -m tests.ops.sm90_compile RECORDS`, run without TRITON_INTERPRET) that compiles each variant with
-USE_PDL on through Triton's own compiler and its bundled ptxas: a kernel that would not build on the GPU fails here.
+USE_PDL (and the other GPU_ONLY constexprs) on through Triton's own compiler and its bundled ptxas: a kernel that would not build on the GPU fails here.
 The variants compiled are a cover: each constexpr value any launch of a kernel used appears in one of them.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ import sys
 import torch
 
 RECORDS_ENV = "SM90_LAUNCH_RECORDS"
+GPU_ONLY = ("USE_PDL", "PREFETCH")  # constexprs that are on only on the GPU: compiled on
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64",
            torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1",
            torch.float8_e4m3fn: "fp8e4nv"}
@@ -73,15 +74,17 @@ def pytest_unconfigure(config) -> None:
 
 
 def compile_for_sm90(record: dict) -> None:
-    """Build one recorded variant for sm_90 (PTX, then ptxas to a cubin), USE_PDL on where the kernel has it."""
+    """Build one recorded variant for sm_90 (PTX, then ptxas to a cubin), the GPU_ONLY constexprs on where the
+    kernel has them."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     kernel = getattr(importlib.import_module(record["module"]), record["name"])
     constexprs = dict(record["constexprs"])
-    if "USE_PDL" in constexprs:
-        constexprs["USE_PDL"] = True
+    for name in GPU_ONLY:
+        if name in constexprs:
+            constexprs[name] = True
     signature = dict(record["signature"]) | {name: "constexpr" for name in constexprs}
     triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": record["num_warps"], "num_stages": record["num_stages"]})

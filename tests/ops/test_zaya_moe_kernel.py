@@ -85,6 +85,20 @@ def test_any_number_of_programs_gives_the_same_bits(programs):
     assert all(torch.equal(a, b) for a, b in zip(got_route, route))
 
 
+def test_one_program_runs_the_phases_in_one_launch():
+    """One program passes its own barriers, so the interpreter runs the one-launch form too (and the sm_90 compile
+    check gets its variant): the phases' bits, and the barrier counter back at zero after the launch."""
+    from hybridserve.ops.triton.grid_sync import barrier_counter
+    inputs = step_inputs(3, torch.float32, 0.3, True, seed=4)
+    args = (inputs["x"], inputs["x32"], inputs["carry"], inputs["router"], inputs["w13"], inputs["w2"],
+            inputs["norm"], True)
+    (x, h, _), route = kernel.routed_experts_residual_norm(*args, programs=1, one_launch=True)
+    (want_x, want_h, _), want_route = kernel.routed_experts_residual_norm(*args, programs=1, one_launch=False)
+    assert torch.equal(x, want_x) and torch.equal(h, want_h)
+    assert all(torch.equal(a, b) for a, b in zip(route, want_route))
+    assert int(barrier_counter("zaya_moe", DEVICE)[0]) == 0
+
+
 @pytest.mark.parametrize("scaled_identity", [True, False])
 def test_the_step_matches_the_reference_ops(scaled_identity):
     """The reference: the three ops' torch references in order (ops/reference/zaya_moe.py), fp32."""
@@ -154,4 +168,5 @@ def test_bad_inputs_are_refused():
     if DEVICE.type == "cpu":
         with pytest.raises(ValueError, match="grid barriers"):
             kernel.routed_experts_residual_norm(inputs["x"], inputs["x32"], inputs["carry"], inputs["router"],
-                                                inputs["w13"], inputs["w2"], inputs["norm"], True, one_launch=True)
+                                                inputs["w13"], inputs["w2"], inputs["norm"], True, programs=2,
+                                                one_launch=True)
