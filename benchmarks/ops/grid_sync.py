@@ -6,6 +6,7 @@ phase streams its weight from HBM as a decode layer does), run three ways and re
   launches+pdl    one kernel a phase with PDL, each program's weight tile loaded before griddepcontrol.wait
   ops.linear      the engine's decode GEMV (ops/triton/linear.py: PDL, an L2 prefetch of the weight's first bytes)
   persistent      one launch, a grid barrier between phases, each phase's weight tile loaded before the barrier
+  persistent+l2-ahead  the same, each phase's tile asked of L2 a phase ahead and loaded after the barrier
 and a persistent launch of barriers alone. The three chains must agree (a barrier that let a program read a stale
 y would not). Prints and writes (--out) the microseconds a phase against the bytes floor of the weight."""
 from __future__ import annotations
@@ -18,7 +19,7 @@ import triton
 import triton.language as tl
 
 from hybridserve.ops.triton.grid_sync import barrier_counter, finish, grid_barrier
-from hybridserve.ops.triton.pdl import wait_for_previous
+from hybridserve.ops.triton.pdl import prefetch_rows, wait_for_previous
 
 
 @triton.jit
@@ -33,15 +34,24 @@ def _phase_kernel(w_ptr, x_ptr, y_ptr, N: tl.constexpr, BN: tl.constexpr, USE_PD
 
 @triton.jit
 def _persistent_kernel(w_ptr, buf_ptr, counter_ptr, PHASES: tl.constexpr, N: tl.constexpr, BN: tl.constexpr,
-                       GEMV: tl.constexpr):
+                       GEMV: tl.constexpr, AHEAD: tl.constexpr):
+    """PHASES dependent GEMVs with a grid barrier between two. The weight tile of a phase is loaded into registers
+    before the barrier, or with AHEAD asked of L2 a phase ahead (before the previous barrier, no register waiting
+    on it) and loaded after the barrier."""
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     k = tl.arange(0, N)
+    if GEMV and AHEAD:
+        prefetch_rows(w_ptr, rows, rows < N, N, N, BN * N * 2)
     for p in range(PHASES):
-        if GEMV:
+        if GEMV and AHEAD and p + 1 < PHASES:
+            prefetch_rows(w_ptr + (p + 1) * N * N, rows, rows < N, N, N, BN * N * 2)
+        if GEMV and not AHEAD:
             w = tl.load(w_ptr + p * N * N + rows[:, None] * N + k[None, :])
         if p > 0:
             grid_barrier(counter_ptr, p)
         if GEMV:
+            if AHEAD:
+                w = tl.load(w_ptr + p * N * N + rows[:, None] * N + k[None, :])
             x = tl.load(buf_ptr + p * N + k, cache_modifier=".cg").to(tl.float32)
             tl.store(buf_ptr + (p + 1) * N + rows, tl.sum(w.to(tl.float32) * x[None, :], axis=1).to(tl.bfloat16))
     finish(counter_ptr, PHASES - 1)
@@ -92,19 +102,21 @@ def main() -> None:
             x = linear(x, weights[p])
         buf[-1].copy_(x[0])  # one copy at the end: a copy between phases would break the PDL chain
 
-    def persistent(gemv: bool = True):
-        _persistent_kernel[grid](weights, buf, counter, PHASES=phases, N=n, BN=bn, GEMV=gemv, num_warps=8)
+    def persistent(gemv: bool = True, ahead: bool = False):
+        _persistent_kernel[grid](weights, buf, counter, PHASES=phases, N=n, BN=bn, GEMV=gemv, AHEAD=ahead,
+                                 num_warps=8)
 
     results = {}
     for name, fn in (("launches", lambda: chain(False)), ("launches+pdl", lambda: chain(True)),
                      ("ops.linear", engine_chain),
-                     ("persistent", persistent), ("barriers only", lambda: persistent(False))):
+                     ("persistent", persistent), ("persistent+l2-ahead", lambda: persistent(ahead=True)),
+                     ("barriers only", lambda: persistent(False))):
         buf[1:].zero_()
         results[name] = {"us_per_phase": _graph_us(fn, phases)}
         if name != "barriers only":
             results[name]["last"] = buf[-1].float().clone()
     reference = results["launches"].pop("last")
-    for name in ("launches+pdl", "ops.linear", "persistent"):
+    for name in ("launches+pdl", "ops.linear", "persistent", "persistent+l2-ahead"):
         got = results[name].pop("last")
         results[name]["max_abs_diff_vs_launches"] = float((got - reference).abs().max())
         if name != "ops.linear":  # the same sum order as the launch chain; ops.linear's may differ

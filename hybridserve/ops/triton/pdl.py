@@ -40,12 +40,12 @@ def _prefetch_l2(ptrs, mask):
 
 
 @triton.jit
-def prefetch_rows(w_ptr, rows, row_ok, stride_w, ROW_LENGTH: tl.constexpr):
+def prefetch_rows(w_ptr, rows, row_ok, stride_w, ROW_LENGTH: tl.constexpr, BYTES: tl.constexpr = PREFETCH_BYTES):
     """Ask L2 for the first bytes of each of `rows` of w (rows `stride_w` elements apart, ROW_LENGTH elements
-    long): PREFETCH_BYTES over all of them, at least a line a row."""
+    long): BYTES over all of them, at least a line a row."""
     BN: tl.constexpr = rows.shape[0]
     SIZE: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-    SPAN: tl.constexpr = _span(ROW_LENGTH * SIZE, PREFETCH_BYTES // BN)
+    SPAN: tl.constexpr = _span(ROW_LENGTH * SIZE, BYTES // BN)
     LINES: tl.constexpr = _power_of_two_at_least((SPAN + LINE - 1) // LINE)
     line = tl.arange(0, LINES) * LINE
     starts = w_ptr.to(tl.pointer_type(tl.int8), bitcast=True) + rows.to(tl.int64) * stride_w * SIZE
