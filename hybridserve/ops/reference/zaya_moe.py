@@ -19,6 +19,4 @@ def routed_experts_residual_norm(x: torch.Tensor, x32: torch.Tensor, carry: torc
     if scaled_identity:
         norm = replace(norm, skip_weight=route.skip_weight, skip_input=x)
     update = moe.fused_experts(x, w13, w2, route.expert_ids, route.expert_weights)
-    args = {name: getattr(norm, name) for name in ("residual", "update_bias", "update_scale", "residual_bias",
-                                                    "residual_scale", "skip_weight", "skip_input", "fp32_copy")}
-    return norm_reference.residual_rms_norm(update, norm.norm_weight, norm.eps, **args), route
+    return norm_reference.residual_rms_norm(update, **vars(norm)), route

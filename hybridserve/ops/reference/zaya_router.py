@@ -6,7 +6,7 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -41,12 +41,6 @@ class EDARouterWeights:
     fc2_bias: torch.Tensor
     out_weight: torch.Tensor
     balancing_biases: torch.Tensor
-
-    def check(self, carry: torch.Tensor | None) -> None:
-        """What the kernels need: contiguous fp32 tensors (the carry's too)."""
-        tensors = [t for t in [getattr(self, f.name) for f in fields(self)] + [carry] if isinstance(t, torch.Tensor)]
-        if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
-            raise ValueError("the router kernels take contiguous fp32 tensors")
 
     def route_args(self, x32: torch.Tensor, carry: torch.Tensor | None) -> tuple:
         """`eda_route`'s arguments for x32 and carry."""

@@ -1,18 +1,20 @@
 """Grid-wide barriers inside one launch: a persistent kernel runs a chain of dependent phases (a GEMV, then the
 op that reads its whole output, ...) where a decode step would otherwise pay a kernel launch between each pair.
 
-Every program of the launch must be resident at once (one program per SM at most, `resident_programs`), or the
-first barrier waits forever. The counter is one int32 that only grows during a call: barrier b (1, 2, ...) waits
+Every program of the launch must be resident at once (the caller sizes its grid from `sm_count` and what an SM
+holds of its programs), or the first barrier waits forever. The counter is one int32 that only grows during a call: barrier b (1, 2, ...) waits
 until b * programs arrivals; `finish` adds each program's last arrival, and the last program to arrive puts the
 counter back to zero for the next call or CUDA-graph replay. With PDL the next kernel can only launch once every
 program here has passed `wait_for_previous` (and so is resident), so it never takes an SM a waiting program needs.
 
-The Triton interpreter runs programs one after another, where a barrier cannot work: kernels built on this module
-run each phase as a launch of its own there (their `phases` arguments), which tests the phases' arithmetic on the
-CPU; the barriers themselves are tested on the GPU (tests/gpu/test_grid_sync_gpu.py)."""
+The Triton interpreter runs programs one after another, where a barrier of several programs cannot work (one
+program passes its barriers alone): kernels built on this module run each phase as a launch of its own there, which
+tests the phases' arithmetic on the CPU; barriers among many programs are tested on the GPU
+(tests/gpu/test_zaya_moe_gpu.py)."""
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -47,12 +49,10 @@ def barrier_counter(kernel: str, device: torch.device) -> torch.Tensor:
 
 
 @functools.cache
-def resident_programs(device: torch.device) -> int:
-    """Programs a persistent launch may have: one per SM (the kernels here fit one program an SM)."""
+def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def barriers_work(device: torch.device) -> bool:
-    """Whether a launch on `device` may use barriers: the GPU, not the interpreter."""
-    import os
+    """Whether a launch on `device` may use barriers among several programs: the GPU, not the interpreter."""
     return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"

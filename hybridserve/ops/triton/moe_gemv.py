@@ -168,13 +168,13 @@ def takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.
     return topk_ids.numel() <= MAX_PAIRS and x.stride(1) == 1 and w13.is_contiguous() and w2.is_contiguous()
 
 
-def expert_scales(scales: tuple) -> tuple:
+def _expert_scales(scales: tuple) -> tuple:
     """`gemv.fp8_args`' scale arguments for a stack: the scales' stride between experts after their base."""
     scale, stride_ws = scales
     return scale, scale.stride(0), stride_ws
 
 
-def gate_up_row_blocks(inter: int, rows: int) -> int:
+def _gate_up_row_blocks(inter: int, rows: int) -> int:
     """`gemv.fp8_args`' ROW_BLOCKS of a gate/up program: its rows pair BN / 2 consecutive gate rows with the up rows
     `inter` below them, a scale block each where `inter` is a whole number of blocks (else unknown, 0)."""
     return 2 if inter % SCALE_BLOCK == 0 and rows // 2 <= SCALE_BLOCK else 0
@@ -204,18 +204,18 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
                                     down_tiles(hidden, inter, down_fp8, top_k))
         if up_tiles.BN < 2 or up_tiles.BT != 1 or down.BT != 1:
             raise ValueError(f"GEMV expert tiles need BT = 1 and at least 2 gate/up rows; got {up_tiles}, {down}")
-        up_scales, up_kinds = fp8_args(up_fp8, w13, up_tiles, gate_up_row_blocks(inter, up_tiles.BN))
+        up_scales, up_kinds = fp8_args(up_fp8, w13, up_tiles, _gate_up_row_blocks(inter, up_tiles.BN))
         down_scales, down_kinds = fp8_args(down_fp8, w2, down, consecutive_row_blocks(down.BN))
         ids = topk_ids.reshape(-1).contiguous()
         weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
         act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
         _gemv_gate_up_kernel[(pairs, cdiv(2 * inter, up_tiles.BN))](
-            x, w13, ids, weights, act, x.stride(0), inter, *expert_scales(up_scales), TOP_K=top_k, EXPERTS=experts,
+            x, w13, ids, weights, act, x.stride(0), inter, *_expert_scales(up_scales), TOP_K=top_k, EXPERTS=experts,
             H=hidden, BN=up_tiles.BN, BK=up_tiles.BK, STAGES=up_tiles.STAGES, **up_kinds, num_warps=up_tiles.num_warps,
             **pdl.launch(x.device))
         counter = arrival_counters("moe_down_norm", MAX_PAIRS, x.device) if norm is not None else out
         _gemv_down_kernel[(out.shape[0], cdiv(hidden, down.BN))](
-            act, w2, ids, weights, out, hidden, counter, *expert_scales(down_scales), *epilogue,
+            act, w2, ids, weights, out, hidden, counter, *_expert_scales(down_scales), *epilogue,
             CHOICES=top_k if reduce else 1, EXPERTS=experts, I=inter, BN=down.BN, BK=down.BK, STAGES=down.STAGES,
             **down_kinds, NORM=norm is not None, **flags, num_warps=down.num_warps, **pdl.launch(x.device))
     if norm is not None:

@@ -24,7 +24,7 @@ barrier.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import triton
@@ -34,13 +34,20 @@ from hybridserve.ops.norm import ResidualNorm
 from hybridserve.ops.reference.zaya_router import EDARouterWeights, Routing
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.counters import arrival_counters
-from hybridserve.ops.triton.gemv import Tiles
-from hybridserve.ops.triton.grid_sync import barrier_counter, barriers_work, finish, grid_barrier, resident_programs
+from hybridserve.ops.triton.grid_sync import barrier_counter, barriers_work, finish, grid_barrier, sm_count
 from hybridserve.ops.triton.moe_gemv import down_block, down_tiles, gate_up_block, gate_up_tiles
 from hybridserve.ops.triton.norm import epilogue_args
 from hybridserve.ops.triton.pdl import prefetch_rows, wait_for_previous
 from hybridserve.ops.triton.sizes import cdiv, next_power_of_2
-from hybridserve.ops.triton.zaya_router import dense_block, fused_tiles, k_chunk, k_loop, outputs, select
+from hybridserve.ops.triton.zaya_router import (
+    check_router_tensors,
+    dense_block,
+    fused_tiles,
+    k_chunk,
+    k_loop,
+    outputs,
+    select,
+)
 
 MAX_TOKENS = 8  # tokens a step this form takes (the decode graphs' smallest buckets); more: the separate kernels
 PHASES = 5
@@ -60,6 +67,13 @@ def _router_layer(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr
     for item in range(tl.program_id(0), items, tl.num_programs(0)):
         dense_block(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr, norm_ptr, eps, item // cols,
                     item % cols, K, N, BT, BN, BK, STAGES, CARRY, NORM, GELU, X_CACHE)
+
+
+@triton.jit
+def _choice_of(token, tokens, ids, expert_w):
+    """(expert id, whether it runs) of `token` from the [TS] selection vectors."""
+    here = tokens == token
+    return tl.sum(tl.where(here, ids, 0)), tl.sum(tl.where(here, expert_w, 0.0)) != 0.0
 
 
 @triton.jit
@@ -125,15 +139,13 @@ def _moe_step_kernel(
             expert_w += tl.sum(tl.where(here, block_w[None, :], 0.0), axis=1)
         if PREFETCH:  # phase 4's down rows, for this phase's choices (its stores are not visible to all yet)
             for item in range(pid, num_tokens * BLOCKS_D, programs):
-                row = item // BLOCKS_D
-                expert = tl.sum(tl.where(tokens == row, ids, 0))
-                live = tl.sum(tl.where(tokens == row, expert_w, 0.0)) != 0.0
+                expert, live = _choice_of(item // BLOCKS_D, tokens, ids, expert_w)
                 down_cols = (item % BLOCKS_D) * BN_D + tl.arange(0, BN_D)
                 prefetch_rows(w2_ptr + expert * H * I, down_cols, (down_cols < H) & live, I, I)
         for item in range(pid, num_tokens * BLOCKS_U, programs):
             pair = item // BLOCKS_U
-            expert = tl.sum(tl.where(tokens == pair, ids, 0))
-            if tl.sum(tl.where(tokens == pair, expert_w, 0.0)) != 0.0:  # else phase 4 skips the pair too
+            expert, live = _choice_of(pair, tokens, ids, expert_w)
+            if live:  # else phase 4 skips the pair too
                 gate_up_block(x_ptr, stride_x, w13_ptr, act_ptr, I, w13_ptr, 0, 0, pair, item % BLOCKS_U, expert, 1, H,
                               BN_U, BK_U, STAGES_U, "", 0)
     _boundary(barrier_ptr, 3, FIRST, LAST)
@@ -147,19 +159,6 @@ def _moe_step_kernel(
         finish(barrier_ptr, LAST - FIRST)
 
 
-@dataclass(frozen=True)
-class StepTiles:
-    """The launch's tiles: the router's (the decode form's of `zaya_router`), the experts' (`moe_gemv`'s)."""
-
-    router: tuple[int, int]  # (tokens, columns) of a router block
-    gate_up: Tiles
-    down: Tiles
-
-
-def step_tiles(tokens: int, hidden: int, width: int, inter: int) -> StepTiles:
-    return StepTiles(fused_tiles(tokens, width), gate_up_tiles(inter, hidden), down_tiles(hidden, inter))
-
-
 def takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether this form runs a step of x's tokens (host sizes only): at most MAX_TOKENS, 16-bit experts of x's dtype
     in contiguous stacks, x rows of unit column stride."""
@@ -171,7 +170,7 @@ def programs_for(device: torch.device, items: int) -> int:
     """Programs of a launch with at most `items` work items in a phase: PROGRAMS_PER_SM an SM at most (all
     resident), so that the experts' items, each a program of the separate kernels, keep as many weight streams in
     flight as those kernels do."""
-    return max(1, min(items, PROGRAMS_PER_SM * resident_programs(device) if barriers_work(device) else CPU_PROGRAMS))
+    return max(1, min(items, PROGRAMS_PER_SM * sm_count(device) if barriers_work(device) else CPU_PROGRAMS))
 
 
 def routed_experts_residual_norm(x: torch.Tensor, x32: torch.Tensor, carry: torch.Tensor | None,
@@ -189,7 +188,9 @@ def routed_experts_residual_norm(x: torch.Tensor, x32: torch.Tensor, carry: torc
                          "in contiguous stacks and x rows of unit column stride")
     if x32.shape != (tokens, hidden) or x32.dtype != torch.float32 or not x32.is_contiguous():
         raise ValueError("x32 must be the contiguous fp32 [T, H] copy of x")
-    router.check(carry)
+    has_carry = carry is not None and router.states_scale is not None
+    check_router_tensors(*(t for t in router.route_args(x32, carry if has_carry else None)
+                           if isinstance(t, torch.Tensor)))
     device = x.device
     choice, ids, weight, expert_w, skip_w, (z, u1, u2) = outputs(tokens, 3, width, device)
     if scaled_identity:
@@ -199,15 +200,14 @@ def routed_experts_residual_norm(x: torch.Tensor, x32: torch.Tensor, carry: torc
     routing = Routing(choice, weight, ids, expert_w, skip_w, z)
     if not tokens:
         return normed, routing
-    tiles = step_tiles(tokens, hidden, width, inter)
-    bt, bn = tiles.router
-    blocks_up, blocks_down = cdiv(2 * inter, tiles.gate_up.BN), cdiv(hidden, tiles.down.BN)
+    bt, bn = fused_tiles(tokens, width)  # the router's decode-form tiles, the experts' GEMV tiles: their bits
+    up, down = gate_up_tiles(inter, hidden), down_tiles(hidden, inter)
+    blocks_up, blocks_down = cdiv(2 * inter, up.BN), cdiv(hidden, down.BN)
     items = max(cdiv(width, bn) * cdiv(tokens, bt), tokens * blocks_up, tokens * blocks_down)
     grid = (programs or programs_for(device, items),)
     act = torch.empty(tokens, inter, dtype=x.dtype, device=device)
-    has_carry = carry is not None and router.states_scale is not None
     bc = next_power_of_2(classes)
-    router_k = k_loop(bt, bn, width)
+    first_k, router_k = k_loop(bt, bn, hidden), k_loop(bt, bn, width)
     args = (x32, router.down_weight, router.down_bias, carry if has_carry else x32,
             router.states_scale if has_carry else x32, router.norm_weight, router.eps, router.fc1_weight,
             router.fc1_bias, router.fc2_weight, router.fc2_bias, router.out_weight, router.balancing_biases, z, u1, u2,
@@ -216,11 +216,10 @@ def routed_experts_residual_norm(x: torch.Tensor, x32: torch.Tensor, carry: torc
             tokens)
     constexprs = dict(
         H=hidden, R=width, I=inter, CLASSES=classes, EXPERTS=experts, CARRY=has_carry, BT=bt, BN=bn,
-        **{f"{key}0": value for key, value in k_loop(bt, bn, hidden).items()}, BKR=router_k["BK"],
-        STAGESR=router_k["STAGES"], TS=next_power_of_2(tokens), BC=bc, BKC=k_chunk(bt, bc, width),
-        BN_U=tiles.gate_up.BN, BK_U=tiles.gate_up.BK, STAGES_U=tiles.gate_up.STAGES, BLOCKS_U=blocks_up,
-        BN_D=tiles.down.BN, BK_D=tiles.down.BK, STAGES_D=tiles.down.STAGES, BLOCKS_D=blocks_down, **flags,
-        PREFETCH=barriers_work(device), num_warps=tiles.gate_up.num_warps)
+        BK0=first_k["BK"], STAGES0=first_k["STAGES"], BKR=router_k["BK"], STAGESR=router_k["STAGES"],
+        TS=next_power_of_2(tokens), BC=bc, BKC=k_chunk(bt, bc, width), BN_U=up.BN, BK_U=up.BK, STAGES_U=up.STAGES,
+        BLOCKS_U=blocks_up, BN_D=down.BN, BK_D=down.BK, STAGES_D=down.STAGES, BLOCKS_D=blocks_down, **flags,
+        PREFETCH=barriers_work(device), num_warps=up.num_warps)
     together = barriers_work(device) if one_launch is None else one_launch
     if together and not barriers_work(device) and grid[0] != 1:  # one program passes its barriers alone
         raise ValueError("one launch of several programs needs grid barriers: a CUDA device, not the interpreter")

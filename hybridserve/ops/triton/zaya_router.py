@@ -233,15 +233,19 @@ def outputs(tokens: int, planes: int, width: int, device: torch.device):
     return choice[:, 0], ids, weight, expert_w, skip_w, buffer[3 * padded:].view(planes, padded, width)[:, :tokens]
 
 
+def check_router_tensors(*tensors: torch.Tensor) -> None:
+    """What the router kernels read: contiguous fp32 tensors."""
+    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+        raise ValueError("the router kernels take contiguous fp32 tensors")
+
+
 def eda_route(x32: torch.Tensor, down_weight: torch.Tensor, down_bias: torch.Tensor, carry: torch.Tensor | None,
               states_scale: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, fc1_weight: torch.Tensor,
               fc1_bias: torch.Tensor, fc2_weight: torch.Tensor, fc2_bias: torch.Tensor, out_weight: torch.Tensor,
               balancing_biases: torch.Tensor) -> Routing:
     has_carry = states_scale is not None and carry is not None
-    tensors = (x32, down_weight, down_bias, norm_weight, fc1_weight, fc1_bias, fc2_weight, fc2_bias, out_weight,
-               balancing_biases) + ((carry, states_scale) if has_carry else ())
-    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
-        raise ValueError("the router kernels take contiguous fp32 tensors")
+    check_router_tensors(x32, down_weight, down_bias, norm_weight, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
+                         out_weight, balancing_biases, *((carry, states_scale) if has_carry else ()))
     route = fused_route if x32.shape[0] <= FUSED_MAX_TOKENS else gemm_route
     return route(x32, down_weight, down_bias, carry if has_carry else None, states_scale if has_carry else None,
                  norm_weight, eps, fc1_weight, fc1_bias, fc2_weight, fc2_bias, out_weight, balancing_biases)
