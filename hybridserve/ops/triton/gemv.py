@@ -27,6 +27,7 @@ import triton.language as tl
 
 from hybridserve.core.quant import Fp8Scales
 from hybridserve.ops.triton.fp8_quant import JIT_SCALE_BLOCK, SCALE_BLOCK, block_stride, check_scales, check_scheme
+from hybridserve.ops.triton.pdl import prefetch_rows, wait_for_previous
 from hybridserve.ops.triton.sizes import cdiv, next_power_of_2
 
 PROGRAMS = 256  # programs per launch to aim for: about two per SM of an H200
@@ -138,9 +139,53 @@ def _block_scales(ws_ptr, rows, row_ok, stride_ws, kb, k_ok, ROW_BLOCKS: tl.cons
 
 
 @triton.jit
+def _weight_chunk(w_rows, w_words, row_ok, k0, K, SUB: tl.constexpr, LANES: tl.constexpr, WORDS: tl.constexpr,
+                  EVEN_K: tl.constexpr):
+    """The raw weights of `rows` at K offset k0 as `dot_rows` reads them: [BN, SUB] elements, or [BN, LANES] 32-bit
+    words of 4 e4m3 values (WORDS; 16-byte loads)."""
+    if WORDS:
+        word = tl.multiple_of(k0 // 4, LANES) + tl.arange(0, LANES)
+        w_ok, _ = _k_masks(row_ok, row_ok, word, K // 4, EVEN_K)
+        raw = tl.load(w_words + word[None, :], mask=w_ok, other=0)
+    else:
+        k = k0 + tl.arange(0, SUB)
+        w_ok, _ = _k_masks(row_ok, row_ok, k, K, EVEN_K)
+        raw = tl.load(w_rows + k[None, :], mask=w_ok, other=0.0)
+    return raw
+
+
+@triton.jit
+def _chunk_products(raw, x_rows, token_ok, row_ok, k0, K, scale, SUB: tl.constexpr, LANES: tl.constexpr,
+                    WORDS: tl.constexpr, EVEN_K: tl.constexpr, W_SCALES: tl.constexpr, ROW_BLOCKS: tl.constexpr):
+    """[BT, BN, LANES] fp32 products of the tokens' x at K offset k0 with the chunk's raw weights (`_weight_chunk`),
+    times the chunk's block scale where W_SCALES is "block" (`dot_rows`)."""
+    if WORDS:
+        word = tl.multiple_of(k0 // 4, LANES) + tl.arange(0, LANES)
+        _, x_ok = _k_masks(row_ok, token_ok, word, K // 4, EVEN_K)
+        lanes = e4m3_pairs(raw)
+        x_words = x_rows + 4 * word[None, :]
+        piece = _shifted(x_words, x_ok)[:, None, :] * lanes[0][None, :, :]
+        for lane in tl.static_range(1, 4):
+            piece += _shifted(x_words + lane, x_ok)[:, None, :] * lanes[lane][None, :, :]
+        if W_SCALES == "block" and ROW_BLOCKS == 1:
+            piece = piece * (scale * SUM_SHIFT)
+        elif W_SCALES == "block":
+            piece = piece * (scale * SUM_SHIFT)[None, :, :]
+    else:
+        k = k0 + tl.arange(0, SUB)
+        _, x_ok = _k_masks(row_ok, token_ok, k, K, EVEN_K)
+        x = tl.load(x_rows + k[None, :], mask=x_ok, other=0.0).to(tl.float32)
+        w = raw.to(tl.float32)
+        if W_SCALES == "block":
+            w = w * scale
+        piece = x[:, None, :] * w[None, :, :]
+    return piece
+
+
+@triton.jit
 def dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, stride_w, rows, row_ok, ws_ptr, stride_ws, K: tl.constexpr,
              BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, W_SCALES: tl.constexpr,
-             ROW_BLOCKS: tl.constexpr = 0):
+             ROW_BLOCKS: tl.constexpr = 0, WAIT: tl.constexpr = False):
     """[BT, BN] fp32: sum over k < K of x[tokens, k] * w[rows, k] (rows `stride_x` / `stride_w` apart, unit K
     stride; masked tokens and rows give 0), products in fp32 accumulated per K lane and summed once at the end.
 
@@ -151,42 +196,39 @@ def dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, stride_w, rows, row_ok, w
     sum of a word scaled once: by its block scale times SUM_SHIFT, or (row scales) the whole sum by the row's. So
     the only fp32 work a weight takes is its multiply-add; x's dynamic range on this path is |x| < 2^64.
     ROW_BLOCKS (block scales): how many 128-row scale blocks `rows` fall in, 1 or 2 (a scale or two a piece, from
-    their lowest and highest row), or 0 (any: a scale a row)."""
+    their lowest and highest row), or 0 (any: a scale a row).
+
+    WAIT (programmatic dependent launch, ops/triton/pdl.py): x is the kernel before's output, w is no kernel's, so
+    the weights' stream starts before `wait_for_previous`: a tile of one chunk and one piece (the common decode
+    shape) is loaded into registers, streaming in while the kernel before finishes; a longer one has its first
+    bytes asked of L2 (`pdl.prefetch_rows`)."""
     SUB: tl.constexpr = JIT_SCALE_BLOCK if W_SCALES == "block" and BK > JIT_SCALE_BLOCK else BK
     WORDS: tl.constexpr = W_SCALES != "" and K % 4 == 0 and stride_w % 4 == 0 and SUB % 4 == 0
     LANES: tl.constexpr = SUB // 4 if WORDS else SUB
     EVEN_K: tl.constexpr = K % BK == 0  # no chunk runs past K: the loads need only the row / token masks
+    PRELOAD: tl.constexpr = WAIT and SUB == BK and BK >= K
     acc = tl.zeros((BT, BN, LANES), dtype=tl.float32)
     x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_x
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
     w_words = w_ptr.to(tl.pointer_type(tl.uint32), bitcast=True) + rows.to(tl.int64)[:, None] * (stride_w // 4)
+    if PRELOAD:
+        start = tl.full((), 0, tl.int32)  # (a tensor, as the loop's K offsets: `tl.multiple_of` hints it)
+        first = _weight_chunk(w_rows, w_words, row_ok, start, K, SUB, LANES, WORDS, EVEN_K)
+    elif WAIT:
+        prefetch_rows(w_ptr, rows, row_ok, stride_w, K)
+    wait_for_previous(WAIT)
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
         for sub in tl.static_range(0, BK, SUB):
+            scale = 1.0
             if W_SCALES == "block":  # (a piece wholly past K has no scale block: its weights are masked zeros)
                 scale = _block_scales(ws_ptr, rows, row_ok, stride_ws, (k0 + sub) // JIT_SCALE_BLOCK,
                                       EVEN_K or k0 + sub < K, ROW_BLOCKS)
-            if WORDS:
-                word = tl.multiple_of((k0 + sub) // 4, LANES) + tl.arange(0, LANES)  # 16-byte loads
-                w_ok, x_ok = _k_masks(row_ok, token_ok, word, K // 4, EVEN_K)
-                lanes = e4m3_pairs(tl.load(w_words + word[None, :], mask=w_ok, other=0))
-                x_words = x_rows + 4 * word[None, :]
-                piece = _shifted(x_words, x_ok)[:, None, :] * lanes[0][None, :, :]
-                for lane in tl.static_range(1, 4):
-                    piece += _shifted(x_words + lane, x_ok)[:, None, :] * lanes[lane][None, :, :]
-                if W_SCALES == "block" and ROW_BLOCKS == 1:
-                    acc += piece * (scale * SUM_SHIFT)
-                elif W_SCALES == "block":
-                    acc += piece * (scale * SUM_SHIFT)[None, :, :]
-                else:
-                    acc += piece
+            if PRELOAD:
+                raw = first
             else:
-                k = k0 + sub + tl.arange(0, SUB)
-                w_ok, x_ok = _k_masks(row_ok, token_ok, k, K, EVEN_K)
-                x = tl.load(x_rows + k[None, :], mask=x_ok, other=0.0).to(tl.float32)
-                w = tl.load(w_rows + k[None, :], mask=w_ok, other=0.0).to(tl.float32)
-                if W_SCALES == "block":
-                    w = w * scale
-                acc += x[:, None, :] * w[None, :, :]
+                raw = _weight_chunk(w_rows, w_words, row_ok, k0 + sub, K, SUB, LANES, WORDS, EVEN_K)
+            acc += _chunk_products(raw, x_rows, token_ok, row_ok, k0 + sub, K, scale, SUB, LANES, WORDS, EVEN_K,
+                                   W_SCALES, ROW_BLOCKS)
     out = tl.sum(acc, axis=2)
     if W_SCALES == "row":
         scale = tl.load(ws_ptr + rows, mask=row_ok, other=0.0)

@@ -28,7 +28,6 @@ from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.counters import arrival_counters
 from hybridserve.ops.triton.gemv import Tiles, consecutive_row_blocks, dot_rows, fp8_args, min_chunk, tiles
 from hybridserve.ops.triton.norm import epilogue_args, residual_norm_row
-from hybridserve.ops.triton.pdl import prefetch_rows, wait_for_previous
 from hybridserve.ops.triton.sizes import cdiv
 
 MAX_TOKENS = 16  # the most tokens the kernel takes (its register tiles)
@@ -53,13 +52,10 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, n, stride_x, stride
     `norm.residual_norm_row`'s)."""
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     row_ok = rows < n
-    if USE_PDL:  # no kernel writes the weights: their stream starts before the wait (ops/triton/pdl.py)
-        prefetch_rows(w_ptr, rows, row_ok, K, K)
-    wait_for_previous(USE_PDL)
     tokens = tl.arange(0, BT)
     token_ok = tokens < num_tokens
     acc = dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, K, rows, row_ok, ws_ptr, stride_ws, K, BT, BN, BK,
-                   STAGES, W_SCALES, ROW_BLOCKS)
+                   STAGES, W_SCALES, ROW_BLOCKS, USE_PDL)  # (the PDL wait, after the weights' loads)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + tokens[:, None] * stride_o + rows[None, :], acc.to(out_ptr.dtype.element_ty),

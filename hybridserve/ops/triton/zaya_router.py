@@ -64,11 +64,21 @@ def _gelu(x):
 @triton.jit
 def _rows_times_cols(x_ptr, w_ptr, vec_ptr, rows, row_ok, cols, col_ok, K: tl.constexpr, BT: tl.constexpr,
                      BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, X_VEC: tl.constexpr,
-                     X_GELU: tl.constexpr, CACHE: tl.constexpr):
+                     X_GELU: tl.constexpr, CACHE: tl.constexpr, WAIT: tl.constexpr = False):
     """([BT, BN] fp32: sum over k of x'[rows, k] * w[cols, k] (both row-major with K columns), [BT]: sum over k of
     x[rows, k]^2), where x' is x (times vec[k], with X_VEC) (GELU'd, with X_GELU). Products are accumulated per K
     lane, summed once at the end (no shuffles inside the loop); STAGES > 1 pipelines the chunks' loads (cp.async),
-    so that more than one chunk is in flight. The squares cost nothing where unused (dead code)."""
+    so that more than one chunk is in flight. The squares cost nothing where unused (dead code).
+    WAIT: x is the kernel before's output, w no kernel's, so `pdl.wait_for_previous` comes after the weights' loads
+    are issued: one chunk (every decode bucket up to a few tokens) is loaded whole into registers, streaming in while
+    the kernel before finishes; a loop has its first bytes asked of L2."""
+    PRELOAD: tl.constexpr = WAIT and BK >= K
+    if PRELOAD:
+        first = tl.load(w_ptr + cols[:, None] * K + tl.arange(0, BK)[None, :],
+                        mask=col_ok[:, None] & (tl.arange(0, BK) < K)[None, :], other=0.0)
+    elif WAIT:
+        prefetch_rows(w_ptr, cols, col_ok, K, K)
+    wait_for_previous(WAIT)
     acc = tl.zeros((BT, BN, BK), dtype=tl.float32)
     squares = tl.zeros((BT, BK), dtype=tl.float32)
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
@@ -81,7 +91,10 @@ def _rows_times_cols(x_ptr, w_ptr, vec_ptr, rows, row_ok, cols, col_ok, K: tl.co
             x *= tl.load(vec_ptr + k, mask=k_ok, other=0.0)[None, :]
         if X_GELU:
             x = _gelu(x)  # GELU(0) = 0: masked lanes stay out of the sum
-        w = tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if PRELOAD:
+            w = first
+        else:
+            w = tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         acc += x[:, None, :] * w[None, :, :]
     return tl.sum(acc, axis=2), tl.sum(squares, axis=1)
 
@@ -119,16 +132,17 @@ def select(u_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_pt
 def dense_block(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr, norm_ptr, eps, token_block, col_block,
                 K: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                 STAGES: tl.constexpr, CARRY: tl.constexpr, NORM: tl.constexpr, GELU: tl.constexpr,
-                X_CACHE: tl.constexpr):
+                X_CACHE: tl.constexpr, WAIT: tl.constexpr = False):
     """out[rows, cols] = act(x'[rows] @ w[cols]^T + b[cols]) (+ carry[rows, cols] * scale[cols], with CARRY) for
     BT tokens and BN columns (blocks `token_block`, `col_block`); x' = norm_weight * x * rstd(x) with NORM, act =
-    GELU with GELU; x loaded with X_CACHE (".cg" where other programs of the launch wrote it). -> (rows, row_ok)."""
+    GELU with GELU; x loaded with X_CACHE (".cg" where other programs of the launch wrote it). WAIT: the PDL wait
+    comes inside, after the weights' loads (`_rows_times_cols`). -> (rows, row_ok)."""
     rows = token_block * BT + tl.arange(0, BT)
     row_ok = rows < num_tokens
     cols = col_block * BN + tl.arange(0, BN)
     col_ok = cols < N
     acc, squares = _rows_times_cols(x_ptr, w_ptr, norm_ptr, rows, row_ok, cols, col_ok, K, BT, BN, BK, STAGES, NORM,
-                                    False, X_CACHE)
+                                    False, X_CACHE, WAIT)
     if NORM:  # rstd after the product: (x * w_norm) @ W^T * rstd = (w_norm * x * rstd) @ W^T
         acc *= tl.rsqrt(squares / K + eps)[:, None]
     acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0)[None, :]
@@ -151,12 +165,9 @@ def _dense_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr
                   NORM: tl.constexpr, GELU: tl.constexpr, SELECT: tl.constexpr, USE_PDL: tl.constexpr):
     """`dense_block` of this program's BT tokens and BN columns. With SELECT, the token block's last program to
     finish then selects its classes from the whole out rows."""
-    if USE_PDL:  # no kernel writes the weights: their stream starts before the wait (ops/triton/pdl.py)
-        cols = tl.program_id(0) * BN + tl.arange(0, BN)
-        prefetch_rows(w_ptr, cols, cols < N, K, K)
-    wait_for_previous(USE_PDL)
     rows, row_ok = dense_block(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr, norm_ptr, eps,
-                               tl.program_id(1), tl.program_id(0), K, N, BT, BN, BK, STAGES, CARRY, NORM, GELU, "")
+                               tl.program_id(1), tl.program_id(0), K, N, BT, BN, BK, STAGES, CARRY, NORM, GELU, "",
+                               USE_PDL)  # (the PDL wait, after the weights' loads)
     if SELECT:
         tl.debug_barrier()  # every thread's stores precede the release below
         arrived = tl.atomic_add(counter_ptr + tl.program_id(1), 1, sem="acq_rel")
