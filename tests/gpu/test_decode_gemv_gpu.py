@@ -108,3 +108,44 @@ def test_no_device_to_host_sync(experts) -> None:  # noqa: F811  (the fixture)
     calls()
     with no_host_sync():
         calls()
+
+
+@pytest.fixture
+def pdl_switch(monkeypatch: pytest.MonkeyPatch):
+    """set(on): launch the decode kernels with programmatic dependent launch on or off from here."""
+    from hybridserve.ops.triton import pdl
+
+    def switch(on: bool) -> None:
+        monkeypatch.setenv("HYBRIDSERVE_PDL", "1" if on else "0")
+        pdl._enabled.cache_clear()
+        assert pdl.launch(CUDA)["USE_PDL"] is on
+    yield switch
+    pdl._enabled.cache_clear()
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 16])
+def test_weights_loaded_before_the_pdl_wait_change_no_bit(pdl_switch, tokens: int) -> None:
+    """With PDL a decode GEMV or router launch loads its weight tile before griddepcontrol.wait (gemv.dot_rows,
+    zaya_router._rows_times_cols, WAIT): only where the loads are issued moves, so every bit equals the launch
+    without PDL (which has no such path), for 16-bit and e4m3 weights (both scale schemes) and the router."""
+    from hybridserve.ops.triton import fp8_linear, linear, zaya_router
+    from tests.gpu.test_fp8_kernels_gpu import SCHEMES, _quantized
+    from tests.gpu.test_zaya_kernels_gpu import EXPERTS, HIDDEN, ROUTER
+    from tests.ops.test_zaya_router_kernel import router_inputs
+    gen = torch.Generator(device=CUDA).manual_seed(tokens)
+    x = torch.randn(tokens, 2048, device=CUDA, generator=gen).bfloat16()
+    dense = (torch.randn(1536, 2048, device=CUDA, generator=gen) / 2048**0.5).bfloat16()
+    quantized = [(scheme, *_quantized(1536, 2048, scheme, gen))
+                 for scheme in (SCHEMES["channel/token"], SCHEMES["block/group"])]
+    route = {k: v.cuda() if isinstance(v, torch.Tensor) else v
+             for k, v in router_inputs(tokens, HIDDEN, ROUTER, EXPERTS, skip_bias=0.05, device="cpu").items()}
+
+    def outputs() -> list[torch.Tensor]:
+        got = [linear.linear(x, dense)]
+        got += [fp8_linear.fp8_linear(x, w, s, scheme, None, None) for scheme, w, s in quantized]
+        return got + list(zaya_router.eda_route(**route))
+    pdl_switch(False)
+    without = outputs()
+    pdl_switch(True)
+    for got, want in zip(outputs(), without, strict=True):
+        assert torch.equal(got, want)
