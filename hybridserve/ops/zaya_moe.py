@@ -7,11 +7,10 @@ class runs no expert; its scaled identity joins the norm) and the residual norm 
 
 The model runs these three ops as they are (the reference: ops/reference/zaya_moe.py), except where `takes` says
 one persistent launch does them all (ops/triton/zaya_moe.py): CUDA, one rank, a decode-sized step, and only with
-HYBRIDSERVE_ONE_LAUNCH_MOE=1. It is off by default because it has not yet shown a gain: its first form (one
-program per SM) decoded 40-layer ZAYA1-8B at batch 1 at 356 tok/s against the separate kernels' 431 on an H200
-(benchmarks/results/h200-zaya1-8b-40layers-one-launch-moe.json); the present form (two programs per SM, so that
-the experts' weight streams are as many as the separate kernels') is unmeasured. docs/performance.md has the A/B
-command."""
+HYBRIDSERVE_ONE_LAUNCH_MOE=1. It is off by default because it has not shown a gain: with a program per SM
+it decoded 40-layer ZAYA1-8B at batch 1 at 356 tok/s against the separate kernels' 431 on an H200
+(benchmarks/results/h200-zaya1-8b-40layers-one-launch-moe.json); two programs per SM do not fit
+(ops/triton/zaya_moe.py). docs/performance.md has the A/B command."""
 from __future__ import annotations
 
 import functools

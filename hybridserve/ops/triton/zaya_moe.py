@@ -3,7 +3,7 @@ residual norm after it (contract: `ops.zaya_moe.routed_experts_residual_norm`; o
 
 At batch 1 the separate kernels (`ops.triton.zaya_router`'s three, `ops.triton.moe_gemv`'s two) each pay a launch
 and a ramp: they add 28 us a layer to an H100's batch-1 step against an 8.3 us bytes floor (docs/performance.md).
-Here one launch of two programs per SM runs the same five steps as phases, with a grid barrier
+Here one launch of a program per SM runs the same five steps as phases, with a grid barrier
 (ops/triton/grid_sync.py) where a kernel boundary was:
     0. z = x32 @ Wd^T + bd (+ carry * scale)       column blocks of the router width (`zaya_router.dense_block`)
     1. u1 = GELU(fc1(RMSNorm(z)))                   the same blocks
@@ -17,8 +17,10 @@ Each program takes the work items of a phase in turn (item = pid, pid + programs
 separate kernels, with the same block functions: a token's numbers are the separate kernels' bits (tests compare
 them).
 
-Before the PDL wait each program asks L2 for its rows of the router weights. The grid is at most two programs per
-SM (`PROGRAMS_PER_SM`), so all are resident at once. In Triton's interpreter (programs run one after another,
+Before the PDL wait each program asks L2 for its rows of the router weights. The grid is at most a program per SM,
+so all are resident at once: as a cooperative launch the driver refuses two per SM ("too many blocks"), and a
+grid of two per SM, which ran alone in the GPU test, stalled the engine, where with PDL the launch starts beside the
+kernel before it (docs/performance.md). In Triton's interpreter (programs run one after another,
 where a barrier cannot work) each phase is a launch of its own: the same code, the kernel boundary in place of the
 barrier.
 """
@@ -52,9 +54,6 @@ from hybridserve.ops.triton.zaya_router import (
 MAX_TOKENS = 8  # tokens a step this form takes (the decode graphs' smallest buckets); more: the separate kernels
 PHASES = 5
 CPU_PROGRAMS = 8  # programs of an interpreted launch (tests): any count gives the same numbers
-# Programs an SM holds at once: two 4-warp programs always fit (registers: 2 x 128 threads x 255 at most of 64K;
-# shared memory: the experts' cp.async stages, under 64 KB a program, of an H100's or H200's 227 KB).
-PROGRAMS_PER_SM = 2
 
 
 @triton.jit
@@ -167,17 +166,16 @@ def takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
 
 
 def programs_for(device: torch.device, items: int) -> int:
-    """Programs of a launch with at most `items` work items in a phase: PROGRAMS_PER_SM an SM at most (all
-    resident), so that the experts' items, each a program of the separate kernels, keep as many weight streams in
-    flight as those kernels do."""
-    return max(1, min(items, PROGRAMS_PER_SM * sm_count(device) if barriers_work(device) else CPU_PROGRAMS))
+    """Programs of a launch with at most `items` work items in a phase: a program per SM at most, so that all are
+    resident at once (module docstring)."""
+    return max(1, min(items, sm_count(device) if barriers_work(device) else CPU_PROGRAMS))
 
 
 def routed_experts_residual_norm(x: torch.Tensor, x32: torch.Tensor, carry: torch.Tensor | None,
                                  router: EDARouterWeights, w13: torch.Tensor, w2: torch.Tensor, norm: ResidualNorm,
                                  scaled_identity: bool, programs: int | None = None, one_launch: bool | None = None):
     """`ops.zaya_moe.routed_experts_residual_norm` in one launch (its arguments, 16-bit experts; `takes`).
-    `programs` (tests): the grid instead of two programs per SM; `one_launch` False: a launch per phase (what the
+    `programs` (tests): the grid instead of a program per SM; `one_launch` False: a launch per phase (what the
     interpreter does, except for one program, which passes its barriers alone; on the GPU a test compares the two).
     -> (x, h, h32 of `norm`, Routing)."""
     tokens, hidden = x.shape
