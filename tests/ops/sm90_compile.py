@@ -4,8 +4,9 @@ The interpreter never runs a kernel's GPU-only branches: under `USE_PDL` the gri
 prefetches' inline PTX (ops/triton/pdl.py). This module is a pytest plugin (`-p tests.ops.sm90_compile`) that
 records the signature and constexprs of the first launch of every kernel variant the interpreted tests make, and a
 command (`python -m tests.ops.sm90_compile RECORDS`, run without TRITON_INTERPRET) that compiles each variant with
-USE_PDL (and the other GPU_ONLY constexprs) on through Triton's own compiler and its bundled ptxas: a kernel that would not build on the GPU fails here.
-The variants compiled are a cover: each constexpr value any launch of a kernel used appears in one of them.
+USE_PDL (and the other GPU_ONLY constexprs) on through Triton's own compiler and its bundled ptxas: a kernel that
+would not build on the GPU fails here. The variants compiled are a cover: each constexpr value any launch of a
+kernel used appears in one of them.
 """
 from __future__ import annotations
 

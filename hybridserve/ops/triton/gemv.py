@@ -111,15 +111,25 @@ def _shifted(x_ptrs, mask):
 
 
 @triton.jit
-def _k_masks(row_ok, token_ok, k, K, EVEN_K: tl.constexpr):
-    """The load masks of a chunk's weight rows [BN, chunk] and x rows [BT, chunk] at K offsets `k`: without the
-    K bound where no chunk runs past it (EVEN_K), a compare and select fewer per element."""
+def _k_mask(ok, k, K, EVEN_K: tl.constexpr):
+    """The load mask of a chunk's rows [rows, chunk] (weight rows or x rows, `ok` per row) at K offsets `k`:
+    without the K bound where no chunk runs past it (EVEN_K), a compare and select fewer per element."""
     if EVEN_K:
-        w_ok, x_ok = row_ok[:, None], token_ok[:, None]
+        mask = ok[:, None]
     else:
-        k_ok = (k < K)[None, :]
-        w_ok, x_ok = row_ok[:, None] & k_ok, token_ok[:, None] & k_ok
-    return w_ok, x_ok
+        mask = ok[:, None] & (k < K)[None, :]
+    return mask
+
+
+@triton.jit
+def _chunk_offsets(k0, SUB: tl.constexpr, LANES: tl.constexpr, WORDS: tl.constexpr):
+    """The K offsets a chunk at k0 is read at: 32-bit word indices (WORDS: 16-byte loads of e4m3 rows), else
+    element indices."""
+    if WORDS:
+        offsets = tl.multiple_of(k0 // 4, LANES) + tl.arange(0, LANES)
+    else:
+        offsets = k0 + tl.arange(0, SUB)
+    return offsets
 
 
 @triton.jit
@@ -142,28 +152,25 @@ def _block_scales(ws_ptr, rows, row_ok, stride_ws, kb, k_ok, ROW_BLOCKS: tl.cons
 def _weight_chunk(w_rows, w_words, row_ok, k0, K, SUB: tl.constexpr, LANES: tl.constexpr, WORDS: tl.constexpr,
                   EVEN_K: tl.constexpr):
     """The raw weights of `rows` at K offset k0 as `dot_rows` reads them: [BN, SUB] elements, or [BN, LANES] 32-bit
-    words of 4 e4m3 values (WORDS; 16-byte loads)."""
+    words of 4 e4m3 values (WORDS)."""
+    offsets = _chunk_offsets(k0, SUB, LANES, WORDS)
     if WORDS:
-        word = tl.multiple_of(k0 // 4, LANES) + tl.arange(0, LANES)
-        w_ok, _ = _k_masks(row_ok, row_ok, word, K // 4, EVEN_K)
-        raw = tl.load(w_words + word[None, :], mask=w_ok, other=0)
+        raw = tl.load(w_words + offsets[None, :], mask=_k_mask(row_ok, offsets, K // 4, EVEN_K), other=0)
     else:
-        k = k0 + tl.arange(0, SUB)
-        w_ok, _ = _k_masks(row_ok, row_ok, k, K, EVEN_K)
-        raw = tl.load(w_rows + k[None, :], mask=w_ok, other=0.0)
+        raw = tl.load(w_rows + offsets[None, :], mask=_k_mask(row_ok, offsets, K, EVEN_K), other=0.0)
     return raw
 
 
 @triton.jit
-def _chunk_products(raw, x_rows, token_ok, row_ok, k0, K, scale, SUB: tl.constexpr, LANES: tl.constexpr,
+def _chunk_products(raw, x_rows, token_ok, k0, K, scale, SUB: tl.constexpr, LANES: tl.constexpr,
                     WORDS: tl.constexpr, EVEN_K: tl.constexpr, W_SCALES: tl.constexpr, ROW_BLOCKS: tl.constexpr):
     """[BT, BN, LANES] fp32 products of the tokens' x at K offset k0 with the chunk's raw weights (`_weight_chunk`),
     times the chunk's block scale where W_SCALES is "block" (`dot_rows`)."""
+    offsets = _chunk_offsets(k0, SUB, LANES, WORDS)
     if WORDS:
-        word = tl.multiple_of(k0 // 4, LANES) + tl.arange(0, LANES)
-        _, x_ok = _k_masks(row_ok, token_ok, word, K // 4, EVEN_K)
+        x_ok = _k_mask(token_ok, offsets, K // 4, EVEN_K)
         lanes = e4m3_pairs(raw)
-        x_words = x_rows + 4 * word[None, :]
+        x_words = x_rows + 4 * offsets[None, :]
         piece = _shifted(x_words, x_ok)[:, None, :] * lanes[0][None, :, :]
         for lane in tl.static_range(1, 4):
             piece += _shifted(x_words + lane, x_ok)[:, None, :] * lanes[lane][None, :, :]
@@ -172,9 +179,8 @@ def _chunk_products(raw, x_rows, token_ok, row_ok, k0, K, scale, SUB: tl.constex
         elif W_SCALES == "block":
             piece = piece * (scale * SUM_SHIFT)[None, :, :]
     else:
-        k = k0 + tl.arange(0, SUB)
-        _, x_ok = _k_masks(row_ok, token_ok, k, K, EVEN_K)
-        x = tl.load(x_rows + k[None, :], mask=x_ok, other=0.0).to(tl.float32)
+        x_ok = _k_mask(token_ok, offsets, K, EVEN_K)
+        x = tl.load(x_rows + offsets[None, :], mask=x_ok, other=0.0).to(tl.float32)
         w = raw.to(tl.float32)
         if W_SCALES == "block":
             w = w * scale
@@ -227,8 +233,8 @@ def dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, stride_w, rows, row_ok, w
                 raw = first
             else:
                 raw = _weight_chunk(w_rows, w_words, row_ok, k0 + sub, K, SUB, LANES, WORDS, EVEN_K)
-            acc += _chunk_products(raw, x_rows, token_ok, row_ok, k0 + sub, K, scale, SUB, LANES, WORDS, EVEN_K,
-                                   W_SCALES, ROW_BLOCKS)
+            acc += _chunk_products(raw, x_rows, token_ok, k0 + sub, K, scale, SUB, LANES, WORDS, EVEN_K, W_SCALES,
+                                   ROW_BLOCKS)
     out = tl.sum(acc, axis=2)
     if W_SCALES == "row":
         scale = tl.load(ws_ptr + rows, mask=row_ok, other=0.0)

@@ -1,11 +1,13 @@
 """Grid-wide barriers inside one launch: a persistent kernel runs a chain of dependent phases (a GEMV, then the
 op that reads its whole output, ...) where a decode step would otherwise pay a kernel launch between each pair.
 
-Every program of the launch must be resident at once (the caller sizes its grid from `sm_count` and what an SM
-holds of its programs), or the first barrier waits forever. The counter is one int32 that only grows during a call: barrier b (1, 2, ...) waits
-until b * programs arrivals; `finish` adds each program's last arrival, and the last program to arrive puts the
-counter back to zero for the next call or CUDA-graph replay. With PDL the next kernel can only launch once every
-program here has passed `wait_for_previous` (and so is resident), so it never takes an SM a waiting program needs.
+Every program of the launch must be resident at once, or the first barrier waits forever: the caller sizes its grid
+from `sm_count` and the programs an SM holds *beside whatever else runs there*. With PDL a launch starts while the
+kernel before still holds SMs, so what fits on an idle GPU is not enough (ops/triton/zaya_moe.py keeps a program
+per SM for this reason). The counter is one int32 that only grows during a call: barrier b (1, 2, ...) waits until
+b * programs arrivals; `finish` adds each program's last arrival, and the last program to arrive puts the counter
+back to zero for the next call or CUDA-graph replay. With PDL the next kernel can only launch once every program
+here has passed `wait_for_previous` (and so is resident), so it never takes an SM a waiting program needs.
 
 The Triton interpreter runs programs one after another, where a barrier of several programs cannot work (one
 program passes its barriers alone): kernels built on this module run each phase as a launch of its own there, which

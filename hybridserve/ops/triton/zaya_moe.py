@@ -18,11 +18,10 @@ separate kernels, with the same block functions: a token's numbers are the separ
 them).
 
 Before the PDL wait each program asks L2 for its rows of the router weights. The grid is at most a program per SM,
-so all are resident at once: as a cooperative launch the driver refuses two per SM ("too many blocks"), and a
-grid of two per SM, which ran alone in the GPU test, stalled the engine, where with PDL the launch starts beside the
-kernel before it (docs/performance.md). In Triton's interpreter (programs run one after another,
-where a barrier cannot work) each phase is a launch of its own: the same code, the kernel boundary in place of the
-barrier.
+so all are resident at once: as a cooperative launch the driver refuses two per SM ("too many blocks"), and a grid
+of two per SM, which ran alone in the GPU test, stalled the engine, where with PDL the launch starts beside the
+kernel before it (docs/performance.md). In Triton's interpreter (programs run one after another, where a barrier
+cannot work) each phase is a launch of its own: the same code, the kernel boundary in place of the barrier.
 """
 from __future__ import annotations
 
