@@ -126,9 +126,11 @@ def pdl_switch(monkeypatch: pytest.MonkeyPatch):
 @pytest.mark.parametrize("tokens", [1, 4, 16])
 def test_weights_loaded_before_the_pdl_wait_change_no_bit(pdl_switch, tokens: int) -> None:
     """With PDL a decode GEMV or router launch loads its weight tile before griddepcontrol.wait (gemv.dot_rows,
-    zaya_router._rows_times_cols, WAIT): only where the loads are issued moves, so every bit equals the launch
-    without PDL (which has no such path), for 16-bit and e4m3 weights (both scale schemes) and the router."""
-    from hybridserve.ops.triton import fp8_linear, linear, zaya_router
+    zaya_router.weight_tile, WAIT): only where the loads are issued moves, so every bit equals the launch
+    without PDL (which has no such path), for 16-bit and e4m3 weights (both scale schemes), the router (one launch
+    of three phases) and ZAYA1-8B's top-1 experts (whose down launch loads its expert's rows before the wait, a skip
+    token's masked off)."""
+    from hybridserve.ops.triton import fp8_linear, linear, moe_gemv, zaya_router
     from tests.gpu.test_fp8_kernels_gpu import SCHEMES, _quantized
     from tests.gpu.test_zaya_kernels_gpu import EXPERTS, HIDDEN, ROUTER
     from tests.ops.test_zaya_router_kernel import router_inputs
@@ -140,8 +142,14 @@ def test_weights_loaded_before_the_pdl_wait_change_no_bit(pdl_switch, tokens: in
     route = {k: v.cuda() if isinstance(v, torch.Tensor) else v
              for k, v in router_inputs(tokens, HIDDEN, ROUTER, EXPERTS, skip_bias=0.05, device="cpu").items()}
 
+    w13 = (torch.randn(16, 4096, 2048, device=CUDA, generator=gen) / 2048**0.5).bfloat16()
+    w2 = (torch.randn(16, 2048, 2048, device=CUDA, generator=gen) / 2048**0.5).bfloat16()
+    ids = torch.randint(0, 16, (tokens, 1), device=CUDA, generator=gen)
+    weights = torch.rand(tokens, 1, device=CUDA, generator=gen)
+    weights[0] = 0.0  # a skip token: expert 0, weight 0
+
     def outputs() -> list[torch.Tensor]:
-        got = [linear.linear(x, dense)]
+        got = [linear.linear(x, dense), moe_gemv.fused_experts(x, w13, w2, ids, weights)]
         got += [fp8_linear.fp8_linear(x, w, s, scheme, None, None) for scheme, w, s in quantized]
         return got + list(zaya_router.eda_route(**route))
     pdl_switch(False)

@@ -116,7 +116,10 @@ def test_tiles_fill_the_gpu_at_real_shapes() -> None:
             assert (t.STAGES > 1) == (t.BK < k)  # pipelined exactly when the K loop has several chunks
     zaya_up = moe_gemv.gate_up_tiles(2048, 2048)  # 16 gate|up rows: 8 intermediate columns, 256 programs a pair
     assert (zaya_up.BN, zaya_up.BK, -(-4096 // zaya_up.BN)) == (16, 512, 256)
-    assert moe_gemv.down_tiles(4096, 1024).BN == 16  # Ling: 256 programs a row (a pair, or a token's 8)
+    assert moe_gemv.down_tiles(4096, 1024, top_k=8).BN == 16  # Ling: 256 programs a row (a pair, or a token's 8)
+    # ZAYA1's one expert a token: a K of one chunk (4 rows of 2048, 512 programs), loaded before the PDL wait
+    assert moe_gemv.down_tiles(2048, 2048) == Tiles(1, 4, 2048, 1) == tiles(1, 2048, 2048, one_chunk=True)
+    assert tiles(2, 2048, 2048, one_chunk=True) == tiles(2, 2048, 2048)  # 2 rows a program would be too thin
     assert moe_gemv.gate_up_tiles(4, 8).BN == 64  # tiny rows: one program streams them all
     assert tiles(1, 4096, 64).BN == 64 and tiles(16, 4096, 64).BN == 8  # ... as far as the tile allows
     for tokens in (3, 5, 7, 12):  # the warm-up ladder's variants, and those of a batch padded for a CUDA graph

@@ -62,14 +62,20 @@ class Tiles:
             raise ValueError(f"GEMV STAGES and num_warps must be positive; got {self}")
 
 
-def tiles(tokens: int, rows: int, depth: int, min_rows: int = 1, min_chunk: int = MIN_CHUNK) -> Tiles:
+def tiles(tokens: int, rows: int, depth: int, min_rows: int = 1, min_chunk: int = MIN_CHUNK,
+          one_chunk: bool = False) -> Tiles:
     """Tiles for `tokens` tokens against `rows` weight rows of length `depth`: the widest power-of-two BN up to
     MAX_COLUMNS (and keeping a K chunk of `min_chunk`) that still gives cdiv(rows, BN) >= PROGRAMS, but at least
     `min_rows` and the rows of MIN_PROGRAM_ELEMENTS (short rows: fewer, fuller programs); a K chunk filling
     TILE_ELEMENTS. Tokens count by the next power of two (BT), so the warm-up's power-of-two ladder compiles every
     variant a run needs, and a decode batch padded to its CUDA-graph size keeps the tiles, hence the sums, of the
-    eager step."""
+    eager step. `one_chunk`: the whole K in one chunk instead, where a tile of TILE_ELEMENTS still holds those least
+    rows (one token of 2048-long rows: 4), so that `dot_rows` can load it before the PDL wait (more, thinner
+    programs: the launch's weights stream in while the kernel before runs)."""
     bt = next_power_of_2(max(tokens, 1))
+    chunk, whole_rows = next_power_of_2(depth), TILE_ELEMENTS // (bt * next_power_of_2(depth))
+    if one_chunk and whole_rows >= max(min_rows, next_power_of_2(cdiv(MIN_PROGRAM_ELEMENTS, depth))):
+        return Tiles(bt, whole_rows, chunk, 1)
     widest = min(MAX_COLUMNS, TILE_ELEMENTS // (bt * min_chunk))
     bn = max(min_rows, min(widest, next_power_of_2(cdiv(MIN_PROGRAM_ELEMENTS, depth))))
     while 2 * bn <= widest and cdiv(rows, 2 * bn) >= PROGRAMS:

@@ -97,23 +97,28 @@ def down_block(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, counter_p
                BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, W_SCALES: tl.constexpr,
                ROW_BLOCKS: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                HAS_UB: tl.constexpr, HAS_US: tl.constexpr, HAS_RB: tl.constexpr, HAS_RS: tl.constexpr,
-               HAS_SKIP: tl.constexpr, FP32_COPY: tl.constexpr):
+               HAS_SKIP: tl.constexpr, FP32_COPY: tl.constexpr, WAIT: tl.constexpr = False):
     """out[row, cols] of column block `block` (of `blocks`) = the sum over the row's CHOICES pairs, in order, of
     (act[pair] @ w2[e]^T * weight) rounded to out's dtype, summed in fp32 and rounded once (one pair: its weighted
     row); with NORM, then the row's residual norm by the last of its `blocks` programs (module docstring; the
-    arguments are `norm.residual_norm_row`'s)."""
+    arguments are `norm.residual_norm_row`'s).
+
+    WAIT (one choice a row, PDL): the pair's expert was chosen two launches back, so `gemv.dot_rows` loads its
+    weights before the wait; a pair that reads nothing (a skip, weight 0) masks its loads off instead of branching
+    around them, so that every program waits (none may store before the kernel before has finished)."""
     col = block * BN + tl.arange(0, BN)
     col_ok = col < hidden
-    one = tl.arange(0, 1)
     total = tl.zeros([BN], dtype=tl.float32)
     for choice in tl.static_range(CHOICES):
         pair = row * CHOICES + choice
         expert, weight, live = _pair(ids_ptr, weights_ptr, pair, EXPERTS)
-        if live:
-            dots = dot_rows(act_ptr + tl.cast(pair, tl.int64) * I, 0, one, one == 0, w2_ptr + expert * hidden * I, I,
-                            col, col_ok, ws_ptr + expert * stride_se, stride_ws, I, 1, BN, BK, STAGES, W_SCALES,
-                            ROW_BLOCKS)
-            total += tl.reshape(dots * weight, (BN,)).to(out_ptr.dtype.element_ty).to(tl.float32)
+        if WAIT:
+            tl.static_assert(CHOICES == 1, "the down weights load before the wait for one choice a row")
+            total += _weighted_down(act_ptr, w2_ptr, ws_ptr, stride_se, stride_ws, pair, expert, weight, live, col,
+                                    col_ok, hidden, I, BN, BK, STAGES, W_SCALES, ROW_BLOCKS, out_ptr, True)
+        elif live:
+            total += _weighted_down(act_ptr, w2_ptr, ws_ptr, stride_se, stride_ws, pair, expert, weight, live, col,
+                                    col_ok, hidden, I, BN, BK, STAGES, W_SCALES, ROW_BLOCKS, out_ptr, False)
     tl.store(out_ptr + tl.cast(row, tl.int64) * hidden + col, total.to(out_ptr.dtype.element_ty), mask=col_ok)
     if NORM:
         tl.debug_barrier()  # every thread's stores precede the release below
@@ -125,6 +130,19 @@ def down_block(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, counter_p
 
 
 @triton.jit
+def _weighted_down(act_ptr, w2_ptr, ws_ptr, stride_se, stride_ws, pair, expert, weight, live, col, col_ok, hidden,
+                   I: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, W_SCALES: tl.constexpr,
+                   ROW_BLOCKS: tl.constexpr, out_ptr, WAIT: tl.constexpr):
+    """[BN] fp32: the pair's row of columns `col`, act[pair] @ w2[expert]^T times its weight, rounded to out's dtype
+    (exact zeros where not `live`: its loads masked off)."""
+    one = tl.arange(0, 1)  # (tl.where, not &: the interpreter cannot AND a mask with a scalar)
+    dots = dot_rows(act_ptr + tl.cast(pair, tl.int64) * I, 0, one, tl.where(live, one == 0, False),
+                    w2_ptr + expert * hidden * I, I, col, tl.where(live, col_ok, False), ws_ptr + expert * stride_se,
+                    stride_ws, I, 1, BN, BK, STAGES, W_SCALES, ROW_BLOCKS, WAIT)
+    return tl.reshape(dots * weight, (BN,)).to(out_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
 def _gemv_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, counter_ptr, ws_ptr, stride_se,
                       stride_ws, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0, nw_ptr, x_out_ptr,
                       h_ptr, h32_ptr, width, eps, CHOICES: tl.constexpr, EXPERTS: tl.constexpr, I: tl.constexpr,
@@ -132,18 +150,22 @@ def _gemv_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, co
                       ROW_BLOCKS: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
                       HAS_RESIDUAL: tl.constexpr, HAS_UB: tl.constexpr, HAS_US: tl.constexpr, HAS_RB: tl.constexpr,
                       HAS_RS: tl.constexpr, HAS_SKIP: tl.constexpr, FP32_COPY: tl.constexpr, USE_PDL: tl.constexpr):
-    """`down_block` of output row program_id(0), column block program_id(1)."""
-    if USE_PDL:  # the pairs' experts were chosen two launches back, before the gate/up launch could start: their
-        col = tl.program_id(1) * BN + tl.arange(0, BN)  # weights' stream starts before the wait (ops/triton/pdl.py)
+    """`down_block` of output row program_id(0), column block program_id(1). The pairs' experts were chosen two
+    launches back, before the gate/up launch could start: their weights' stream starts before the PDL wait
+    (ops/triton/pdl.py), loaded whole by `down_block` for one choice a row, else asked of L2."""
+    PRELOAD: tl.constexpr = USE_PDL and CHOICES == 1
+    if USE_PDL and not PRELOAD:
+        col = tl.program_id(1) * BN + tl.arange(0, BN)
         for choice in tl.static_range(CHOICES):
             expert, _, live = _pair(ids_ptr, weights_ptr, tl.program_id(0) * CHOICES + choice, EXPERTS)
             prefetch_rows(w2_ptr + expert * hidden * I, col, (col < hidden) & live, I, I)
-    wait_for_previous(USE_PDL)
+    if not PRELOAD:
+        wait_for_previous(USE_PDL)
     down_block(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, counter_ptr, ws_ptr, stride_se, stride_ws,
                r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0, nw_ptr, x_out_ptr, h_ptr, h32_ptr,
                width, eps, tl.program_id(0), tl.program_id(1), tl.num_programs(1), CHOICES, EXPERTS, I, BN, BK,
                STAGES, W_SCALES, ROW_BLOCKS, NORM, BLOCK, HAS_RESIDUAL, HAS_UB, HAS_US, HAS_RB, HAS_RS, HAS_SKIP,
-               FP32_COPY)
+               FP32_COPY, PRELOAD)
 
 
 def _rows_streamed(rows: int, top_k: int, fp8: Fp8Scales | None) -> int:
@@ -159,7 +181,10 @@ def gate_up_tiles(inter: int, hidden: int, fp8: Fp8Scales | None = None, top_k: 
 
 
 def down_tiles(hidden: int, inter: int, fp8: Fp8Scales | None = None, top_k: int = 1) -> Tiles:
-    return tiles(1, _rows_streamed(hidden, top_k, fp8), inter, min_chunk=min_chunk(fp8))
+    """One choice a token of 16-bit experts (ZAYA1): each program's rows in one K chunk, loaded before the PDL wait
+    (`down_block`'s WAIT); the same tiles reduced or not, so both forms' rows keep the same bits."""
+    return tiles(1, _rows_streamed(hidden, top_k, fp8), inter, min_chunk=min_chunk(fp8),
+                 one_chunk=top_k == 1 and fp8 is None)
 
 
 def takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor) -> bool:
