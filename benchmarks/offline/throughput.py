@@ -18,7 +18,8 @@ of 8, default 32: 7 lightning layers then one MLA layer per group); `--width dem
 widths instead (CPU smoke tests). `--load-format dummy` (the default for Ling, whose checkpoint would not fit on
 disk) writes only config.json and the tokenizer and has the engine draw random weights on the device; `auto`
 writes a random safetensors checkpoint first. Every decode scenario reports its bandwidth floor (the bytes one
-decode step must move over HBM bandwidth); on CUDA and for ZAYA1 the same prompts also go through HF transformers
+decode step must move over HBM bandwidth: by default the device-to-device copy rate measured on the GPU it runs on,
+`--hbm-bytes-per-s` to fix it); on CUDA and for ZAYA1 the same prompts also go through HF transformers
 `generate` (static batches of up to 64, left-padded, after our engine has been freed); Ling-2.6 has no HF model
 class here (n/a). Results also go to --out as JSON. `--json-grammar` runs each of our scenarios a second time with
 a JSON schema on every request (an array of at least 100000 short strings, so every draw stays masked to its last
@@ -65,10 +66,10 @@ import torch
 from benchmarks.cli import add_model_options
 from benchmarks.offline.hf_baseline import run_hf
 from benchmarks.offline.scenarios import BENCH_GRAMMAR, SCENARIOS, counted_tokens, unit, workload
-from benchmarks.offline.timing import GCPauses, gpu_state, sync
+from benchmarks.offline.timing import GCPauses, copy_rate, gpu_state, sync
 from hybridserve import LLM, SamplingParams
 from hybridserve.demo import make_random_model
-from hybridserve.models.bandwidth_floor import decode_floor
+from hybridserve.models.bandwidth_floor import HBM_BYTES_PER_S, decode_floor
 from hybridserve.models.released import FP8_CHECKPOINTS
 from hybridserve.engine.drafts import ReplayDrafts
 
@@ -169,6 +170,9 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--enforce-eager", action="store_true", help="our engine without CUDA graphs")
     parser.add_argument("--prefill-graph-max-tokens", type=int, default=8192,
                         help="prefill and mixed steps of up to this many tokens replay CUDA graphs (0: eager)")
+    parser.add_argument("--hbm-bytes-per-s", type=float, default=None,
+                        help="the floors' HBM rate (default: measured, a device-to-device copy on the GPU; off CUDA "
+                             "an H200's 4.3e12)")
     parser.add_argument("--tp", type=int, default=1,
                         help="our engine's tensor-parallel size (the floor is then that of --tp GPUs)")
     parser.add_argument("--json-grammar", action="store_true",
@@ -224,11 +228,15 @@ def main() -> None:
         config = json.loads((Path(model_dir) / "config.json").read_text())
         zaya = config["model_type"] == "zaya"
         workloads = {name: workload(SCENARIOS[name], args.seed) for name in args.scenarios}
+        bandwidth = args.hbm_bytes_per_s or (copy_rate(args.device) if args.device.startswith("cuda")
+                                             else HBM_BYTES_PER_S)
         result = {"model": args.model or f"random {args.model_type} ({args.width} widths)",
                   "layers": config["num_hidden_layers"], "device": args.device, "load_format": args.load_format,
                   "cuda_graphs": not args.enforce_eager,
                   "prefill_graph_max_tokens": 0 if args.enforce_eager else args.prefill_graph_max_tokens,
-                  "tensor_parallel_size": args.tp, "quantization": args.quantization,
+                  "tensor_parallel_size": args.tp, "hbm_bytes_per_s": bandwidth,
+                  "gpu": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None,
+                  "quantization": args.quantization,
                   "quantization_config": config.get("quantization_config"),
                   "scenarios": {name: {"requests": len(p), "input_tokens": sum(map(len, p)),
                                        "output_tokens": sum(o), "unit": unit(name)}
@@ -267,7 +275,7 @@ def main() -> None:
                 context = (sc.min_input + sc.max_input) // 2 + (sc.min_output + sc.max_output) // 4
                 # Each of the --tp GPUs streams its shard: the bytes per step are split, the bandwidth multiplied.
                 entry["floor_tok_s"] = args.tp * decode_floor(config, min(sc.requests, args.max_running_requests),
-                                                              context, fp8)
+                                                              context, fp8, bandwidth)
         if not zaya:
             for entry in result["scenarios"].values():
                 entry["hf_tok_s"] = "n/a"  # no Ling-2.6 model class in transformers here
@@ -286,6 +294,7 @@ def main() -> None:
 def _print_report(result: dict) -> None:
     """The result's tables: ours vs HF and the floor (FP8 vs bf16, with and without a JSON grammar), then plain vs
     speculative vs forced acceptance."""
+    print(f"decode floors at {result['hbm_bytes_per_s'] / 1e12:.2f} TB/s ({result['gpu'] or 'not measured'})")
     print(f"{'scenario':<9} {'ours tok/s':>11} {'HF tok/s':>10} {'ours/HF':>8} {'floor tok/s':>12} {'of floor':>9}")
     for name, e in result["scenarios"].items():
         hf = e.get("hf_tok_s", "-")

@@ -15,6 +15,26 @@ def sync(device: str) -> None:
 
 
 
+def copy_rate(device: str, size: int = 1 << 30, repeats: int = 10) -> float:
+    """Bytes/s a device-to-device copy of `size` bytes moves on `device` (each byte read and written: 2 * size a
+    copy), the best of `repeats` after a warm-up: the HBM rate the decode floor divides by, measured on the GPU the
+    benchmark runs on (an H100's is about 3.0e12 against an H200's 4.3e12)."""
+    source = torch.empty(size, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        target.copy_(source)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    del source, target
+    torch.cuda.empty_cache()
+    return 2 * size / best
+
+
 class GCPauses:
     """Python's garbage collections during a timed call (gc.callbacks): per generation, how many and how long. A
     full (generation 2) collection walks every tracked object of a process that imported torch and transformers

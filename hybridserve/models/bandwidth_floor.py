@@ -8,16 +8,17 @@ from hybridserve.models.ling_config import parse_ling_config
 HBM_BYTES_PER_S = 4.3e12  # what a device-to-device copy reaches on an H200 (read + written), not the 4.8 TB/s datasheet
 
 
-def decode_floor(config: dict, batch: int, context: int, fp8: bool = False) -> float:
+def decode_floor(config: dict, batch: int, context: int, fp8: bool = False,
+                 bandwidth: float = HBM_BYTES_PER_S) -> float:
     """Tokens/s of `config`'s model (a config.json) at `batch` rows of `context` tokens, if a decode step only had
-    to move its bytes at HBM speed."""
-    floor = _zaya_floor if config["model_type"] == "zaya" else _ling_floor
-    return floor(config, batch, context, fp8)
+    to move its bytes at HBM speed (`bandwidth` bytes/s: the device's copy rate; by default an H200's)."""
+    steps = _zaya_step_bytes if config["model_type"] == "zaya" else _ling_step_bytes
+    return batch / (steps(config, batch, context, fp8) / bandwidth)
 
 
-def _zaya_floor(config: dict, batch: int, context: int, fp8: bool = False) -> float:
-    """Tokens/s if one decode step only had to move its bytes at HBM speed. `fp8`: the
-    projections and experts take one byte a weight (the router and the LM head stay as they are)."""
+def _zaya_step_bytes(config: dict, batch: int, context: int, fp8: bool = False) -> float:
+    """Bytes one ZAYA1 decode step moves. `fp8`: the projections and experts take one byte a weight (the router and
+    the LM head stay as they are)."""
     h, layers, e = config["hidden_size"], config["num_hidden_layers"], config["num_experts"]
     cca = h * 1024 + h * 256 + 2 * h * 128 + 1024 * h
     router = h * 256 + 2 * 256 * 256 + 256 * (e + 1)
@@ -26,12 +27,11 @@ def _zaya_floor(config: dict, batch: int, context: int, fp8: bool = False) -> fl
     quantized = (1 if fp8 else 2) * layers * (cca + touched * expert)
     weights = quantized + 2 * (layers * router + config["vocab_size"] * h)
     kv = batch * context * layers * 512 * 2
-    return batch / ((weights + kv) / HBM_BYTES_PER_S)
+    return weights + kv
 
 
-def _ling_floor(config: dict, batch: int, context: int, fp8: bool = False) -> float:
-    """Tokens/s if one decode step only had to move its bytes (`ling_decode_bytes`) at HBM speed."""
-    return batch / (sum(ling_decode_bytes(config, batch, context, fp8).values()) / HBM_BYTES_PER_S)
+def _ling_step_bytes(config: dict, batch: int, context: int, fp8: bool = False) -> float:
+    return sum(ling_decode_bytes(config, batch, context, fp8).values())
 
 
 def ling_decode_bytes(config: dict, batch: int, context: int, fp8: bool = False) -> dict[str, float]:
