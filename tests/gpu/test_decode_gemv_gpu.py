@@ -126,10 +126,10 @@ def pdl_switch(monkeypatch: pytest.MonkeyPatch):
 @pytest.mark.parametrize("tokens", [1, 4, 16])
 def test_weights_loaded_before_the_pdl_wait_change_no_bit(pdl_switch, tokens: int) -> None:
     """With PDL a decode GEMV or router launch loads its weight tile before griddepcontrol.wait (gemv.dot_rows,
-    zaya_router.weight_tile, WAIT): only where the loads are issued moves, so every bit equals the launch
-    without PDL (which has no such path), for 16-bit and e4m3 weights (both scale schemes), the router (one launch
-    of three phases) and ZAYA1-8B's top-1 experts (whose down launch loads its expert's rows before the wait, a skip
-    token's masked off)."""
+    zaya_router._rows_times_cols, WAIT): only where the loads are issued moves, so every bit equals the launch
+    without PDL (which has no such path), for 16-bit and e4m3 weights (both scale schemes), the router and
+    ZAYA1-8B's top-1 experts (whose down launch loads its expert's rows before the wait, a skip token's masked
+    off)."""
     from hybridserve.ops.triton import fp8_linear, linear, moe_gemv, zaya_router
     from tests.gpu.test_fp8_kernels_gpu import SCHEMES, _quantized
     from tests.gpu.test_zaya_kernels_gpu import EXPERTS, HIDDEN, ROUTER

@@ -1,11 +1,10 @@
 """Launch budgets per decoder layer and decode step, counted on CPU (tests/ops/launch_counts.py).
 
-ZAYA1, 9 a layer here: 2 GEMV linears (fused q|k|v|v projection, o_proj with the post-attention residual norm in
-its epilogue; cuBLAS GEMMs beyond decode sizes), CCA conv (QKNorm+RoPE+KV write in its epilogue), attention (its
-split merge in the last split program), the EDA router's three phases (down-projection + carry, norm + fc1, fc2 +
-class selection, each split by columns), the experts' gate/up and down GEMVs (down with the post-MoE residual norm).
-On the GPU the router's phases are one launch with grid barriers between them (ops/triton/zaya_router.py): 7 a
-layer. Before the norm and merge epilogues it was 13, before the conv's q/k epilogue 10."""
+ZAYA1, 9 a layer: 2 GEMV linears (fused q|k|v|v projection, o_proj with the post-attention residual norm in its
+epilogue; cuBLAS GEMMs beyond decode sizes), CCA conv (QKNorm+RoPE+KV write in its epilogue), attention (its split
+merge in the last split program), the EDA router's three (down-projection + carry, norm + fc1, fc2 + class
+selection, each split by columns), the experts' gate/up and down GEMVs (down with the post-MoE residual norm).
+Before the norm and merge epilogues it was 13, before the conv's q/k epilogue 10."""
 from __future__ import annotations
 
 import pytest
@@ -21,7 +20,7 @@ def test_zaya_decode_layer_launch_budget():
         "triton._linear_kernel": 2,  # the fused q|k|v|v projection, o_proj (+ the post-attention norm)
         "triton._cca_conv_kernel": 1,  # + QKNorm, RoPE and the K/V cache write
         "triton._attention_kernel": 1,  # one launch, split or not (splits are merged by their last program)
-        "triton._route_kernel": 3,  # the EDA router (a launch a phase here; on the GPU one, with grid barriers)
+        "triton._dense_kernel": 3,  # the EDA router
         "triton._gemv_gate_up_kernel": 1,
         "triton._gemv_down_kernel": 1,  # + the post-MoE residual norm
     }

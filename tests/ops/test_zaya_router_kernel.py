@@ -1,6 +1,6 @@
 """EDA router kernels vs the reference (ops/reference/zaya_router.py), fp32 throughout, down-projection included.
 
-Both forms are checked: the fused decode form (three phases, the last program of a token block selecting) at token
+Both forms are checked: the fused decode form (three launches, the last program of a token block selecting) at token
 counts around its tile buckets, and the 3xTF32 GEMM prefill form above FUSED_MAX_TOKENS in several of its tile
 shapes (the interpreter multiplies in fp32: 3xTF32's accuracy is checked on the GPU,
 tests/gpu/test_zaya_kernels_gpu.py). The carry and the probabilities are fp32 arithmetic in another summation order
@@ -139,25 +139,6 @@ def test_fused_form_repeats_bitwise():
     first, second = kernel.eda_route(**args), kernel.eda_route(**args)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
-
-
-def test_one_program_runs_the_phases_in_one_launch(monkeypatch):
-    """The decode form's one launch (its three phases with grid barriers between) computes the bits of a launch a
-    phase, and leaves its counters at zero. One program passes its barriers alone, so the interpreter runs it too
-    (and the sm_90 compile check gets the variant); many programs are tested on the GPU."""
-    from hybridserve.ops.triton.grid_sync import barrier_counter
-    monkeypatch.setattr(kernel, "PROGRAMS", 1)  # one program takes every column of the token block
-    args = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v
-            for k, v in router_inputs(3, 72, 40, 4, 0.05, device="cpu").items()}
-    together = kernel.fused_route(**args, one_launch=True)
-    apart = kernel.fused_route(**args, one_launch=False)
-    for a, b in zip(together, apart, strict=True):
-        assert torch.equal(a, b)
-    assert int(barrier_counter("zaya_router", DEVICE)[0]) == 0 and not kernel._arrival_counters(DEVICE).any()
-    if DEVICE.type == "cpu":  # the interpreter cannot run a barrier among several programs
-        monkeypatch.setattr(kernel, "PROGRAMS", 128)
-        with pytest.raises(ValueError, match="grid barriers"):
-            kernel.fused_route(**args, one_launch=True)
 
 
 def test_fused_tiles_spread_over_the_programs():

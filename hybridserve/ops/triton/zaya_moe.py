@@ -64,7 +64,7 @@ def _router_layer(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr
     cols: tl.constexpr = (N + BN - 1) // BN
     for item in range(tl.program_id(0), items, tl.num_programs(0)):
         dense_block(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr, norm_ptr, eps, item // cols,
-                    item % cols, 0.0, K, N, BT, BN, BK, STAGES, CARRY, NORM, GELU, X_CACHE)
+                    item % cols, K, N, BT, BN, BK, STAGES, CARRY, NORM, GELU, X_CACHE)
 
 
 @triton.jit

@@ -1,24 +1,19 @@
 """ZAYA1's EDA router, down-projection included, in fp32 Triton kernels (contract: ops/reference/zaya_router.py).
 
-Decode (at most `FUSED_MAX_TOKENS` tokens, the CUDA-graph batch sizes): three phases of one kernel, `_route_kernel`.
+Decode (at most `FUSED_MAX_TOKENS` tokens, the CUDA-graph batch sizes): three launches of one kernel, `_dense_kernel`.
     1. z = x32 @ Wd^T + bd (+ carry * scale)         the EDA carry handed to the next layer's router
     2. u1 = GELU(fc1(RMSNorm(z)))                     every program recomputes its rows' rstd (RMSNorm needs all
-                                                      of z, which only exists after phase 1)
+                                                      of z, which only exists after launch 1)
     3. u2 = GELU(fc2(u1)), then per token block the last program to finish it computes the E + 1 class logits,
        softmax, the biased argmax and the routing outputs.
-At a few tokens a step what costs is reading the weights (the down-projection's is 2 MB of fp32) and the kernel
-boundaries, not arithmetic. So each phase is split over output columns and tokens into about `PROGRAMS` programs
-(one per SM of an H200), each reading only its slice of the weight, and no program pads its rows to tl.dot's 16:
-products are broadcast multiply-adds into a [tokens, columns, K chunk] fp32 register tile, reduced over K once at
-the end (a reduction per chunk would cost more shuffles than multiply-adds). One token (the commonest decode) reads
-its whole K in a single chunk, every load in flight at once; larger buckets loop over K with the chunks' loads
-pipelined (cp.async, PIPELINE_STAGES deep), since a loop of plain loads waits one memory round trip per chunk.
-
-On the GPU the three phases are one launch with a grid barrier between two (ops/triton/grid_sync.py: its programs,
-one per SM at most, are all resident), and with PDL each program loads the weight columns of all three phases before
-its wait: 20 KB of fp32 at one token, in registers while the kernel before finishes, where three launches paid two
-more kernel boundaries and waits. Elsewhere (the interpreter, a grid larger than the SMs) it is a launch a phase.
-The class selection rides on phase 3 instead of a launch of its own: each program stores its u2 columns, then bumps
+At a few tokens a step what costs is reading the weights (the down-projection's is 2 MB of fp32) and the launches,
+not arithmetic. So each launch is split over output columns and tokens into about `PROGRAMS` programs (one per SM
+of an H200), each reading only its slice of the weight, and no program pads its rows to tl.dot's 16: products are
+broadcast multiply-adds into a [tokens, columns, K chunk] fp32 register tile, reduced over K once at the end (a
+reduction per chunk would cost more shuffles than multiply-adds). One token (the commonest decode) reads its whole
+K in a single chunk, every load in flight at once; larger buckets loop over K with the chunks' loads pipelined
+(cp.async, PIPELINE_STAGES deep), since a loop of plain loads waits one memory round trip per chunk. The
+class selection rides on launch 3 instead of a launch of its own: each program stores its u2 columns, then bumps
 its token block's arrival counter (acq_rel: the stores before it are visible to whoever acquires it later); the
 program that arrives last reads the whole u2 rows back through L2 and resets the counter to 0, so the next call (and
 every CUDA-graph replay) starts from zero (ops/triton/counters.py).
@@ -46,7 +41,6 @@ import triton.language as tl
 from hybridserve.ops.reference.zaya_router import Routing
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.counters import arrival_counters
-from hybridserve.ops.triton.grid_sync import barrier_counter, barriers_work, finish, grid_barrier, sm_count
 from hybridserve.ops.triton.norm import residual_rms_norm
 from hybridserve.ops.triton.pdl import prefetch_rows, wait_for_previous
 from hybridserve.ops.triton.sizes import cdiv, next_power_of_2
@@ -56,7 +50,6 @@ from hybridserve.ops.triton.sizes import cdiv, next_power_of_2
 FUSED_MAX_TOKENS = 256
 PROGRAMS = 128  # programs per fused launch to aim for: about one per SM of an H200 (132 SMs)
 TILE_ELEMENTS = 8192  # a program's [tokens, columns, K chunk] product tile: 64 fp32 registers a thread at 4 warps
-PHASES = 3  # of the decode form: down-projection, fc1, fc2 + selection
 PIPELINE_STAGES = 6  # K chunks in flight (cp.async) per program when its loop has several: latency, not FLOPs
 SELECT_TOKENS = 16  # tokens per program of the prefill form's selection
 GEMM_BK = 32  # K chunk of the prefill form's GEMM tiles (fp32: [128, 32] + [32, 128] is 32 KB a stage)
@@ -69,30 +62,23 @@ def _gelu(x):
 
 
 @triton.jit
-def weight_tile(w_ptr, cols, col_ok, K: tl.constexpr, BK: tl.constexpr, WAIT: tl.constexpr):
-    """What a launch with PDL (WAIT) reads of w [N, K] before its wait, for `_rows_times_cols` on columns `cols`: a
-    K of one chunk (BK >= K: every decode bucket up to a few tokens) whole into registers, streaming in while the
-    kernel before finishes ([BN, BK]); of a longer K the first bytes asked of L2 (and 0, no tile). w is no kernel's
-    output: loading it ahead is safe."""
-    if WAIT and BK >= K:
-        tile = tl.load(w_ptr + cols[:, None] * K + tl.arange(0, BK)[None, :],
-                       mask=col_ok[:, None] & (tl.arange(0, BK) < K)[None, :], other=0.0)
-    else:
-        if WAIT:
-            prefetch_rows(w_ptr, cols, col_ok, K, K)
-        tile = 0.0
-    return tile
-
-
-@triton.jit
-def _rows_times_cols(x_ptr, w_ptr, vec_ptr, rows, row_ok, cols, col_ok, tile, K: tl.constexpr, BT: tl.constexpr,
+def _rows_times_cols(x_ptr, w_ptr, vec_ptr, rows, row_ok, cols, col_ok, K: tl.constexpr, BT: tl.constexpr,
                      BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, X_VEC: tl.constexpr,
-                     X_GELU: tl.constexpr, CACHE: tl.constexpr, PRELOADED: tl.constexpr = False):
+                     X_GELU: tl.constexpr, CACHE: tl.constexpr, WAIT: tl.constexpr = False):
     """([BT, BN] fp32: sum over k of x'[rows, k] * w[cols, k] (both row-major with K columns), [BT]: sum over k of
     x[rows, k]^2), where x' is x (times vec[k], with X_VEC) (GELU'd, with X_GELU). Products are accumulated per K
     lane, summed once at the end (no shuffles inside the loop); STAGES > 1 pipelines the chunks' loads (cp.async),
-    so that more than one chunk is in flight. The squares cost nothing where unused (dead code). PRELOADED: w's
-    one chunk is `tile`, loaded before the PDL wait (`weight_tile`)."""
+    so that more than one chunk is in flight. The squares cost nothing where unused (dead code).
+    WAIT: x is the kernel before's output, w no kernel's, so `pdl.wait_for_previous` comes after the weights' loads
+    are issued: one chunk (every decode bucket up to a few tokens) is loaded whole into registers, streaming in while
+    the kernel before finishes; a loop has its first bytes asked of L2."""
+    PRELOAD: tl.constexpr = WAIT and BK >= K
+    if PRELOAD:
+        first = tl.load(w_ptr + cols[:, None] * K + tl.arange(0, BK)[None, :],
+                        mask=col_ok[:, None] & (tl.arange(0, BK) < K)[None, :], other=0.0)
+    elif WAIT:
+        prefetch_rows(w_ptr, cols, col_ok, K, K)
+    wait_for_previous(WAIT)
     acc = tl.zeros((BT, BN, BK), dtype=tl.float32)
     squares = tl.zeros((BT, BK), dtype=tl.float32)
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
@@ -105,8 +91,8 @@ def _rows_times_cols(x_ptr, w_ptr, vec_ptr, rows, row_ok, cols, col_ok, tile, K:
             x *= tl.load(vec_ptr + k, mask=k_ok, other=0.0)[None, :]
         if X_GELU:
             x = _gelu(x)  # GELU(0) = 0: masked lanes stay out of the sum
-        if PRELOADED:
-            w = tile
+        if PRELOAD:
+            w = first
         else:
             w = tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         acc += x[:, None, :] * w[None, :, :]
@@ -122,8 +108,8 @@ def select(u_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_pt
     -> (expert ids, expert weights) [BT]: the choice with skip as expert 0, the weight with skip as 0."""
     c = tl.arange(0, BC)
     c_valid = c < CLASSES
-    logits, _ = _rows_times_cols(u_ptr, wo_ptr, u_ptr, rows, row_ok, c, c_valid, 0.0, K, BT, BC, BK, 1, False,
-                                 U_GELU, CACHE)
+    logits, _ = _rows_times_cols(u_ptr, wo_ptr, u_ptr, rows, row_ok, c, c_valid, K, BT, BC, BK, 1, False, U_GELU,
+                                 CACHE)
     c_ok = c_valid[None, :]
     logits = tl.where(c_ok, logits, float("-inf"))
     e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
@@ -144,76 +130,51 @@ def select(u_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_pt
 
 @triton.jit
 def dense_block(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr, norm_ptr, eps, token_block, col_block,
-                tile, K: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                K: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                 STAGES: tl.constexpr, CARRY: tl.constexpr, NORM: tl.constexpr, GELU: tl.constexpr,
-                X_CACHE: tl.constexpr, PRELOADED: tl.constexpr = False):
+                X_CACHE: tl.constexpr, WAIT: tl.constexpr = False):
     """out[rows, cols] = act(x'[rows] @ w[cols]^T + b[cols]) (+ carry[rows, cols] * scale[cols], with CARRY) for
     BT tokens and BN columns (blocks `token_block`, `col_block`); x' = norm_weight * x * rstd(x) with NORM, act =
-    GELU with GELU; x loaded with X_CACHE (".cg" where other programs of the launch wrote it). PRELOADED: w's
-    columns are `tile` (`weight_tile`). -> (rows, row_ok)."""
+    GELU with GELU; x loaded with X_CACHE (".cg" where other programs of the launch wrote it). WAIT: the PDL wait
+    comes inside, after the weights' loads (`_rows_times_cols`). -> (rows, row_ok)."""
     rows = token_block * BT + tl.arange(0, BT)
     row_ok = rows < num_tokens
     cols = col_block * BN + tl.arange(0, BN)
     col_ok = cols < N
-    acc, squares = _rows_times_cols(x_ptr, w_ptr, norm_ptr, rows, row_ok, cols, col_ok, tile, K, BT, BN, BK, STAGES,
-                                    NORM, False, X_CACHE, PRELOADED)
+    acc, squares = _rows_times_cols(x_ptr, w_ptr, norm_ptr, rows, row_ok, cols, col_ok, K, BT, BN, BK, STAGES, NORM,
+                                    False, X_CACHE, WAIT)
     if NORM:  # rstd after the product: (x * w_norm) @ W^T * rstd = (w_norm * x * rstd) @ W^T
         acc *= tl.rsqrt(squares / K + eps)[:, None]
     acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0)[None, :]
-    block = rows[:, None] * N + cols[None, :]
+    tile = rows[:, None] * N + cols[None, :]
     ok = row_ok[:, None] & col_ok[None, :]
     if CARRY:
         scale = tl.load(scale_ptr + cols, mask=col_ok, other=0.0)
-        acc += tl.load(carry_ptr + block, mask=ok, other=0.0) * scale[None, :]
+        acc += tl.load(carry_ptr + tile, mask=ok, other=0.0) * scale[None, :]
     if GELU:
         acc = _gelu(acc)
-    tl.store(out_ptr + block, acc, mask=ok)
+    tl.store(out_ptr + tile, acc, mask=ok)
     return rows, row_ok
 
 
 @triton.jit(do_not_specialize=["num_tokens"])  # one variant for every token count of a tile bucket
-def _route_kernel(x32_ptr, wd_ptr, bd_ptr, carry_ptr, scale_ptr, norm_ptr, eps, w1_ptr, b1_ptr, w2_ptr, b2_ptr,
-                  z_ptr, u1_ptr, u2_ptr, num_tokens, counter_ptr, barrier_ptr, wo_ptr, bias_ptr, choice_ptr,
-                  weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr, H: tl.constexpr, R: tl.constexpr,
-                  CLASSES: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK0: tl.constexpr,
-                  STAGES0: tl.constexpr, BKR: tl.constexpr, STAGESR: tl.constexpr, BC: tl.constexpr,
-                  BKC: tl.constexpr, CARRY: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
-                  USE_PDL: tl.constexpr):
-    """Phases FIRST..LAST of the decode form (module docstring) on this program's BT tokens x BN columns, a grid
-    barrier between two; the weights of every phase it runs loaded before the PDL wait (`weight_tile`)."""
-    col_blocks: tl.constexpr = (R + BN - 1) // BN
-    RUN0: tl.constexpr = FIRST <= 0  # (LAST >= 0 always)
-    RUN1: tl.constexpr = FIRST <= 1 and LAST >= 1
-    RUN2: tl.constexpr = LAST >= 2  # (FIRST <= 2 always)
-    token_block = tl.program_id(0) // col_blocks
-    col_block = tl.program_id(0) % col_blocks
-    cols = col_block * BN + tl.arange(0, BN)
-    col_ok = cols < R
-    down = weight_tile(wd_ptr, cols, col_ok, H, BK0, USE_PDL and RUN0)
-    fc1 = weight_tile(w1_ptr, cols, col_ok, R, BKR, USE_PDL and RUN1)
-    fc2 = weight_tile(w2_ptr, cols, col_ok, R, BKR, USE_PDL and RUN2)
-    wait_for_previous(USE_PDL)
-    if RUN0:
-        dense_block(x32_ptr, wd_ptr, bd_ptr, z_ptr, num_tokens, carry_ptr, scale_ptr, norm_ptr, eps, token_block,
-                    col_block, down, H, R, BT, BN, BK0, STAGES0, CARRY, False, False, "", USE_PDL and BK0 >= H)
-    if RUN0 and LAST > 0:
-        grid_barrier(barrier_ptr, 1 - FIRST)
-    if RUN1:
-        dense_block(z_ptr, w1_ptr, b1_ptr, u1_ptr, num_tokens, carry_ptr, scale_ptr, norm_ptr, eps, token_block,
-                    col_block, fc1, R, R, BT, BN, BKR, STAGESR, False, True, True, ".cg", USE_PDL and BKR >= R)
-    if RUN1 and LAST > 1:
-        grid_barrier(barrier_ptr, 2 - FIRST)
-    if RUN2:
-        rows, row_ok = dense_block(u1_ptr, w2_ptr, b2_ptr, u2_ptr, num_tokens, carry_ptr, scale_ptr, norm_ptr, eps,
-                                   token_block, col_block, fc2, R, R, BT, BN, BKR, STAGESR, False, False, True, ".cg",
-                                   USE_PDL and BKR >= R)
+def _dense_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr, norm_ptr, eps,
+                  counter_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr,
+                  K: tl.constexpr, N: tl.constexpr, CLASSES: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, STAGES: tl.constexpr, BC: tl.constexpr, BKC: tl.constexpr, CARRY: tl.constexpr,
+                  NORM: tl.constexpr, GELU: tl.constexpr, SELECT: tl.constexpr, USE_PDL: tl.constexpr):
+    """`dense_block` of this program's BT tokens and BN columns. With SELECT, the token block's last program to
+    finish then selects its classes from the whole out rows."""
+    rows, row_ok = dense_block(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr, norm_ptr, eps,
+                               tl.program_id(1), tl.program_id(0), K, N, BT, BN, BK, STAGES, CARRY, NORM, GELU, "",
+                               USE_PDL)  # (the PDL wait, after the weights' loads)
+    if SELECT:
         tl.debug_barrier()  # every thread's stores precede the release below
-        if tl.atomic_add(counter_ptr + token_block, 1, sem="acq_rel") == col_blocks - 1:
-            select(u2_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr, rows, row_ok,
-                   row_ok, R, CLASSES, BT, BC, BKC, False, ".cg")  # .cg: the other programs' u2, from L2
-            tl.store(counter_ptr + token_block, 0)
-    if LAST > FIRST:
-        finish(barrier_ptr, LAST - FIRST)
+        arrived = tl.atomic_add(counter_ptr + tl.program_id(1), 1, sem="acq_rel")
+        if arrived == tl.num_programs(0) - 1:
+            select(out_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr, rows,
+                   row_ok, row_ok, N, CLASSES, BT, BC, BKC, False, ".cg")  # .cg: the other programs' u2, from L2
+            tl.store(counter_ptr + tl.program_id(1), 0)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -302,31 +263,29 @@ def eda_route(x32: torch.Tensor, down_weight: torch.Tensor, down_bias: torch.Ten
 
 
 def fused_route(x32, down_weight, down_bias, carry, states_scale, norm_weight, eps, fc1_weight, fc1_bias, fc2_weight,
-                fc2_bias, out_weight, balancing_biases, one_launch: bool | None = None) -> Routing:
-    """The decode form (module docstring): its three phases in one launch with grid barriers where they work and
-    every program is resident at once (a program per SM at most), else a launch each. Arguments as `eda_route`'s,
-    checked; `one_launch` (tests) forces the choice."""
+                fc2_bias, out_weight, balancing_biases) -> Routing:
+    """The decode form: three `_dense_kernel` launches (module docstring). Arguments as `eda_route`'s, checked."""
     tokens, hidden = x32.shape
     width, classes = down_weight.shape[0], out_weight.shape[0]
-    device = x32.device
-    choice, ids, weight, expert_w, skip_w, (z, u1, u2) = outputs(tokens, 3, width, device)
+    choice, ids, weight, expert_w, skip_w, (z, u1, u2) = outputs(tokens, 3, width, x32.device)
     if tokens:
         bt, bn = fused_tiles(tokens, width)
-        programs = cdiv(width, bn) * cdiv(tokens, bt)
+        grid = (cdiv(width, bn), cdiv(tokens, bt))
         bc = next_power_of_2(classes)
-        first_k, router_k = k_loop(bt, bn, hidden), k_loop(bt, bn, width)
-        args = (x32, down_weight, down_bias, carry if carry is not None else x32,
-                states_scale if carry is not None else x32, norm_weight, eps, fc1_weight, fc1_bias, fc2_weight,
-                fc2_bias, z, u1, u2, tokens, _arrival_counters(device), barrier_counter("zaya_router", device),
-                out_weight, balancing_biases, choice, weight, ids, expert_w, skip_w)
-        constexprs = dict(H=hidden, R=width, CLASSES=classes, BT=bt, BN=bn, BK0=first_k["BK"],
-                          STAGES0=first_k["STAGES"], BKR=router_k["BK"], STAGESR=router_k["STAGES"], BC=bc,
-                          BKC=k_chunk(bt, bc, width), CARRY=carry is not None, num_warps=4, **pdl.launch(device))
-        together = barriers_work(device) and programs <= sm_count(device) if one_launch is None else one_launch
-        if together and not barriers_work(device) and programs != 1:  # one program passes its barriers alone
-            raise ValueError("one launch of several programs needs grid barriers: a CUDA device, not the interpreter")
-        for first, last in [(0, PHASES - 1)] if together else [(phase, phase) for phase in range(PHASES)]:
-            _route_kernel[(programs,)](*args, FIRST=first, LAST=last, **constexprs)
+        dummy = x32
+        select = (_arrival_counters(x32.device), out_weight, balancing_biases, choice, weight, ids, expert_w, skip_w)
+        common = dict(N=width, CLASSES=classes, BT=bt, BN=bn, BC=bc, BKC=k_chunk(bt, bc, width), num_warps=4,
+                      **pdl.launch(x32.device))
+        _dense_kernel[grid](x32, down_weight, down_bias, z, tokens, carry if carry is not None else dummy,
+                            states_scale if carry is not None else dummy, dummy, eps, *(dummy,) * 8,
+                            K=hidden, **k_loop(bt, bn, hidden), CARRY=carry is not None, NORM=False, GELU=False,
+                            SELECT=False, **common)
+        _dense_kernel[grid](z, fc1_weight, fc1_bias, u1, tokens, dummy, dummy, norm_weight, eps, *(dummy,) * 8,
+                            K=width, **k_loop(bt, bn, width), CARRY=False, NORM=True, GELU=True, SELECT=False,
+                            **common)
+        _dense_kernel[grid](u1, fc2_weight, fc2_bias, u2, tokens, dummy, dummy, dummy, eps, *select,
+                            K=width, **k_loop(bt, bn, width), CARRY=False, NORM=False, GELU=True, SELECT=True,
+                            **common)
     return Routing(choice, weight, ids, expert_w, skip_w, z)
 
 
