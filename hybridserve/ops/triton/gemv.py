@@ -73,11 +73,11 @@ def tiles(tokens: int, rows: int, depth: int, min_rows: int = 1, min_chunk: int 
     rows (one token of 2048-long rows: 4), so that `dot_rows` can load it before the PDL wait (more, thinner
     programs: the launch's weights stream in while the kernel before runs)."""
     bt = next_power_of_2(max(tokens, 1))
-    chunk, whole_rows = next_power_of_2(depth), TILE_ELEMENTS // (bt * next_power_of_2(depth))
-    if one_chunk and whole_rows >= max(min_rows, next_power_of_2(cdiv(MIN_PROGRAM_ELEMENTS, depth))):
-        return Tiles(bt, whole_rows, chunk, 1)
+    least = max(min_rows, next_power_of_2(cdiv(MIN_PROGRAM_ELEMENTS, depth)))
+    if one_chunk and TILE_ELEMENTS // (bt * next_power_of_2(depth)) >= least:
+        return Tiles(bt, TILE_ELEMENTS // (bt * next_power_of_2(depth)), next_power_of_2(depth), 1)
     widest = min(MAX_COLUMNS, TILE_ELEMENTS // (bt * min_chunk))
-    bn = max(min_rows, min(widest, next_power_of_2(cdiv(MIN_PROGRAM_ELEMENTS, depth))))
+    bn = max(min_rows, min(widest, least))
     while 2 * bn <= widest and cdiv(rows, 2 * bn) >= PROGRAMS:
         bn *= 2
     bk = min(max(min_chunk, TILE_ELEMENTS // (bt * bn)), next_power_of_2(depth))

@@ -16,6 +16,7 @@ from hybridserve.ops.triton.sizes import cdiv, next_power_of_2
 # token at batch 1); unrolled, the adds and so the bits stay the plain loop's.
 PART_UNROLL = tl.constexpr(8)
 
+
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, addend_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, out32_ptr, rows,
                          width, parts, stride_x, stride_xp, stride_a, stride_r, stride_o, stride_ro, eps,

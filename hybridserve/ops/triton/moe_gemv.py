@@ -114,11 +114,11 @@ def down_block(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, counter_p
         expert, weight, live = _pair(ids_ptr, weights_ptr, pair, EXPERTS)
         if WAIT:
             tl.static_assert(CHOICES == 1, "the down weights load before the wait for one choice a row")
-            total += _weighted_down(act_ptr, w2_ptr, ws_ptr, stride_se, stride_ws, pair, expert, weight, live, col,
-                                    col_ok, hidden, I, BN, BK, STAGES, W_SCALES, ROW_BLOCKS, out_ptr, True)
+            total += _weighted_down(act_ptr, w2_ptr, ws_ptr, stride_se, stride_ws, out_ptr, pair, expert, weight, live,
+                                    col, col_ok, hidden, I, BN, BK, STAGES, W_SCALES, ROW_BLOCKS, True)
         elif live:
-            total += _weighted_down(act_ptr, w2_ptr, ws_ptr, stride_se, stride_ws, pair, expert, weight, live, col,
-                                    col_ok, hidden, I, BN, BK, STAGES, W_SCALES, ROW_BLOCKS, out_ptr, False)
+            total += _weighted_down(act_ptr, w2_ptr, ws_ptr, stride_se, stride_ws, out_ptr, pair, expert, weight, live,
+                                    col, col_ok, hidden, I, BN, BK, STAGES, W_SCALES, ROW_BLOCKS, False)
     tl.store(out_ptr + tl.cast(row, tl.int64) * hidden + col, total.to(out_ptr.dtype.element_ty), mask=col_ok)
     if NORM:
         tl.debug_barrier()  # every thread's stores precede the release below
@@ -130,12 +130,13 @@ def down_block(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, counter_p
 
 
 @triton.jit
-def _weighted_down(act_ptr, w2_ptr, ws_ptr, stride_se, stride_ws, pair, expert, weight, live, col, col_ok, hidden,
-                   I: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, W_SCALES: tl.constexpr,
-                   ROW_BLOCKS: tl.constexpr, out_ptr, WAIT: tl.constexpr):
+def _weighted_down(act_ptr, w2_ptr, ws_ptr, stride_se, stride_ws, out_ptr, pair, expert, weight, live, col, col_ok,
+                   hidden, I: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+                   W_SCALES: tl.constexpr, ROW_BLOCKS: tl.constexpr, WAIT: tl.constexpr):
     """[BN] fp32: the pair's row of columns `col`, act[pair] @ w2[expert]^T times its weight, rounded to out's dtype
-    (exact zeros where not `live`: its loads masked off)."""
-    one = tl.arange(0, 1)  # (tl.where, not &: the interpreter cannot AND a mask with a scalar)
+    (exact zeros where not `live`: its loads masked off; tl.where, not &, as the interpreter cannot AND a mask with
+    a scalar)."""
+    one = tl.arange(0, 1)
     dots = dot_rows(act_ptr + tl.cast(pair, tl.int64) * I, 0, one, tl.where(live, one == 0, False),
                     w2_ptr + expert * hidden * I, I, col, tl.where(live, col_ok, False), ws_ptr + expert * stride_se,
                     stride_ws, I, 1, BN, BK, STAGES, W_SCALES, ROW_BLOCKS, WAIT)
