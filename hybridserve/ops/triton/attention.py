@@ -13,6 +13,13 @@ through L2, merges them and resets the counter to zero for the next call (ops/tr
 get no keys contribute nothing, so a split count fixed for the longest context (CUDA graphs) stays correct for
 short ones.
 
+Under programmatic dependent launch (ops/triton/pdl.py) a program waits for the kernel before it, which wrote q
+and this step's own K/V rows (keys kv_len - query_len on); earlier steps' rows were written two or more kernels back.
+So a decode program loads its split's first key tile before the wait: the page-table entries and the K/V rows of
+earlier steps' keys. After the wait it loads q and this step's rows of that tile, all issued together: at batch 1,
+where a split is one tile, one L2 round trip after the wait instead of two (page-table entries, then K/V rows).
+Not for MLA's 512-wide latent (its registers are full) nor prefill: they ask L2 for the first tile before the wait.
+
 Head dims need not be powers of two: the key dim is loaded as a power-of-two main part plus a padded tail (MLA:
 576 = 512 + 64), and when V is the first channels of the K row (MLA's latent cache: v_cache is a strided view of
 k_cache) the V tile is the K tile already loaded.
@@ -52,6 +59,9 @@ def _attention_kernel(
     DV: tl.constexpr, DV_PAD: tl.constexpr, V_IN_K: tl.constexpr, HAS_WINDOW: tl.constexpr,
     SPLIT: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    # Decode loads its first key tile's rows of earlier steps before the wait (module docstring); not MLA's 512-wide
+    # latent, whose accumulator and tiles already take all the registers (a held tile spilled: sm_90, 344 bytes).
+    PRELOAD: tl.constexpr = BLOCK_Q == 1 and D_MAIN <= 128 and DV_PAD <= 128
     q_block = tl.program_id(0)
     row = tl.program_id(1)
     kv_head = tl.program_id(2) // num_splits
@@ -63,7 +73,7 @@ def _attention_kernel(
     kv_len = tl.load(kv_lens_ptr + row).to(tl.int32)
 
     # This program's keys: what its first query sees (window) up to its last query; then this split's share,
-    # cut on BLOCK_N boundaries (an empty share leaves the loop unrun).
+    # cut on BLOCK_N boundaries (an empty share adds nothing).
     first_pos = kv_len - q_len + q_block * BLOCK_Q
     hi = tl.minimum(first_pos + BLOCK_Q, kv_len)
     lo = 0
@@ -72,9 +82,27 @@ def _attention_kernel(
     per_split = ((hi - lo + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     split_lo = lo + split * per_split
     split_hi = tl.minimum(split_lo + per_split, hi)
-    if USE_PDL:  # the row lengths and page tables come from the host: the first key tile's stream starts before
-        _prefetch_keys(k_ptr, v_ptr, page_table_ptr + row * stride_pt, kv_head, split_lo, split_hi, stride_kr,
-                       stride_kh, stride_vr, stride_vh, BLOCK_N, PAGE_SIZE, D_MAIN + D_TAIL, DV, V_IN_K)
+    pages = page_table_ptr + row * stride_pt
+    k_head = k_ptr + kv_head * stride_kh
+    v_head = v_ptr + kv_head * stride_vh
+    d = tl.arange(0, D_MAIN)
+    if D_TAIL > 0:
+        dt = tl.arange(0, D_TAIL_PAD)
+    dv = tl.arange(0, DV_PAD)
+    if PRELOAD:  # the first tile's page-table entries, and the K/V rows of its keys before this step's (held0)
+        j0 = split_lo + tl.arange(0, BLOCK_N)
+        rows0 = _kv_rows(pages, j0, j0 < split_hi, PAGE_SIZE)
+        held0 = ((j0 < split_hi) & (j0 < kv_len - q_len))[:, None]
+        k0 = tl.load(k_head + rows0[:, None] * stride_kr + d[None, :], mask=held0, other=0.0)
+        k0_tail, v0 = None, None  # (they stay None without a tail, and with V in K)
+        if D_TAIL > 0:
+            k0_tail = tl.load(k_head + rows0[:, None] * stride_kr + D_MAIN + dt[None, :],
+                              mask=held0 & (dt[None, :] < D_TAIL), other=0.0)
+        if not V_IN_K:
+            v0 = tl.load(v_head + rows0[:, None] * stride_vr + dv[None, :], mask=held0 & (dv[None, :] < DV), other=0.0)
+    elif USE_PDL:  # the row lengths and page tables come from the host: the first tile's stream starts before
+        _prefetch_keys(k_ptr, v_ptr, pages, kv_head, split_lo, split_hi, stride_kr, stride_kh, stride_vr, stride_vh,
+                       BLOCK_N, PAGE_SIZE, D_MAIN + D_TAIL, DV, V_IN_K)
     wait_for_previous(USE_PDL)  # the wait (this step's own key is the kernel before's output; L2 keeps it coherent)
 
     # M rows: token-major, query heads of this KV head minor (GROUP_PAD >= GROUP; padding rows are masked).
@@ -84,47 +112,29 @@ def _attention_kernel(
     m_valid = (m % GROUP_PAD < GROUP) & (tok < q_len)
     q_pos = kv_len - q_len + tok
     q_rows = (q_start + tok).to(tl.int64)
-    d = tl.arange(0, D_MAIN)
     q_base = q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh
     kv_dtype = k_ptr.dtype.element_ty
     q_main = tl.load(q_base + d[None, :], mask=m_valid[:, None], other=0.0).to(kv_dtype)
+    q_tail = None
     if D_TAIL > 0:
-        dt = tl.arange(0, D_TAIL_PAD)
         q_tail = tl.load(q_base + D_MAIN + dt[None, :], mask=m_valid[:, None] & (dt[None, :] < D_TAIL),
                          other=0.0).to(kv_dtype)
-    dv = tl.arange(0, DV_PAD)
 
     m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_Q * GROUP_PAD], 0.0, tl.float32)
     acc = tl.full([BLOCK_Q * GROUP_PAD, DV_PAD], 0.0, tl.float32)
-    k_head = k_ptr + kv_head * stride_kh
-    for start in range(split_lo, split_hi, BLOCK_N):
+    # The held tile is straight-line code (an empty split's is all masked and adds nothing): held across a loop,
+    # its registers would stay taken through the loop's tiles (sm_90: 236 registers against 163).
+    if PRELOAD:
+        m_i, l_i, acc = _attend_tile(m_i, l_i, acc, q_main, q_tail, q_pos, j0, split_hi, rows0, k_head, v_head,
+                                     stride_kr, stride_vr, scale_log2, window, held0, k0, k0_tail, v0, D_MAIN, D_TAIL,
+                                     D_TAIL_PAD, DV, DV_PAD, V_IN_K, HAS_WINDOW, PRECISION)
+    for start in range(split_lo + PRELOAD * BLOCK_N, split_hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
-        j_valid = j < split_hi
-        page = tl.load(page_table_ptr + row * stride_pt + j // PAGE_SIZE, mask=j_valid, other=0)
-        kv_rows = page.to(tl.int64) * PAGE_SIZE + j % PAGE_SIZE
-        k_main = tl.load(k_head + kv_rows[:, None] * stride_kr + d[None, :], mask=j_valid[:, None], other=0.0)
-        s = tl.dot(q_main, tl.trans(k_main), input_precision=PRECISION)
-        if D_TAIL > 0:
-            k_tail = tl.load(k_head + kv_rows[:, None] * stride_kr + D_MAIN + dt[None, :],
-                             mask=j_valid[:, None] & (dt[None, :] < D_TAIL), other=0.0)
-            s += tl.dot(q_tail, tl.trans(k_tail), input_precision=PRECISION)
-        visible = j_valid[None, :] & (j[None, :] <= q_pos[:, None])
-        if HAS_WINDOW:
-            visible &= j[None, :] > q_pos[:, None] - window
-        s = tl.where(visible, s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet stays at zero
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if V_IN_K:
-            v = k_main
-        else:
-            v = tl.load(v_ptr + kv_head * stride_vh + kv_rows[:, None] * stride_vr + dv[None, :],
-                        mask=j_valid[:, None] & (dv[None, :] < DV), other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv_dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        kv_rows = _kv_rows(pages, j, j < split_hi, PAGE_SIZE)
+        m_i, l_i, acc = _attend_tile(m_i, l_i, acc, q_main, q_tail, q_pos, j, split_hi, kv_rows, k_head, v_head,
+                                     stride_kr, stride_vr, scale_log2, window, None, None, None, None, D_MAIN, D_TAIL,
+                                     D_TAIL_PAD, DV, DV_PAD, V_IN_K, HAS_WINDOW, PRECISION)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -146,14 +156,70 @@ def _attention_kernel(
 
 
 @triton.jit
+def _attend_tile(m_i, l_i, acc, q_main, q_tail, q_pos, j, split_hi, kv_rows, k_head, v_head, stride_kr, stride_vr,
+                 scale_log2, window, held, k_held, k_tail_held, v_held, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr,
+                 D_TAIL_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, V_IN_K: tl.constexpr,
+                 HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
+    """The running (max, sum, output) of the M rows after one more tile, keys j (cache rows kv_rows; those from
+    split_hi on are masked): online softmax. Where `held` (None: nowhere), the K/V rows are the *_held tiles."""
+    j_valid = j < split_hi
+    d = tl.arange(0, D_MAIN)
+    dv = tl.arange(0, DV_PAD)
+    v_ptrs = v_head + kv_rows[:, None] * stride_vr + dv[None, :]
+    v_mask = j_valid[:, None] & (dv[None, :] < DV)
+    k_main = _load_unless_held(k_head + kv_rows[:, None] * stride_kr + d[None, :], j_valid[:, None], held, k_held)
+    if held is not None and not V_IN_K:  # with K's rows: this step's V row is not a round trip after the softmax
+        v = _load_unless_held(v_ptrs, v_mask, held, v_held)
+    s = tl.dot(q_main, tl.trans(k_main), input_precision=PRECISION)
+    if D_TAIL > 0:
+        dt = tl.arange(0, D_TAIL_PAD)
+        k_tail = _load_unless_held(k_head + kv_rows[:, None] * stride_kr + D_MAIN + dt[None, :],
+                                   j_valid[:, None] & (dt[None, :] < D_TAIL), held, k_tail_held)
+        s += tl.dot(q_tail, tl.trans(k_tail), input_precision=PRECISION)
+    visible = j_valid[None, :] & (j[None, :] <= q_pos[:, None])
+    if HAS_WINDOW:
+        visible &= j[None, :] > q_pos[:, None] - window
+    s = tl.where(visible, s * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet stays at zero
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if V_IN_K:
+        v = k_main
+    elif held is None:
+        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(k_head.dtype.element_ty), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _kv_rows(pages, j, j_valid, PAGE_SIZE: tl.constexpr):
+    """Cache rows of keys j of the sequence whose page-table row is `pages` (masked keys: rows of page 0)."""
+    page = tl.load(pages + j // PAGE_SIZE, mask=j_valid, other=0)
+    return page.to(tl.int64) * PAGE_SIZE + j % PAGE_SIZE
+
+
+@triton.jit
+def _load_unless_held(ptrs, mask, held, early):
+    """tl.load(ptrs, mask, other=0), except where `held` (None: nowhere): there `early`, the same values loaded
+    before the wait (zero wherever not held), so that only the rest is loaded now. `early` as the load's `other`
+    is tl.where(held, early, load) with the load written into early's registers (sm_90: 163 registers, not 195)."""
+    if held is None:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        x = tl.load(ptrs, mask=mask & ~held, other=early)
+    return x
+
+
+@triton.jit
 def _prefetch_keys(k_ptr, v_ptr, pages_ptr, kv_head, lo, hi, stride_kr, stride_kh, stride_vr, stride_vh,
                    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                    V_IN_K: tl.constexpr):
     """Ask L2 for the K (and V) rows of keys lo .. lo + BLOCK_N (below hi) of this KV head."""
     j = lo + tl.arange(0, BLOCK_N)
     j_ok = j < hi
-    page = tl.load(pages_ptr + j // PAGE_SIZE, mask=j_ok, other=0)
-    kv_rows = page.to(tl.int64) * PAGE_SIZE + j % PAGE_SIZE
+    kv_rows = _kv_rows(pages_ptr, j, j_ok, PAGE_SIZE)
     prefetch_rows(k_ptr + kv_head * stride_kh, kv_rows, j_ok, stride_kr, D)
     if not V_IN_K:
         prefetch_rows(v_ptr + kv_head * stride_vh, kv_rows, j_ok, stride_vr, DV)
