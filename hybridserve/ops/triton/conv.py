@@ -34,6 +34,14 @@ Verify rows (speculative decoding, `batch.verify`): each token stores the window
 (`token_slots`: the row's working slot for its first token, intermediate slots for its drafts), and the row's
 final window and lag are not stored. Only the first token targets the working slot; its window is stored by the
 program that writes the windows (after every read of the old one), like a row's new window.
+
+PDL (ops/triton/pdl.py): the kernel before this one is the q|k|v|v projection, and `proj` is all it writes, so a
+program loads everything else before its one `wait_for_previous`: the batch metadata (copied by the host before
+the step), weights and biases (no kernel's output; the columns form's whole stage-2 tile into registers when its
+loop is one chunk, else the rows' first bytes asked of L2), and the carried window and lag (stored by this
+kernel's previous call, two or more kernels back, hence complete when this one starts). Only the projection's loads
+and the stores follow the wait, each part's loads issued before its stores (the compiler moves no load above a
+store): one round trip, not one per store. The old state is still read before the new one is stored, as above.
 """
 from __future__ import annotations
 
@@ -65,15 +73,63 @@ COUNTERS = 1 << 14  # arrival counters per device: token blocks x heads of one c
 
 
 @triton.jit
+def _old(state_ptr, cs0, cs1, cs2, back, slot, init, valid, ch, ch_ok, P: tl.constexpr):
+    """The carried half of `_raw`: column P + back of the window where back < 0 (zero elsewhere, and for a row
+    without initial state). This kernel's previous call wrote it, not the kernel before: loadable before the wait."""
+    return tl.load(state_ptr + slot * cs0 + ch * cs1 + (P + back) * cs2, mask=valid & (back < 0) & init & ch_ok,
+                   other=0.0)
+
+
+@triton.jit
+def _with_new(proj_ptr, proj_s0, old, start, back, valid, ch, ch_ok):
+    """The projection half of `_raw`: this step's row at chunk index back where back >= 0, else `old` (fp32)."""
+    in_chunk = back >= 0
+    new = tl.load(proj_ptr + (start + back) * proj_s0 + ch, mask=valid & in_chunk & ch_ok, other=0.0)
+    return tl.where(in_chunk, new.to(tl.float32), old.to(tl.float32))
+
+
+@triton.jit
 def _raw(proj_ptr, proj_s0, state_ptr, cs0, cs1, cs2, start, back, slot, init, valid, ch, ch_ok,
          P: tl.constexpr):
     """Raw q|k input (fp32) of the token at chunk index `back` of each row: this step's projection when
     back >= 0, else column P + back of the carried window (zero for a row without initial state)."""
-    in_chunk = back >= 0
-    new = tl.load(proj_ptr + (start + back) * proj_s0 + ch, mask=valid & in_chunk & ch_ok, other=0.0)
-    old = tl.load(state_ptr + slot * cs0 + ch * cs1 + (P + back) * cs2, mask=valid & (~in_chunk) & init & ch_ok,
-                  other=0.0)
-    return tl.where(in_chunk, new.to(tl.float32), old.to(tl.float32))
+    old = _old(state_ptr, cs0, cs1, cs2, back, slot, init, valid, ch, ch_ok, P)
+    return _with_new(proj_ptr, proj_s0, old, start, back, valid, ch, ch_ok)
+
+
+@triton.jit
+def _token_rows(pid, num_tokens, seq_ids_ptr, qsl_ptr, slots_ptr, init_ptr, token_slots_ptr, OVERLAP: tl.constexpr,
+                BLOCK_T: tl.constexpr, HAS_VERIFY: tl.constexpr):
+    """Program pid's tokens and their rows' batch metadata, copied by the host before the step (loadable before
+    the wait): token, local index, row start, row, `mine` (the tokens this program processes: see the token blocks
+    above), `starter` (a row's first token), the row's end (starters only), state slot, initial state flag, and
+    the verify slots."""
+    STRIDE: tl.constexpr = BLOCK_T - OVERLAP
+    tok = pid * STRIDE + tl.arange(0, BLOCK_T)
+    valid = tok < num_tokens
+    seq = tl.load(seq_ids_ptr + tok, mask=valid, other=0)
+    start = tl.load(qsl_ptr + seq, mask=valid, other=0)
+    local = tok - start
+    mine = valid & ((tok - tl.minimum(local, OVERLAP)) // STRIDE == pid)
+    starter = mine & (local == 0)
+    end = tl.load(qsl_ptr + seq + 1, mask=starter, other=0)
+    slot = tl.load(slots_ptr + seq, mask=mine, other=0)
+    init = tl.load(init_ptr + seq, mask=mine, other=0) != 0
+    if HAS_VERIFY:  # a verify row's tokens each have a slot; its first token's slot is set, so no final state
+        out_slot = tl.load(token_slots_ptr + tok, mask=mine, other=-1)
+        keep_final = tl.load(token_slots_ptr + start, mask=starter, other=-1) < 0
+    else:
+        out_slot = tl.full([BLOCK_T], -1, tl.int64)
+        keep_final = starter
+    return tok, local, start, seq, mine, starter, end, slot, init, out_slot, keep_final
+
+
+@triton.jit
+def _page_ends(tok, seq, mine, pos_ptr, pt_ptr, pt_s0, page_size):
+    """(is_end, page): which tokens end a page, and that page (its footers are stored there)."""
+    pos = tl.load(pos_ptr + tok, mask=mine, other=0)
+    is_end = mine & ((pos + 1) % page_size == 0)
+    return is_end, tl.load(pt_ptr + seq * pt_s0 + pos // page_size, mask=is_end, other=0)
 
 
 @triton.jit
@@ -103,29 +159,71 @@ def _stage2_dot(g, local, start2, slot2, init2, mine2, proj_ptr, proj_s0, w0_ptr
 
 
 @triton.jit
-def _stage2_columns(g, cols, col_ok, local, start2, slot2, init2, mine2, proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr,
+def _lanes(g, k0, D: tl.constexpr, K1: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Chunk k0 of head g's flat stage-2 rows: (j, j in range, input channel, lag). Index j = i * K1 + tap of a
+    column's D * K1 values multiplies stage 1 at input channel g * D + i and lag m = K1 - 1 - tap."""
+    j = k0 + tl.arange(0, BLOCK_K)
+    return j, j < D * K1, g * D + j // K1, K1 - 1 - j % K1
+
+
+@triton.jit
+def _chunk_weights(g, k0, cols, w0_ptr, b0_ptr, w1_ptr, D: tl.constexpr, K0: tl.constexpr, K1: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    """Chunk k0's weights as stored: (stage-1 bias, stage-1 taps K0 - 1 - n for n < K0, the stage-2 rows of
+    output columns `cols`). No kernel writes weights: loadable before the wait."""
+    j, j_ok, ch, _ = _lanes(g, k0, D, K1, BLOCK_K)
+    taps = ()
+    for n in tl.static_range(K0):
+        taps = taps + (tl.load(w0_ptr + ch * K0 + (K0 - 1 - n), mask=j_ok, other=0.0),)
+    rows = (g * D + cols)[:, None] * (D * K1)
+    w1 = tl.load(w1_ptr + rows + j[None, :], mask=(cols < D)[:, None] & j_ok[None, :], other=0.0)
+    return tl.load(b0_ptr + ch, mask=j_ok, other=0.0), taps, w1
+
+
+@triton.jit
+def _chunk_old(g, k0, local, slot2, init2, mine2, conv_ptr, cs0, cs1, cs2, D: tl.constexpr, K0: tl.constexpr,
+               K1: tl.constexpr, P: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Chunk k0's stage-1 inputs from the carried window (`_old`), one per tap n < K0."""
+    _, j_ok, ch, m = _lanes(g, k0, D, K1, BLOCK_K)
+    old = ()
+    for n in tl.static_range(K0):
+        old = old + (_old(conv_ptr, cs0, cs1, cs2, local[:, None] - m[None, :] - n, slot2, init2, mine2,
+                          ch[None, :], j_ok[None, :], P),)
+    return old
+
+
+@triton.jit
+def _chunk_product(acc, g, k0, weights, old, local, start2, mine2, proj_ptr, proj_s0, D: tl.constexpr,
+                   K0: tl.constexpr, K1: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + chunk k0's products: stage 1 from `weights` (_chunk_weights), `old` (_chunk_old) and this step's
+    projection, times the stage-2 rows, per j lane."""
+    b0, taps, w1 = weights
+    _, j_ok, ch, m = _lanes(g, k0, D, K1, BLOCK_K)
+    u = tl.zeros([BLOCK_T, BLOCK_K], tl.float32) + b0.to(tl.float32)
+    for n in tl.static_range(K0):
+        x = _with_new(proj_ptr, proj_s0, old[n], start2, local[:, None] - m[None, :] - n, mine2, ch[None, :],
+                      j_ok[None, :])
+        u += taps[n].to(tl.float32)[None, :] * x
+    return acc + u[:, None, :] * w1.to(tl.float32)[None, :, :]
+
+
+@triton.jit
+def _stage2_columns(g, cols, first, local, start2, slot2, init2, mine2, proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr,
                     conv_ptr, cs0, cs1, cs2, D: tl.constexpr, K0: tl.constexpr, K1: tl.constexpr, P: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
-    """Both conv stages of head g for output columns `cols` only. Stage 2's weight rows are read flat: index
-    j = i * K1 + tap of a column's D * K1 values multiplies stage 1 at input channel i and lag m = K1 - 1 - tap,
-    which is recomputed here per chunk of j. Products accumulate per j lane and are summed once at the end.
+    """Both conv stages of head g for output columns `cols` only, chunk by chunk of the flat stage-2 rows
+    (`_lanes`); stage 1 is recomputed per chunk. Products accumulate per j lane and are summed once at the end.
+    One chunk's inputs other than the projection come in `first` (weights, old), loaded before the wait.
     -> [BLOCK_T, BLOCK_O] fp32, without bias."""
-    KD: tl.constexpr = D * K1
-    rows = (g * D + cols)[:, None] * KD
     acc = tl.zeros([BLOCK_T, BLOCK_O, BLOCK_K], tl.float32)
-    for k0 in tl.range(0, KD, BLOCK_K, num_stages=STAGES):
-        j = k0 + tl.arange(0, BLOCK_K)
-        j_ok = j < KD
-        ch = g * D + j // K1
-        m = K1 - 1 - j % K1
-        u = tl.zeros([BLOCK_T, BLOCK_K], tl.float32) + tl.load(b0_ptr + ch, mask=j_ok, other=0.0).to(tl.float32)
-        for n in tl.static_range(K0):
-            w0 = tl.load(w0_ptr + ch * K0 + (K0 - 1 - n), mask=j_ok, other=0.0).to(tl.float32)
-            x = _raw(proj_ptr, proj_s0, conv_ptr, cs0, cs1, cs2, start2, local[:, None] - m[None, :] - n, slot2,
-                     init2, mine2, ch[None, :], j_ok[None, :], P)
-            u += w0[None, :] * x
-        w1 = tl.load(w1_ptr + rows + j[None, :], mask=col_ok[:, None] & j_ok[None, :], other=0.0).to(tl.float32)
-        acc += u[:, None, :] * w1[None, :, :]
+    for k0 in tl.range(0, D * K1, BLOCK_K, num_stages=STAGES):
+        if BLOCK_K >= D * K1:
+            weights, old = first
+        else:
+            weights = _chunk_weights(g, k0, cols, w0_ptr, b0_ptr, w1_ptr, D, K0, K1, BLOCK_K)
+            old = _chunk_old(g, k0, local, slot2, init2, mine2, conv_ptr, cs0, cs1, cs2, D, K0, K1, P, BLOCK_K)
+        acc = _chunk_product(acc, g, k0, weights, old, local, start2, mine2, proj_ptr, proj_s0, D, K0, K1,
+                             BLOCK_T, BLOCK_K)
     return tl.sum(acc, axis=2)
 
 
@@ -151,8 +249,8 @@ def _head_mix(proj_ptr, proj_s0, tok, g, cols, ok2, HQ: tl.constexpr, HK: tl.con
 
 
 @triton.jit
-def _write_windows(g, tok, local, start, seq, mine, starter, out_slot, keep_final, slot, init, proj_ptr, proj_s0,
-                   conv_ptr, cs0, cs1, cs2, cfoot_ptr, cf0, cf1, cf2, qsl_ptr, pos_ptr, pt_ptr, pt_s0, page_size,
+def _write_windows(g, tok, local, start, seq, mine, starter, end, out_slot, keep_final, slot, init, proj_ptr,
+                   proj_s0, conv_ptr, cs0, cs1, cs2, cfoot_ptr, cf0, cf1, cf2, pos_ptr, pt_ptr, pt_s0, page_size,
                    D: tl.constexpr, P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
                    HAS_FOOTER: tl.constexpr, HAS_VERIFY: tl.constexpr):
     """Head g's page footers (the window after each page's last token), the new window of every row whose first
@@ -168,22 +266,20 @@ def _write_windows(g, tok, local, start, seq, mine, starter, out_slot, keep_fina
     # The window after token t: raw rows t - P + 1 .. t (column p = row t - (P - 1 - p)).
     after = local[:, None, None] - (P - 1 - p)
     if HAS_FOOTER:  # after a page's last token
-        pos = tl.load(pos_ptr + tok, mask=mine, other=0)
-        is_end = mine & ((pos + 1) % page_size == 0)
-        page = tl.load(pt_ptr + seq * pt_s0 + pos // page_size, mask=is_end, other=0)
+        is_end, page = _page_ends(tok, seq, mine, pos_ptr, pt_ptr, pt_s0, page_size)
         footer = _raw(proj_ptr, proj_s0, conv_ptr, cs0, cs1, cs2, start3, after, slot3, init3,
                       is_end[:, None, None] & p_ok, ch3, ok3, P)
-        tl.store(cfoot_ptr + page[:, None, None] * cf0 + ch3 * cf1 + p * cf2, footer.to(cfoot_ptr.dtype.element_ty),
-                 mask=is_end[:, None, None] & p_ok & ok3)
     if HAS_VERIFY:  # after each token of a verify row, for its own slot
         has_out = (mine & (out_slot >= 0))[:, None, None] & p_ok
         each = _raw(proj_ptr, proj_s0, conv_ptr, cs0, cs1, cs2, start3, after, slot3, init3, has_out, ch3, ok3, P)
     # The row's new window: raw rows S - P .. S - 1 of the chunk (older ones from the old window).
-    length = tl.load(qsl_ptr + seq + 1, mask=starter, other=0) - start
-    back = length[:, None, None] - P + p
+    back = (end - start)[:, None, None] - P + p
     window = _raw(proj_ptr, proj_s0, conv_ptr, cs0, cs1, cs2, start3, back, slot3, init3,
                   starter[:, None, None] & p_ok, ch3, ok3, P)
     tl.debug_barrier()  # every read of the old window above happens before it is overwritten below
+    if HAS_FOOTER:  # after the loads above, which the compiler would not move above a store
+        tl.store(cfoot_ptr + page[:, None, None] * cf0 + ch3 * cf1 + p * cf2, footer.to(cfoot_ptr.dtype.element_ty),
+                 mask=is_end[:, None, None] & p_ok & ok3)
     tl.store(conv_ptr + slot3 * cs0 + ch3 * cs1 + p * cs2, window.to(conv_ptr.dtype.element_ty),
              mask=(starter & keep_final)[:, None, None] & p_ok & ok3)
     if HAS_VERIFY:
@@ -192,34 +288,44 @@ def _write_windows(g, tok, local, start, seq, mine, starter, out_slot, keep_fina
 
 
 @triton.jit
-def _conv_head(g, cb, tok, local, start, seq, mine, starter, out_slot, keep_final, proj_ptr, proj_s0, w0_ptr,
-               b0_ptr, w1_ptr, b1_ptr, qk_out_ptr, conv_ptr, cs0, cs1, cs2, cfoot_ptr, cf0, cf1, cf2, slots_ptr,
-               init_ptr, qsl_ptr, pos_ptr, pt_ptr, pt_s0, page_size, counter_ptr, kv_slot_ptr, temp_ptr,
-               inv_freq_ptr, q_out_ptr, k_cache_ptr, kc_s0, kc_s1, norm_scale, norm_eps,
+def _conv_head(g, cb, pid, num_tokens, proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr, b1_ptr, qk_out_ptr, conv_ptr, cs0,
+               cs1, cs2, cfoot_ptr, cf0, cf1, cf2, seq_ids_ptr, qsl_ptr, slots_ptr, init_ptr, token_slots_ptr,
+               pos_ptr, pt_ptr, pt_s0, page_size, counter_ptr, kv_slot_ptr, temp_ptr, inv_freq_ptr, q_out_ptr,
+               k_cache_ptr, kc_s0, kc_s1, norm_scale, norm_eps,
                HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, K0: tl.constexpr, K1: tl.constexpr,
-               P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
-               COLUMNS: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-               HAS_FOOTER: tl.constexpr, HAS_VERIFY: tl.constexpr, PRECISION: tl.constexpr,
-               TO_CACHE: tl.constexpr, HALF: tl.constexpr):
+               P: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_P: tl.constexpr, COLUMNS: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
+               STAGES: tl.constexpr, HAS_FOOTER: tl.constexpr, HAS_VERIFY: tl.constexpr, PRECISION: tl.constexpr,
+               TO_CACHE: tl.constexpr, HALF: tl.constexpr, USE_PDL: tl.constexpr):
     """Head g's output columns of column block cb (all of them in the heads form), then its state; with TO_CACHE,
     the head's last program then normalises and rotates the head's whole rows into q_out or the K cache."""
-    slot = tl.load(slots_ptr + seq, mask=mine, other=0)
-    init = tl.load(init_ptr + seq, mask=mine, other=0) != 0
-    start2, slot2, init2, mine2 = start[:, None], slot[:, None], init[:, None], mine[:, None]
+    ONE_CHUNK: tl.constexpr = COLUMNS and BLOCK_K >= D * K1  # the columns form's stage 2 in one chunk
     if COLUMNS:
         cols = cb * BLOCK_O + tl.arange(0, BLOCK_O)
-        col_ok = cols < D
-        acc = _stage2_columns(g, cols, col_ok, local, start2, slot2, init2, mine2, proj_ptr, proj_s0, w0_ptr,
-                              b0_ptr, w1_ptr, conv_ptr, cs0, cs1, cs2, D, K0, K1, P, BLOCK_T, BLOCK_O, BLOCK_K,
-                              STAGES)
     else:
         cols = tl.arange(0, BLOCK_D)
-        col_ok = cols < D
+    col_ok = cols < D
+    if USE_PDL and COLUMNS and not ONE_CHUNK:  # a loop of chunks loads its weights in the loop: asked of L2 first
+        prefetch_rows(w1_ptr, g * D + cols, col_ok, D * K1, D * K1)
+    bias = tl.load(b1_ptr + g * D + cols, mask=col_ok, other=0.0)
+    tok, local, start, seq, mine, starter, end, slot, init, out_slot, keep_final = _token_rows(
+        pid, num_tokens, seq_ids_ptr, qsl_ptr, slots_ptr, init_ptr, token_slots_ptr, OVERLAP, BLOCK_T, HAS_VERIFY)
+    start2, slot2, init2, mine2 = start[:, None], slot[:, None], init[:, None], mine[:, None]
+    first = None
+    if ONE_CHUNK:  # stage 2's inputs other than the projection: weights, carried window
+        first = (_chunk_weights(g, 0, cols, w0_ptr, b0_ptr, w1_ptr, D, K0, K1, BLOCK_K),
+                 _chunk_old(g, 0, local, slot2, init2, mine2, conv_ptr, cs0, cs1, cs2, D, K0, K1, P, BLOCK_K))
+    wait_for_previous(USE_PDL)
+    ok2 = mine2 & col_ok[None, :]
+    mix = _head_mix(proj_ptr, proj_s0, tok, g, cols, ok2, HQ, HK, D)  # loaded with stage 2's rows, not after its sum
+    if COLUMNS:
+        acc = _stage2_columns(g, cols, first, local, start2, slot2, init2, mine2, proj_ptr, proj_s0, w0_ptr, b0_ptr,
+                              w1_ptr, conv_ptr, cs0, cs1, cs2, D, K0, K1, P, BLOCK_T, BLOCK_O, BLOCK_K, STAGES)
+    else:
         acc = _stage2_dot(g, local, start2, slot2, init2, mine2, proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr,
                           conv_ptr, cs0, cs1, cs2, D, K0, K1, P, BLOCK_T, BLOCK_D, PRECISION)
-    acc += tl.load(b1_ptr + g * D + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    ok2 = mine2 & col_ok[None, :]
-    acc += _head_mix(proj_ptr, proj_s0, tok, g, cols, ok2, HQ, HK, D)
+    acc += bias.to(tl.float32)[None, :]
+    acc += mix
     tl.store(qk_out_ptr + (tok[:, None] * (HQ + HK) + g) * D + cols[None, :], acc, mask=ok2)
     last = True  # the heads form: this program is the head's only one
     if COLUMNS:
@@ -228,8 +334,8 @@ def _conv_head(g, cb, tok, local, start, seq, mine, starter, out_slot, keep_fina
         arrived = tl.atomic_add(counter, 1, sem="acq_rel")
         last = arrived == (D + BLOCK_O - 1) // BLOCK_O - 1  # the head's other column blocks are done with it
     if last:
-        _write_windows(g, tok, local, start, seq, mine, starter, out_slot, keep_final, slot, init, proj_ptr, proj_s0,
-                       conv_ptr, cs0, cs1, cs2, cfoot_ptr, cf0, cf1, cf2, qsl_ptr, pos_ptr, pt_ptr, pt_s0, page_size,
+        _write_windows(g, tok, local, start, seq, mine, starter, end, out_slot, keep_final, slot, init, proj_ptr,
+                       proj_s0, conv_ptr, cs0, cs1, cs2, cfoot_ptr, cf0, cf1, cf2, pos_ptr, pt_ptr, pt_s0, page_size,
                        D, P, BLOCK_D, BLOCK_P, HAS_FOOTER, HAS_VERIFY)
         if TO_CACHE:
             tl.debug_barrier()  # the heads form: every thread's stores of the rows precede their reads below
@@ -242,20 +348,34 @@ def _conv_head(g, cb, tok, local, start, seq, mine, starter, out_slot, keep_fina
 
 
 @triton.jit
-def _value_block(vb, tok, local, start, seq, mine, starter, out_slot, keep_final, proj_ptr, proj_s0, lag_bias_ptr,
-                 v_out_ptr, v_s0, v_s1, lag_ptr, lag_s0, lfoot_ptr, lf0, slots_ptr, init_ptr, qsl_ptr, pos_ptr,
-                 pt_ptr, pt_s0, page_size, kv_head_offset, kv_slot_ptr,
-                 HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, VH: tl.constexpr, BLOCK_D: tl.constexpr,
-                 HAS_LAG_BIAS: tl.constexpr, HAS_FOOTER: tl.constexpr, HAS_VERIFY: tl.constexpr,
-                 TO_CACHE: tl.constexpr):
+def _rank_heads(ch, ok2, kv_head_offset, HK: tl.constexpr, D: tl.constexpr):
+    """Value channels ch of [v_current | v_delayed] -> (KV head on this rank, stored): channel ch belongs to KV
+    head ch // D, and a rank stores its own heads only."""
+    head = ch // D - kv_head_offset
+    return head, ok2 & (head >= 0)[None, :] & (head < HK)[None, :]
+
+
+@triton.jit
+def _value_block(vb, pid, num_tokens, proj_ptr, proj_s0, lag_bias_ptr, v_out_ptr, v_s0, v_s1, lag_ptr, lag_s0,
+                 lfoot_ptr, lf0, seq_ids_ptr, qsl_ptr, slots_ptr, init_ptr, token_slots_ptr, pos_ptr, pt_ptr, pt_s0,
+                 page_size, kv_head_offset, kv_slot_ptr,
+                 HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, VH: tl.constexpr, OVERLAP: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LAG_BIAS: tl.constexpr,
+                 HAS_FOOTER: tl.constexpr, HAS_VERIFY: tl.constexpr, TO_CACHE: tl.constexpr,
+                 USE_PDL: tl.constexpr):
     """Value channels [vb * BLOCK_D, ...) of the tokens: v_out [T, HK, D] rows by token, or with TO_CACHE the V
-    cache rows of the tokens' slots (row stride v_s0, head stride v_s1); then the lag."""
+    cache rows of the tokens' slots (row stride v_s0, head stride v_s1); then the lag. Everything but the
+    projection (bias, metadata, carried lag) is loaded before the wait."""
     c = vb * BLOCK_D + tl.arange(0, BLOCK_D)
     c_ok = c < VH
     current_col = (HQ + HK) * D + c
     delayed_col = current_col + VH
-    slot = tl.load(slots_ptr + seq, mask=mine, other=0)
-    init = tl.load(init_ptr + seq, mask=mine, other=0) != 0
+    if HAS_LAG_BIAS:
+        fresh = tl.load(lag_bias_ptr + c, mask=c_ok, other=0.0)[None, :]
+    else:
+        fresh = tl.zeros([1, BLOCK_D], lag_ptr.dtype.element_ty)
+    tok, local, start, seq, mine, starter, end, slot, init, out_slot, keep_final = _token_rows(
+        pid, num_tokens, seq_ids_ptr, qsl_ptr, slots_ptr, init_ptr, token_slots_ptr, OVERLAP, BLOCK_T, HAS_VERIFY)
     mine2, c2, ok2 = mine[:, None], c[None, :], c_ok[None, :]
     row = proj_ptr + tok[:, None] * proj_s0
     if TO_CACHE:
@@ -263,40 +383,32 @@ def _value_block(vb, tok, local, start, seq, mine, starter, out_slot, keep_final
     else:
         v_row = tok.to(tl.int64)
     v_dst = v_out_ptr + v_row[:, None] * v_s0
-
-    # Value channel c of [v_current | v_delayed] belongs to KV head c // D; this rank stores its own heads only.
-    head = c // D - kv_head_offset
-    keep = ok2 & (head >= 0)[None, :] & (head < HK)[None, :]
-    current = tl.load(row + current_col[None, :], mask=mine2 & keep, other=0.0)
-    tl.store(v_dst + head[None, :] * v_s1 + (c % D)[None, :], current.to(v_out_ptr.dtype.element_ty),
-             mask=mine2 & keep)
-
     inside = (local >= 1)[:, None]
-    shifted = tl.load(row - proj_s0 + delayed_col[None, :], mask=mine2 & inside & ok2, other=0.0)
     carried = tl.load(lag_ptr + slot[:, None] * lag_s0 + c2, mask=mine2 & (~inside) & init[:, None] & ok2, other=0.0)
-    if HAS_LAG_BIAS:
-        fresh = tl.load(lag_bias_ptr + c, mask=c_ok, other=0.0)[None, :]
-    else:
-        fresh = tl.zeros([1, BLOCK_D], lag_ptr.dtype.element_ty)
-    delayed = tl.where(inside, shifted, tl.where(init[:, None], carried, fresh.to(carried.dtype)))
-    head = (VH + c) // D - kv_head_offset
-    keep = ok2 & (head >= 0)[None, :] & (head < HK)[None, :]
-    tl.store(v_dst + head[None, :] * v_s1 + ((VH + c) % D)[None, :], delayed.to(v_out_ptr.dtype.element_ty),
-             mask=mine2 & keep)
-
     if HAS_FOOTER:
-        pos = tl.load(pos_ptr + tok, mask=mine, other=0)
-        is_end = mine & ((pos + 1) % page_size == 0)
-        page = tl.load(pt_ptr + seq * pt_s0 + pos // page_size, mask=is_end, other=0)
+        is_end, page = _page_ends(tok, seq, mine, pos_ptr, pt_ptr, pt_s0, page_size)
+    wait_for_previous(USE_PDL)
+
+    # This step's projection, all loaded before the first store (the compiler would not move a load above one).
+    head, keep = _rank_heads(c, ok2 & mine2, kv_head_offset, HK, D)
+    current = tl.load(row + current_col[None, :], mask=keep, other=0.0)
+    shifted = tl.load(row - proj_s0 + delayed_col[None, :], mask=mine2 & inside & ok2, other=0.0)
+    if HAS_FOOTER:
         own = tl.load(row + delayed_col[None, :], mask=is_end[:, None] & ok2, other=0.0)
-        tl.store(lfoot_ptr + page[:, None] * lf0 + c2, own.to(lfoot_ptr.dtype.element_ty), mask=is_end[:, None] & ok2)
     # The new lag: v_delayed of the row's last token (verify rows: of each token, into the token's own slot).
-    last = tl.load(qsl_ptr + seq + 1, mask=starter, other=1) - 1
-    newest = tl.load(proj_ptr + last[:, None] * proj_s0 + delayed_col[None, :], mask=starter[:, None] & ok2,
+    newest = tl.load(proj_ptr + (end - 1)[:, None] * proj_s0 + delayed_col[None, :], mask=starter[:, None] & ok2,
                      other=0.0)
     if HAS_VERIFY:
         has_out = (mine & (out_slot >= 0))[:, None] & ok2
         each = tl.load(row + delayed_col[None, :], mask=has_out, other=0.0)
+
+    tl.store(v_dst + head[None, :] * v_s1 + (c % D)[None, :], current.to(v_out_ptr.dtype.element_ty), mask=keep)
+    delayed = tl.where(inside, shifted, tl.where(init[:, None], carried, fresh.to(carried.dtype)))
+    head, keep = _rank_heads(VH + c, ok2 & mine2, kv_head_offset, HK, D)
+    tl.store(v_dst + head[None, :] * v_s1 + ((VH + c) % D)[None, :], delayed.to(v_out_ptr.dtype.element_ty),
+             mask=keep)
+    if HAS_FOOTER:
+        tl.store(lfoot_ptr + page[:, None] * lf0 + c2, own.to(lfoot_ptr.dtype.element_ty), mask=is_end[:, None] & ok2)
     tl.debug_barrier()  # the old lag was read above
     tl.store(lag_ptr + slot[:, None] * lag_s0 + c2, newest.to(lag_ptr.dtype.element_ty),
              mask=(starter & keep_final)[:, None] & ok2)
@@ -319,36 +431,18 @@ def _cca_conv_kernel(proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr, b1_ptr, lag_bias
     pid = tl.program_id(0)
     item = tl.program_id(1)
     BLOCKS: tl.constexpr = (D + BLOCK_O - 1) // BLOCK_O  # column blocks per head (1 in the heads form)
-    if USE_PDL and COLUMNS:  # a column block's stage-2 weight rows are no kernel's output: asked of L2 before the wait
-        cols = (item % BLOCKS) * BLOCK_O + tl.arange(0, BLOCK_O)
-        prefetch_rows(w1_ptr, (item // BLOCKS) * D + cols, (cols < D) & (item < (HQ + HK) * BLOCKS), D * K1, D * K1)
-    wait_for_previous(USE_PDL)
-    STRIDE: tl.constexpr = BLOCK_T - OVERLAP
-    tok = pid * STRIDE + tl.arange(0, BLOCK_T)
-    valid = tok < num_tokens
-    seq = tl.load(seq_ids_ptr + tok, mask=valid, other=0)
-    start = tl.load(qsl_ptr + seq, mask=valid, other=0)
-    local = tok - start
-    mine = valid & ((tok - tl.minimum(local, OVERLAP)) // STRIDE == pid)
-    starter = mine & (local == 0)
-    if HAS_VERIFY:  # a verify row's tokens each have a slot; its first token's slot is set, so no final state
-        out_slot = tl.load(token_slots_ptr + tok, mask=mine, other=-1)
-        keep_final = tl.load(token_slots_ptr + start, mask=starter, other=-1) < 0
-    else:
-        out_slot = tl.full([BLOCK_T], -1, tl.int64)
-        keep_final = starter
     if item < (HQ + HK) * BLOCKS:
-        _conv_head(item // BLOCKS, item % BLOCKS, tok, local, start, seq, mine, starter, out_slot, keep_final,
-                   proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr, b1_ptr, qk_out_ptr, conv_ptr, cs0, cs1, cs2, cfoot_ptr,
-                   cf0, cf1, cf2, slots_ptr, init_ptr, qsl_ptr, pos_ptr, pt_ptr, pt_s0, page_size, counter_ptr,
-                   kv_slot_ptr, temp_ptr, inv_freq_ptr, q_out_ptr, k_cache_ptr, kc_s0, kc_s1, norm_scale, norm_eps,
-                   HQ, HK, D, K0, K1, P, BLOCK_T, BLOCK_D, BLOCK_P, COLUMNS, BLOCK_O, BLOCK_K, STAGES, HAS_FOOTER,
-                   HAS_VERIFY, PRECISION, TO_CACHE, HALF)
+        _conv_head(item // BLOCKS, item % BLOCKS, pid, num_tokens, proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr, b1_ptr,
+                   qk_out_ptr, conv_ptr, cs0, cs1, cs2, cfoot_ptr, cf0, cf1, cf2, seq_ids_ptr, qsl_ptr, slots_ptr,
+                   init_ptr, token_slots_ptr, pos_ptr, pt_ptr, pt_s0, page_size, counter_ptr, kv_slot_ptr, temp_ptr,
+                   inv_freq_ptr, q_out_ptr, k_cache_ptr, kc_s0, kc_s1, norm_scale, norm_eps, HQ, HK, D, K0, K1, P,
+                   OVERLAP, BLOCK_T, BLOCK_D, BLOCK_P, COLUMNS, BLOCK_O, BLOCK_K, STAGES, HAS_FOOTER, HAS_VERIFY,
+                   PRECISION, TO_CACHE, HALF, USE_PDL)
     else:
-        _value_block(item - (HQ + HK) * BLOCKS, tok, local, start, seq, mine, starter, out_slot, keep_final,
-                     proj_ptr, proj_s0, lag_bias_ptr, v_out_ptr, v_s0, v_s1, lag_ptr, lag_s0, lfoot_ptr, lf0,
-                     slots_ptr, init_ptr, qsl_ptr, pos_ptr, pt_ptr, pt_s0, page_size, kv_head_offset, kv_slot_ptr,
-                     HQ, HK, D, VH, BLOCK_D, HAS_LAG_BIAS, HAS_FOOTER, HAS_VERIFY, TO_CACHE)
+        _value_block(item - (HQ + HK) * BLOCKS, pid, num_tokens, proj_ptr, proj_s0, lag_bias_ptr, v_out_ptr, v_s0,
+                     v_s1, lag_ptr, lag_s0, lfoot_ptr, lf0, seq_ids_ptr, qsl_ptr, slots_ptr, init_ptr, token_slots_ptr,
+                     pos_ptr, pt_ptr, pt_s0, page_size, kv_head_offset, kv_slot_ptr, HQ, HK, D, VH, OVERLAP, BLOCK_T,
+                     BLOCK_D, HAS_LAG_BIAS, HAS_FOOTER, HAS_VERIFY, TO_CACHE, USE_PDL)
 
 
 def _arrival_counters(device: torch.device) -> torch.Tensor:
