@@ -29,6 +29,9 @@ def residual_norm_row(row, u_ptr, u_s0, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_
     row = tl.cast(row, tl.int64)  # a Python int in the interpreter's loops
     col = tl.arange(0, BLOCK)
     ok = col < width
+    # The norm weight is loaded with the update, not after the store of x: the compiler moves no load above a
+    # store, so there it would be an L2 round trip of its own on a decode step's critical path.
+    w = tl.load(w_ptr + col, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * u_s0 + col, mask=ok, other=0.0, cache_modifier=U_CACHE).to(tl.float32)
     if HAS_SKIP:
         weight = tl.load(sw_ptr + row).to(tl.float32)
@@ -49,7 +52,7 @@ def residual_norm_row(row, u_ptr, u_s0, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / width + eps)
     dtype = h_ptr.dtype.element_ty
     normed = (x * rstd).to(dtype).to(tl.float32)
-    h = (tl.load(w_ptr + col, mask=ok, other=0.0).to(tl.float32) * normed).to(dtype)
+    h = (w * normed).to(dtype)
     tl.store(h_ptr + row * width + col, h, mask=ok)
     if FP32_COPY:
         tl.store(h32_ptr + row * width + col, h.to(tl.float32), mask=ok)
