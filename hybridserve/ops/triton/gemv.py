@@ -223,27 +223,35 @@ def dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, stride_w, rows, row_ok, w
     x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_x
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
     w_words = w_ptr.to(tl.pointer_type(tl.uint32), bitcast=True) + rows.to(tl.int64)[:, None] * (stride_w // 4)
+    # Scales are weights too, loaded before the wait: the row scales' load would otherwise go out only after the
+    # sum (the compiler moves no load across its reduction's barrier), an L2 round trip of its own.
+    if W_SCALES == "row":
+        row_scale = tl.load(ws_ptr + rows, mask=row_ok, other=0.0)
     if PRELOAD:
         start = tl.full((), 0, tl.int32)  # (a tensor, as the loop's K offsets: `tl.multiple_of` hints it)
         first = _weight_chunk(w_rows, w_words, row_ok, start, K, SUB, LANES, WORDS, EVEN_K)
+        if W_SCALES == "block":
+            first_scale = _block_scales(ws_ptr, rows, row_ok, stride_ws, 0, True, ROW_BLOCKS)
     elif WAIT:
         prefetch_rows(w_ptr, rows, row_ok, stride_w, K)
     wait_for_previous(WAIT)
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
         for sub in tl.static_range(0, BK, SUB):
             scale = 1.0
-            if W_SCALES == "block":  # (a piece wholly past K has no scale block: its weights are masked zeros)
-                scale = _block_scales(ws_ptr, rows, row_ok, stride_ws, (k0 + sub) // JIT_SCALE_BLOCK,
-                                      EVEN_K or k0 + sub < K, ROW_BLOCKS)
             if PRELOAD:
                 raw = first
+                if W_SCALES == "block":
+                    scale = first_scale
             else:
                 raw = _weight_chunk(w_rows, w_words, row_ok, k0 + sub, K, SUB, LANES, WORDS, EVEN_K)
+                if W_SCALES == "block":  # (a piece wholly past K has no scale block: its weights are masked zeros)
+                    scale = _block_scales(ws_ptr, rows, row_ok, stride_ws, (k0 + sub) // JIT_SCALE_BLOCK,
+                                          EVEN_K or k0 + sub < K, ROW_BLOCKS)
             acc += _chunk_products(raw, x_rows, token_ok, k0 + sub, K, scale, SUB, LANES, WORDS, EVEN_K, W_SCALES,
                                    ROW_BLOCKS)
     out = tl.sum(acc, axis=2)
     if W_SCALES == "row":
-        scale = tl.load(ws_ptr + rows, mask=row_ok, other=0.0)
+        scale = row_scale
         if WORDS:
             scale = scale * SUM_SHIFT
         out = out * scale[None, :]

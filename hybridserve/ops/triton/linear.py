@@ -54,10 +54,12 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, n, stride_x, stride
     row_ok = rows < n
     tokens = tl.arange(0, BT)
     token_ok = tokens < num_tokens
+    if HAS_BIAS:  # a weight, loaded before the wait (after the sum it would be an L2 round trip of its own)
+        bias = tl.load(b_ptr + rows, mask=row_ok, other=0.0)
     acc = dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, K, rows, row_ok, ws_ptr, stride_ws, K, BT, BN, BK,
                    STAGES, W_SCALES, ROW_BLOCKS, USE_PDL)  # (the PDL wait, after the weights' loads)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+        acc += bias.to(tl.float32)[None, :]
     tl.store(out_ptr + tokens[:, None] * stride_o + rows[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=token_ok[:, None] & row_ok[None, :])
     if NORM:
