@@ -59,8 +59,7 @@ class StackedExperts(nn.Module):
         weight_parameter(self, "down_proj", (num_experts, hidden_size, local), quant, loader=_load_down,
                          shard_ids=ids)
 
-    def fp8_scales(self):
-        """(gate_up's, down's) FP8 scales, or None for 16-bit experts."""
+    def _fp8(self):
         scales = fp8_scales(self.gate_up_proj)
         return None if scales is None else (scales, fp8_scales(self.down_proj))
 
@@ -68,7 +67,7 @@ class StackedExperts(nn.Module):
                 reduce: bool = True) -> torch.Tensor:
         """The weighted sum over each token's chosen experts (a partial sum under tensor parallelism); with
         `reduce=False`, rows [T, P, H] that sum to it (`ops.moe.fused_experts`)."""
-        return fused_experts(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, reduce, self.fp8_scales())
+        return fused_experts(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, reduce, self._fp8())
 
     def forward_residual_norm(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                               norm: ResidualNorm):
@@ -76,5 +75,5 @@ class StackedExperts(nn.Module):
         (x, h, h32). On one rank the decode kernels run the norm in their own launch."""
         if tp_size() == 1:
             return fused_experts_residual_norm(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, norm,
-                                               self.fp8_scales())
+                                               self._fp8())
         return norm(all_reduce(self(x, topk_ids, topk_weights)))

@@ -30,12 +30,11 @@ from hybridserve.layers.norm import RMSNorm
 from hybridserve.layers.rotary import RotaryEmbedding
 from hybridserve.layers.weights import check_shape, new_parameter
 from hybridserve.models.zaya_config import ZayaConfig
-from hybridserve.ops import backends, zaya_moe
+from hybridserve.ops import backends
 from hybridserve.ops.attention import paged_attention
 from hybridserve.ops.conv import cca_conv_to_cache
 from hybridserve.ops.norm import ResidualNorm, residual_rms_norm
 from hybridserve.ops.qk_cache import QKCache
-from hybridserve.ops.reference.zaya_router import EDARouterWeights
 from hybridserve.ops.zaya_router import Routing, eda_route
 
 
@@ -190,13 +189,10 @@ class EDARouter(nn.Module):
 
     def forward(self, x32: torch.Tensor, carry: torch.Tensor | None) -> Routing:
         """x32: the normed MoE input in fp32 (the down-projection is part of the op, so its kernels fuse it)."""
-        return eda_route(*self.weights().route_args(x32, carry))
-
-    def weights(self) -> EDARouterWeights:
         mlp = self.router_mlp
-        return EDARouterWeights(self.down_proj.weight, self.down_proj.bias, self.router_states_scale,
-                                mlp.norm.weight, mlp.norm.eps, mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight,
-                                mlp.fc2.bias, mlp.out_proj.weight, self.balancing_biases)
+        return eda_route(x32, self.down_proj.weight, self.down_proj.bias, carry, self.router_states_scale,
+                         mlp.norm.weight, mlp.norm.eps, mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias,
+                         mlp.out_proj.weight, self.balancing_biases)
 
 
 class ZayaMoE(nn.Module):
@@ -212,17 +208,11 @@ class ZayaMoE(nn.Module):
 
         Skip tokens run expert 0 with weight 0: exactly zero, so the (partial) sum needs no premask. The
         scaled-identity term (skip weight * x) is replicated on every rank: it joins `norm` as its skip term, added
-        once, after the reduce. On one rank at decode sizes the whole half is one launch (`ops.zaya_moe`)."""
-        experts = self.experts
-        gate_up, down, fp8 = experts.gate_up_proj, experts.down_proj, experts.fp8_scales()
-        if zaya_moe.takes(x, gate_up, down, fp8):
-            (x_new, h, _), route = zaya_moe.routed_experts_residual_norm(
-                x, x32, carry, self.gate.weights(), gate_up, down, norm, self.scaled_identity)
-            return x_new, h, route.carry
+        once, after the reduce."""
         route = self.gate(x32, carry)
         if self.scaled_identity:
             norm = replace(norm, skip_weight=route.skip_weight, skip_input=x)
-        x_new, h, _ = experts.forward_residual_norm(x, route.expert_ids, route.expert_weights, norm)
+        x_new, h, _ = self.experts.forward_residual_norm(x, route.expert_ids, route.expert_weights, norm)
         return x_new, h, route.carry
 
 

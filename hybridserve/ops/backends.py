@@ -14,7 +14,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 OPS = ("attention", "moe", "router", "conv", "lightning", "norm", "ling_norm", "activation",
-       "zaya_router", "zaya_moe", "linear", "sampling", "fp8_linear", "fp8_moe")
+       "zaya_router", "linear", "sampling", "fp8_linear", "fp8_moe")
 CHOICES = ("auto", "triton", "torch")
 
 _selected: dict[str, str] = {}

@@ -2,8 +2,7 @@
 interpreter) equals the same model on its torch references over fresh, chunked, mixed and decode steps: logits, state
 slots and page footers. Both are fp32; the kernels sum in other orders, hence 1e-4 on logits of unit scale. The decode
 steps of more than 8 tokens run the router's decode form and the experts' grouped form, the decode step (three
-tokens) the MoE half as `ops.zaya_moe`'s one launch (a launch per phase here; the GEMV experts with the residual norm
-in their down launch are its block functions); MOD skips included."""
+tokens) the experts' GEMV form with the post-MoE residual norm in its down launch; MOD skips included."""
 from __future__ import annotations
 
 import contextlib
@@ -15,12 +14,11 @@ import torch
 from hybridserve.cache.state_pool import StatePool
 from hybridserve.demo import write_random_checkpoint
 from hybridserve.ops import backends
-from hybridserve.ops import zaya_moe as zaya_moe_op
 from hybridserve.runtime.build_model import build_model
 from tests.helpers import CacheHarness
 from tests.ops.conftest import ON_GPU
 
-ZAYA_KERNELS = ("conv", "norm", "zaya_router", "moe", "zaya_moe")
+ZAYA_KERNELS = ("conv", "norm", "zaya_router", "moe")
 CONFIG = {"model_type": "zaya", "architectures": ["ZayaForCausalLM"], "vocab_size": 96, "hidden_size": 48,
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
           "moe_intermediate_size": 32, "num_experts": 3, "num_experts_per_tok": 1, "router_hidden_size": 16,
@@ -40,12 +38,8 @@ def _harness(directory, kernels: bool) -> tuple[CacheHarness, StatePool]:
     return harness, footers
 
 
-@contextlib.contextmanager
 def _kernels(on: bool):
-    """The ZAYA kernels (the one-launch MoE step asked for, as HYBRIDSERVE_ONE_LAUNCH_MOE=1 does) or none."""
-    with mock.patch.object(backends, "use_triton", lambda op, device: on and op in ZAYA_KERNELS), \
-            mock.patch.object(zaya_moe_op, "enabled", lambda: on):
-        yield
+    return mock.patch.object(backends, "use_triton", lambda op, device: on and op in ZAYA_KERNELS)
 
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter runs CPU tensors; on a GPU tests/gpu covers the model")
@@ -58,14 +52,14 @@ def test_model_on_kernels_equals_model_on_references(tmp_path):
     write_random_checkpoint(tmp_path, CONFIG, seed=3, adjust=skip_often)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (9, 3, 6)]
-    steps = [  # (slot, tokens, prefix) per row: 9, 10, then 3 tokens (separate MoE ops, then the one launch)
+    steps = [  # (slot, tokens, prefix) per row: 9, 10, then 3 tokens (the experts' grouped, then GEMV form)
         [(1, prompts[0][:6], 0), (2, prompts[1], 0)],
         [(1, prompts[0][6:], 6), (2, [7], 3), (3, prompts[2], 0)],
         [(1, [4], 9), (2, [8], 4), (3, [9], 6)],
     ]
-    from hybridserve.ops.triton import conv, moe, norm, zaya_moe, zaya_router
+    from hybridserve.ops.triton import conv, moe, moe_gemv, norm, zaya_router
     entries = [(conv, "cca_conv"), (norm, "residual_rms_norm"), (zaya_router, "eda_route"), (moe, "fused_experts"),
-               (zaya_moe, "routed_experts_residual_norm")]
+               (moe_gemv, "fused_experts")]
     results = {}
     for kernels in (False, True):
         harness, footers = _harness(tmp_path, kernels)
@@ -76,6 +70,7 @@ def test_model_on_kernels_equals_model_on_references(tmp_path):
             logits = [harness.run([harness.chunk(*row) for row in step]) for step in steps]
         assert [spy.called for spy in spies] == [kernels] * len(spies)
         assert not kernels or all(call.kwargs.get("to_cache") is not None for call in spies[0].call_args_list)
+        assert not kernels or all(call.kwargs.get("norm") is not None for call in spies[-1].call_args_list)
         results[kernels] = (torch.cat(logits), harness.state.buffers, footers.buffers)
     (want, want_state, want_footers), (got, got_state, got_footers) = results[False], results[True]
     assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()

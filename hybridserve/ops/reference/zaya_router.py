@@ -6,7 +6,6 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -22,31 +21,6 @@ class Routing(NamedTuple):
     expert_weights: torch.Tensor  # [T, 1] fp32: the weight, 0 for skip tokens
     skip_weight: torch.Tensor  # [T, 1] fp32: the weight for skip tokens, else 0 (MOD's scaled identity)
     carry: torch.Tensor  # [T, R] fp32
-
-
-@dataclass(frozen=True)
-class EDARouterWeights:
-    """A layer's router parameters, all fp32: down_weight [R, H], down_bias [R], states_scale [R] (None: the first
-    layer, which adds no carry), the MLP's RMSNorm weight and eps, fc1 / fc2 [R, R] with biases, out_weight
-    [E + 1, R], balancing_biases [E + 1]."""
-
-    down_weight: torch.Tensor
-    down_bias: torch.Tensor
-    states_scale: torch.Tensor | None
-    norm_weight: torch.Tensor
-    eps: float
-    fc1_weight: torch.Tensor
-    fc1_bias: torch.Tensor
-    fc2_weight: torch.Tensor
-    fc2_bias: torch.Tensor
-    out_weight: torch.Tensor
-    balancing_biases: torch.Tensor
-
-    def route_args(self, x32: torch.Tensor, carry: torch.Tensor | None) -> tuple:
-        """`eda_route`'s arguments for x32 and carry."""
-        return (x32, self.down_weight, self.down_bias, carry, self.states_scale, self.norm_weight, self.eps,
-                self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias, self.out_weight,
-                self.balancing_biases)
 
 
 def routing_from_probs(probs: torch.Tensor, balancing_biases: torch.Tensor, carry: torch.Tensor) -> Routing:

@@ -1,22 +1,19 @@
 """Grid-wide barriers inside one launch: a persistent kernel runs a chain of dependent phases (a GEMV, then the
 op that reads its whole output, ...) where a decode step would otherwise pay a kernel launch between each pair.
+Used by benchmarks/ops/grid_sync.py (a kernel boundary against a barrier, docs/performance.md). ZAYA1's MoE half in
+one launch was built on it, measured slower than the separate kernels it replaced and removed (last in 0258cf6).
 
 Every program of the launch must be resident at once, or the first barrier waits forever: the caller sizes its grid
-from `sm_count` and the programs an SM holds *beside whatever else runs there*. With PDL a launch starts while the
-kernel before still holds SMs, so what fits on an idle GPU is not enough (ops/triton/zaya_moe.py keeps a program
-per SM for this reason). The counter is one int32 that only grows during a call: barrier b (1, 2, ...) waits until
+from the SM count and the programs an SM holds *beside whatever else runs there*. With PDL a launch starts while the
+kernel before still holds SMs, so what fits on an idle GPU is not enough (the one-launch MoE kept a program per SM
+for this reason). The counter is one int32 that only grows during a call: barrier b (1, 2, ...) waits until
 b * programs arrivals; `finish` adds each program's last arrival, and the last program to arrive puts the counter
 back to zero for the next call or CUDA-graph replay. With PDL the next kernel can only launch once every program
 here has passed `wait_for_previous` (and so is resident), so it never takes an SM a waiting program needs.
 
 The Triton interpreter runs programs one after another, where a barrier of several programs cannot work (one
-program passes its barriers alone): kernels built on this module run each phase as a launch of its own there, which
-tests the phases' arithmetic on the CPU; barriers among many programs are tested on the GPU
-(tests/gpu/test_zaya_moe_gpu.py)."""
+program passes its barriers alone): barriers among many programs need the GPU."""
 from __future__ import annotations
-
-import functools
-import os
 
 import torch
 import triton
@@ -49,12 +46,3 @@ def barrier_counter(kernel: str, device: torch.device) -> torch.Tensor:
     """`kernel`'s barrier counter on `device` (zero between calls)."""
     return arrival_counters(f"{kernel}:barrier", 1, device)
 
-
-@functools.cache
-def sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def barriers_work(device: torch.device) -> bool:
-    """Whether a launch on `device` may use barriers among several programs: the GPU, not the interpreter."""
-    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"

@@ -58,9 +58,9 @@ def _pair(ids_ptr, weights_ptr, pair, EXPERTS: tl.constexpr):
 
 
 @triton.jit
-def gate_up_block(x_ptr, stride_x, w13_ptr, act_ptr, inter, ws_ptr, stride_se, stride_ws, pair, block, expert,
-                  TOP_K: tl.constexpr, H: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-                  W_SCALES: tl.constexpr, ROW_BLOCKS: tl.constexpr):
+def _gate_up_block(x_ptr, stride_x, w13_ptr, act_ptr, inter, ws_ptr, stride_se, stride_ws, pair, block, expert,
+                   TOP_K: tl.constexpr, H: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+                   W_SCALES: tl.constexpr, ROW_BLOCKS: tl.constexpr):
     """act[pair, cols] = SiLU(gate) * up of the BN / 2 intermediate columns of block `block` of a live pair with
     expert `expert`; w13 rows 2j (gate) and 2j + 1 (up) of the tile are column j's (W_SCALES: e4m3 weights with
     scales `stride_se` apart per expert, `gemv.dot_rows`)."""
@@ -81,23 +81,23 @@ def _gemv_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, weights_ptr, act_ptr, stride_x
                          stride_ws, TOP_K: tl.constexpr, EXPERTS: tl.constexpr, H: tl.constexpr, BN: tl.constexpr,
                          BK: tl.constexpr, STAGES: tl.constexpr, W_SCALES: tl.constexpr, ROW_BLOCKS: tl.constexpr,
                          USE_PDL: tl.constexpr):
-    """`gate_up_block` of pair program_id(0), block program_id(1)."""
+    """`_gate_up_block` of pair program_id(0), block program_id(1)."""
     wait_for_previous(USE_PDL)
     pair = tl.program_id(0)
     expert, _, live = _pair(ids_ptr, weights_ptr, pair, EXPERTS)
     if live:  # else the down launch skips the pair too: its act row is never read
-        gate_up_block(x_ptr, stride_x, w13_ptr, act_ptr, inter, ws_ptr, stride_se, stride_ws, pair, tl.program_id(1),
-                      expert, TOP_K, H, BN, BK, STAGES, W_SCALES, ROW_BLOCKS)
+        _gate_up_block(x_ptr, stride_x, w13_ptr, act_ptr, inter, ws_ptr, stride_se, stride_ws, pair, tl.program_id(1),
+                       expert, TOP_K, H, BN, BK, STAGES, W_SCALES, ROW_BLOCKS)
 
 
 @triton.jit
-def down_block(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, counter_ptr, ws_ptr, stride_se, stride_ws,
-               r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0, nw_ptr, x_out_ptr, h_ptr, h32_ptr,
-               width, eps, row, block, blocks, CHOICES: tl.constexpr, EXPERTS: tl.constexpr, I: tl.constexpr,
-               BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, W_SCALES: tl.constexpr,
-               ROW_BLOCKS: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-               HAS_UB: tl.constexpr, HAS_US: tl.constexpr, HAS_RB: tl.constexpr, HAS_RS: tl.constexpr,
-               HAS_SKIP: tl.constexpr, FP32_COPY: tl.constexpr, WAIT: tl.constexpr = False):
+def _down_block(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, counter_ptr, ws_ptr, stride_se, stride_ws,
+                r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0, nw_ptr, x_out_ptr, h_ptr, h32_ptr,
+                width, eps, row, block, blocks, CHOICES: tl.constexpr, EXPERTS: tl.constexpr, I: tl.constexpr,
+                BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, W_SCALES: tl.constexpr,
+                ROW_BLOCKS: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                HAS_UB: tl.constexpr, HAS_US: tl.constexpr, HAS_RB: tl.constexpr, HAS_RS: tl.constexpr,
+                HAS_SKIP: tl.constexpr, FP32_COPY: tl.constexpr, WAIT: tl.constexpr = False):
     """out[row, cols] of column block `block` (of `blocks`) = the sum over the row's CHOICES pairs, in order, of
     (act[pair] @ w2[e]^T * weight) rounded to out's dtype, summed in fp32 and rounded once (one pair: its weighted
     row); with NORM, then the row's residual norm by the last of its `blocks` programs (module docstring; the
@@ -151,9 +151,9 @@ def _gemv_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, co
                       ROW_BLOCKS: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
                       HAS_RESIDUAL: tl.constexpr, HAS_UB: tl.constexpr, HAS_US: tl.constexpr, HAS_RB: tl.constexpr,
                       HAS_RS: tl.constexpr, HAS_SKIP: tl.constexpr, FP32_COPY: tl.constexpr, USE_PDL: tl.constexpr):
-    """`down_block` of output row program_id(0), column block program_id(1). The pairs' experts were chosen two
+    """`_down_block` of output row program_id(0), column block program_id(1). The pairs' experts were chosen two
     launches back, before the gate/up launch could start: their weights' stream starts before the PDL wait
-    (ops/triton/pdl.py), loaded whole by `down_block` for one choice a row, else asked of L2."""
+    (ops/triton/pdl.py), loaded whole by `_down_block` for one choice a row, else asked of L2."""
     PRELOAD: tl.constexpr = USE_PDL and CHOICES == 1
     if USE_PDL and not PRELOAD:
         col = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -162,11 +162,11 @@ def _gemv_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, co
             prefetch_rows(w2_ptr + expert * hidden * I, col, (col < hidden) & live, I, I)
     if not PRELOAD:
         wait_for_previous(USE_PDL)
-    down_block(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, counter_ptr, ws_ptr, stride_se, stride_ws,
-               r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0, nw_ptr, x_out_ptr, h_ptr, h32_ptr,
-               width, eps, tl.program_id(0), tl.program_id(1), tl.num_programs(1), CHOICES, EXPERTS, I, BN, BK,
-               STAGES, W_SCALES, ROW_BLOCKS, NORM, BLOCK, HAS_RESIDUAL, HAS_UB, HAS_US, HAS_RB, HAS_RS, HAS_SKIP,
-               FP32_COPY, PRELOAD)
+    _down_block(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, counter_ptr, ws_ptr, stride_se, stride_ws,
+                r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0, nw_ptr, x_out_ptr, h_ptr, h32_ptr,
+                width, eps, tl.program_id(0), tl.program_id(1), tl.num_programs(1), CHOICES, EXPERTS, I, BN, BK,
+                STAGES, W_SCALES, ROW_BLOCKS, NORM, BLOCK, HAS_RESIDUAL, HAS_UB, HAS_US, HAS_RB, HAS_RS, HAS_SKIP,
+                FP32_COPY, PRELOAD)
 
 
 def _rows_streamed(rows: int, top_k: int, fp8: Fp8Scales | None) -> int:
@@ -183,7 +183,7 @@ def gate_up_tiles(inter: int, hidden: int, fp8: Fp8Scales | None = None, top_k: 
 
 def down_tiles(hidden: int, inter: int, fp8: Fp8Scales | None = None, top_k: int = 1) -> Tiles:
     """One choice a token of 16-bit experts (ZAYA1): each program's rows in one K chunk, loaded before the PDL wait
-    (`down_block`'s WAIT); the same tiles reduced or not, so both forms' rows keep the same bits."""
+    (`_down_block`'s WAIT); the same tiles reduced or not, so both forms' rows keep the same bits."""
     return tiles(1, _rows_streamed(hidden, top_k, fp8), inter, min_chunk=min_chunk(fp8),
                  one_chunk=top_k == 1 and fp8 is None)
 

@@ -100,12 +100,11 @@ def _rows_times_cols(x_ptr, w_ptr, vec_ptr, rows, row_ok, cols, col_ok, K: tl.co
 
 
 @triton.jit
-def select(u_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr, rows, row_ok, store_ok,
-           K: tl.constexpr, CLASSES: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-           U_GELU: tl.constexpr, CACHE: tl.constexpr):
+def _select(u_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr, rows, row_ok,
+            K: tl.constexpr, CLASSES: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+            U_GELU: tl.constexpr, CACHE: tl.constexpr):
     """Class logits of u's `rows` (GELU'd on load with U_GELU), softmax, argmax over p + balancing biases (the
-    first of equal maxima, as torch's argmax), and the routing outputs of the rows where `store_ok`.
-    -> (expert ids, expert weights) [BT]: the choice with skip as expert 0, the weight with skip as 0."""
+    first of equal maxima, as torch's argmax), and the routing outputs."""
     c = tl.arange(0, BC)
     c_valid = c < CLASSES
     logits, _ = _rows_times_cols(u_ptr, wo_ptr, u_ptr, rows, row_ok, c, c_valid, K, BT, BC, BK, 1, False, U_GELU,
@@ -118,31 +117,28 @@ def select(u_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_pt
     choice = tl.argmax(biased, axis=1, tie_break_left=True)
     weight = tl.sum(tl.where(c[None, :] == choice[:, None], probs, 0.0), axis=1)
     skip = choice == CLASSES - 1
-    ids = tl.where(skip, 0, choice).to(tl.int64)
-    expert_w = tl.where(skip, 0.0, weight)
-    tl.store(choice_ptr + rows, choice.to(tl.int64), mask=store_ok)
-    tl.store(weight_ptr + rows, weight, mask=store_ok)
-    tl.store(ids_ptr + rows, ids, mask=store_ok)
-    tl.store(expert_w_ptr + rows, expert_w, mask=store_ok)
-    tl.store(skip_w_ptr + rows, tl.where(skip, weight, 0.0), mask=store_ok)
-    return ids, expert_w
+    tl.store(choice_ptr + rows, choice.to(tl.int64), mask=row_ok)
+    tl.store(weight_ptr + rows, weight, mask=row_ok)
+    tl.store(ids_ptr + rows, tl.where(skip, 0, choice).to(tl.int64), mask=row_ok)
+    tl.store(expert_w_ptr + rows, tl.where(skip, 0.0, weight), mask=row_ok)
+    tl.store(skip_w_ptr + rows, tl.where(skip, weight, 0.0), mask=row_ok)
 
 
 @triton.jit
-def dense_block(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr, norm_ptr, eps, token_block, col_block,
-                K: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                STAGES: tl.constexpr, CARRY: tl.constexpr, NORM: tl.constexpr, GELU: tl.constexpr,
-                X_CACHE: tl.constexpr, WAIT: tl.constexpr = False):
+def _dense_block(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr, norm_ptr, eps, token_block, col_block,
+                 K: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 STAGES: tl.constexpr, CARRY: tl.constexpr, NORM: tl.constexpr, GELU: tl.constexpr,
+                 WAIT: tl.constexpr = False):
     """out[rows, cols] = act(x'[rows] @ w[cols]^T + b[cols]) (+ carry[rows, cols] * scale[cols], with CARRY) for
     BT tokens and BN columns (blocks `token_block`, `col_block`); x' = norm_weight * x * rstd(x) with NORM, act =
-    GELU with GELU; x loaded with X_CACHE (".cg" where other programs of the launch wrote it). WAIT: the PDL wait
-    comes inside, after the weights' loads (`_rows_times_cols`). -> (rows, row_ok)."""
+    GELU with GELU. WAIT: the PDL wait comes inside, after the weights' loads (`_rows_times_cols`).
+    -> (rows, row_ok)."""
     rows = token_block * BT + tl.arange(0, BT)
     row_ok = rows < num_tokens
     cols = col_block * BN + tl.arange(0, BN)
     col_ok = cols < N
     acc, squares = _rows_times_cols(x_ptr, w_ptr, norm_ptr, rows, row_ok, cols, col_ok, K, BT, BN, BK, STAGES, NORM,
-                                    False, X_CACHE, WAIT)
+                                    False, "", WAIT)
     if NORM:  # rstd after the product: (x * w_norm) @ W^T * rstd = (w_norm * x * rstd) @ W^T
         acc *= tl.rsqrt(squares / K + eps)[:, None]
     acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0)[None, :]
@@ -163,17 +159,17 @@ def _dense_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr
                   K: tl.constexpr, N: tl.constexpr, CLASSES: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, STAGES: tl.constexpr, BC: tl.constexpr, BKC: tl.constexpr, CARRY: tl.constexpr,
                   NORM: tl.constexpr, GELU: tl.constexpr, SELECT: tl.constexpr, USE_PDL: tl.constexpr):
-    """`dense_block` of this program's BT tokens and BN columns. With SELECT, the token block's last program to
+    """`_dense_block` of this program's BT tokens and BN columns. With SELECT, the token block's last program to
     finish then selects its classes from the whole out rows."""
-    rows, row_ok = dense_block(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr, norm_ptr, eps,
-                               tl.program_id(1), tl.program_id(0), K, N, BT, BN, BK, STAGES, CARRY, NORM, GELU, "",
-                               USE_PDL)  # (the PDL wait, after the weights' loads)
+    rows, row_ok = _dense_block(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr, norm_ptr, eps,
+                                tl.program_id(1), tl.program_id(0), K, N, BT, BN, BK, STAGES, CARRY, NORM, GELU,
+                                USE_PDL)  # (the PDL wait, after the weights' loads)
     if SELECT:
         tl.debug_barrier()  # every thread's stores precede the release below
         arrived = tl.atomic_add(counter_ptr + tl.program_id(1), 1, sem="acq_rel")
         if arrived == tl.num_programs(0) - 1:
-            select(out_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr, rows,
-                   row_ok, row_ok, N, CLASSES, BT, BC, BKC, False, ".cg")  # .cg: the other programs' u2, from L2
+            _select(out_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr, rows,
+                    row_ok, N, CLASSES, BT, BC, BKC, False, ".cg")  # .cg: the other programs' u2, from L2
             tl.store(counter_ptr + tl.program_id(1), 0)
 
 
@@ -203,8 +199,8 @@ def _select_kernel(u_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, exp
                    K: tl.constexpr, CLASSES: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     row_ok = rows < num_tokens
-    select(u_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr, rows, row_ok, row_ok, K,
-           CLASSES, BT, BC, BK, False, "")
+    _select(u_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr, rows, row_ok, K,
+            CLASSES, BT, BC, BK, False, "")
 
 
 def _arrival_counters(device: torch.device) -> torch.Tensor:
@@ -212,13 +208,13 @@ def _arrival_counters(device: torch.device) -> torch.Tensor:
     return arrival_counters("zaya_router", FUSED_MAX_TOKENS, device)
 
 
-def k_loop(rows: int, cols: int, k: int) -> dict:
+def _loop(rows: int, cols: int, k: int) -> dict:
     """BK and STAGES of a fused launch's K loop: pipelined when it has more than one chunk."""
-    chunk = k_chunk(rows, cols, k)
+    chunk = _chunk(rows, cols, k)
     return dict(BK=chunk, STAGES=PIPELINE_STAGES if chunk < k else 1)
 
 
-def k_chunk(rows: int, cols: int, k: int) -> int:
+def _chunk(rows: int, cols: int, k: int) -> int:
     """K chunk of a [rows, cols, chunk] product tile of about TILE_ELEMENTS (at least 8 lanes, one 32-byte sector
     of a row; at most K)."""
     return min(max(8, TILE_ELEMENTS // (rows * cols)), next_power_of_2(k))
@@ -233,7 +229,7 @@ def fused_tiles(tokens: int, n: int) -> tuple[int, int]:
     return bt, min(next_power_of_2(n), next_power_of_2(-(-area // bt)))
 
 
-def outputs(tokens: int, planes: int, width: int, device: torch.device):
+def _outputs(tokens: int, planes: int, width: int, device: torch.device):
     """(choice [T], ids [T, 1], weight, expert weight, skip weight [T, 1], `planes` fp32 [T, width] buffers) in two
     allocations (each a few us of host time, 40 layers a step). Every piece starts on a 16-byte boundary (rows padded
     to `padded`): Triton specialises pointers on that, so every token count shares the same variants."""
@@ -244,7 +240,7 @@ def outputs(tokens: int, planes: int, width: int, device: torch.device):
     return choice[:, 0], ids, weight, expert_w, skip_w, buffer[3 * padded:].view(planes, padded, width)[:, :tokens]
 
 
-def check_router_tensors(*tensors: torch.Tensor) -> None:
+def _check_router_tensors(*tensors: torch.Tensor) -> None:
     """What the router kernels read: contiguous fp32 tensors."""
     if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
         raise ValueError("the router kernels take contiguous fp32 tensors")
@@ -255,8 +251,8 @@ def eda_route(x32: torch.Tensor, down_weight: torch.Tensor, down_bias: torch.Ten
               fc1_bias: torch.Tensor, fc2_weight: torch.Tensor, fc2_bias: torch.Tensor, out_weight: torch.Tensor,
               balancing_biases: torch.Tensor) -> Routing:
     has_carry = states_scale is not None and carry is not None
-    check_router_tensors(x32, down_weight, down_bias, norm_weight, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
-                         out_weight, balancing_biases, *((carry, states_scale) if has_carry else ()))
+    _check_router_tensors(x32, down_weight, down_bias, norm_weight, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
+                          out_weight, balancing_biases, *((carry, states_scale) if has_carry else ()))
     route = fused_route if x32.shape[0] <= FUSED_MAX_TOKENS else gemm_route
     return route(x32, down_weight, down_bias, carry if has_carry else None, states_scale if has_carry else None,
                  norm_weight, eps, fc1_weight, fc1_bias, fc2_weight, fc2_bias, out_weight, balancing_biases)
@@ -267,24 +263,24 @@ def fused_route(x32, down_weight, down_bias, carry, states_scale, norm_weight, e
     """The decode form: three `_dense_kernel` launches (module docstring). Arguments as `eda_route`'s, checked."""
     tokens, hidden = x32.shape
     width, classes = down_weight.shape[0], out_weight.shape[0]
-    choice, ids, weight, expert_w, skip_w, (z, u1, u2) = outputs(tokens, 3, width, x32.device)
+    choice, ids, weight, expert_w, skip_w, (z, u1, u2) = _outputs(tokens, 3, width, x32.device)
     if tokens:
         bt, bn = fused_tiles(tokens, width)
         grid = (cdiv(width, bn), cdiv(tokens, bt))
         bc = next_power_of_2(classes)
         dummy = x32
         select = (_arrival_counters(x32.device), out_weight, balancing_biases, choice, weight, ids, expert_w, skip_w)
-        common = dict(N=width, CLASSES=classes, BT=bt, BN=bn, BC=bc, BKC=k_chunk(bt, bc, width), num_warps=4,
+        common = dict(N=width, CLASSES=classes, BT=bt, BN=bn, BC=bc, BKC=_chunk(bt, bc, width), num_warps=4,
                       **pdl.launch(x32.device))
         _dense_kernel[grid](x32, down_weight, down_bias, z, tokens, carry if carry is not None else dummy,
                             states_scale if carry is not None else dummy, dummy, eps, *(dummy,) * 8,
-                            K=hidden, **k_loop(bt, bn, hidden), CARRY=carry is not None, NORM=False, GELU=False,
+                            K=hidden, **_loop(bt, bn, hidden), CARRY=carry is not None, NORM=False, GELU=False,
                             SELECT=False, **common)
         _dense_kernel[grid](z, fc1_weight, fc1_bias, u1, tokens, dummy, dummy, norm_weight, eps, *(dummy,) * 8,
-                            K=width, **k_loop(bt, bn, width), CARRY=False, NORM=True, GELU=True, SELECT=False,
+                            K=width, **_loop(bt, bn, width), CARRY=False, NORM=True, GELU=True, SELECT=False,
                             **common)
         _dense_kernel[grid](u1, fc2_weight, fc2_bias, u2, tokens, dummy, dummy, dummy, eps, *select,
-                            K=width, **k_loop(bt, bn, width), CARRY=False, NORM=False, GELU=True, SELECT=True,
+                            K=width, **_loop(bt, bn, width), CARRY=False, NORM=False, GELU=True, SELECT=True,
                             **common)
     return Routing(choice, weight, ids, expert_w, skip_w, z)
 
@@ -315,7 +311,7 @@ def gemm_route(x32, down_weight, down_bias, carry, states_scale, norm_weight, ep
     for carry + RMSNorm, `_select_kernel` for the selection. Arguments as `eda_route`'s, checked."""
     tokens = x32.shape[0]
     width, classes = down_weight.shape[0], out_weight.shape[0]
-    choice, ids, weight, expert_w, skip_w, (z, u1, u2) = outputs(tokens, 3, width, x32.device)
+    choice, ids, weight, expert_w, skip_w, (z, u1, u2) = _outputs(tokens, 3, width, x32.device)
     _gemm(x32, down_weight, down_bias, z, gelu=False)
     if carry is None:
         new_carry, normed, _ = residual_rms_norm(z, norm_weight, eps)
@@ -326,5 +322,5 @@ def gemm_route(x32, down_weight, down_bias, carry, states_scale, norm_weight, ep
     bc = next_power_of_2(classes)
     _select_kernel[(cdiv(tokens, SELECT_TOKENS),)](
         u2, out_weight, balancing_biases, choice, weight, ids, expert_w, skip_w, tokens, K=width, CLASSES=classes,
-        BT=SELECT_TOKENS, BC=bc, BK=k_chunk(SELECT_TOKENS, bc, width), num_warps=4)
+        BT=SELECT_TOKENS, BC=bc, BK=_chunk(SELECT_TOKENS, bc, width), num_warps=4)
     return Routing(choice, weight, ids, expert_w, skip_w, new_carry)
