@@ -107,13 +107,14 @@ def _select(u_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_p
     first of equal maxima, as torch's argmax), and the routing outputs."""
     c = tl.arange(0, BC)
     c_valid = c < CLASSES
+    balancing = tl.load(bias_ptr + c, mask=c_valid, other=0.0)  # with the products' loads, not a round trip after
     logits, _ = _rows_times_cols(u_ptr, wo_ptr, u_ptr, rows, row_ok, c, c_valid, K, BT, BC, BK, 1, False, U_GELU,
                                  CACHE)
     c_ok = c_valid[None, :]
     logits = tl.where(c_ok, logits, float("-inf"))
     e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
     probs = e / tl.sum(e, axis=1)[:, None]
-    biased = tl.where(c_ok, probs + tl.load(bias_ptr + c, mask=c_valid, other=0.0)[None, :], float("-inf"))
+    biased = tl.where(c_ok, probs + balancing[None, :], float("-inf"))
     choice = tl.argmax(biased, axis=1, tie_break_left=True)
     weight = tl.sum(tl.where(c[None, :] == choice[:, None], probs, 0.0), axis=1)
     skip = choice == CLASSES - 1
@@ -137,16 +138,21 @@ def _dense_block(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr,
     row_ok = rows < num_tokens
     cols = col_block * BN + tl.arange(0, BN)
     col_ok = cols < N
+    tile = rows[:, None] * N + cols[None, :]
+    ok = row_ok[:, None] & col_ok[None, :]
+    # Before the wait: the bias and scale are weights, the carry the layer before's router output (launches back).
+    # After the products they would be an L2 round trip of their own (no load moves across the sum's barrier).
+    bias = tl.load(b_ptr + cols, mask=col_ok, other=0.0)
+    if CARRY:
+        scale = tl.load(scale_ptr + cols, mask=col_ok, other=0.0)
+        carry = tl.load(carry_ptr + tile, mask=ok, other=0.0)
     acc, squares = _rows_times_cols(x_ptr, w_ptr, norm_ptr, rows, row_ok, cols, col_ok, K, BT, BN, BK, STAGES, NORM,
                                     False, "", WAIT)
     if NORM:  # rstd after the product: (x * w_norm) @ W^T * rstd = (w_norm * x * rstd) @ W^T
         acc *= tl.rsqrt(squares / K + eps)[:, None]
-    acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0)[None, :]
-    tile = rows[:, None] * N + cols[None, :]
-    ok = row_ok[:, None] & col_ok[None, :]
+    acc += bias[None, :]
     if CARRY:
-        scale = tl.load(scale_ptr + cols, mask=col_ok, other=0.0)
-        acc += tl.load(carry_ptr + tile, mask=ok, other=0.0) * scale[None, :]
+        acc += carry * scale[None, :]
     if GELU:
         acc = _gelu(acc)
     tl.store(out_ptr + tile, acc, mask=ok)
