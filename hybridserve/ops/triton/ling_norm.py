@@ -22,9 +22,12 @@ def _add_rms_norm_kernel(x_ptr, addend_ptr, residual_ptr, weight_ptr, out_ptr, r
                          width, parts, stride_x, stride_xp, stride_a, stride_r, stride_o, stride_ro, eps,
                          HAS_ADDEND: tl.constexpr, HAS_RESIDUAL: tl.constexpr, FP32_COPY: tl.constexpr,
                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr):
+    col = tl.arange(0, BLOCK_C)[None, :]
+    # A weight: before the wait (after the residual store it would be an L2 round trip of its own: no load moves
+    # above a store).
+    weight = tl.load(weight_ptr + col, mask=col < width, other=0.0).to(tl.float32)
     wait_for_previous(USE_PDL)
     row = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
-    col = tl.arange(0, BLOCK_C)[None, :]
     mask = (row < rows) & (col < width)
     h = tl.load(x_ptr + row * stride_x + col, mask=mask, other=0.0)
     stream = h.dtype
@@ -45,7 +48,6 @@ def _add_rms_norm_kernel(x_ptr, addend_ptr, residual_ptr, weight_ptr, out_ptr, r
     rstd = tl.math.rsqrt(tl.sum(h * h, axis=1) / width + eps)[:, None]
     # The roundings of RMSNorm as a module: normalised value to the stream's dtype, then to the weight's.
     normed = (h * rstd).to(stream).to(weight_ptr.dtype.element_ty).to(tl.float32)
-    weight = tl.load(weight_ptr + col, mask=col < width, other=0.0).to(tl.float32)
     out = (weight * normed).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + col, out, mask=mask)
     if FP32_COPY:
@@ -56,16 +58,19 @@ def _add_rms_norm_kernel(x_ptr, addend_ptr, residual_ptr, weight_ptr, out_ptr, r
 def _group_rms_norm_kernel(x_ptr, gate_ptr, weight_ptr, out_ptr, rows, group_size, stride_x, stride_g, stride_o,
                            eps, HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                            USE_PDL: tl.constexpr):
-    wait_for_previous(USE_PDL)
-    row = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
     local = tl.arange(0, BLOCK_C)[None, :]
     col = tl.program_id(1) * group_size + local
+    weight = tl.load(weight_ptr + col, mask=local < group_size, other=0.0).to(tl.float32)  # a weight: before the wait
+    wait_for_previous(USE_PDL)
+    row = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
     mask = (row < rows) & (local < group_size)
     x = tl.load(x_ptr + row * stride_x + col, mask=mask, other=0.0).to(tl.float32)
+    if HAS_GATE:  # with x, not a round trip after the sum (no load moves across its barrier)
+        gate = tl.load(gate_ptr + row * stride_g + col, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / group_size + eps)[:, None]
-    out = tl.load(weight_ptr + col, mask=local < group_size, other=0.0).to(tl.float32) * (x * rstd)
+    out = weight * (x * rstd)
     if HAS_GATE:
-        out *= tl.sigmoid(tl.load(gate_ptr + row * stride_g + col, mask=mask, other=0.0).to(tl.float32))
+        out *= tl.sigmoid(gate)
     tl.store(out_ptr + row * stride_o + col, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -110,11 +115,17 @@ def _qk_norm_rope_kernel(x_ptr, q_weight_ptr, k_weight_ptr, positions_ptr, inv_f
 
 
 @triton.jit
-def _rotate(src, dst, live, cos, sin, half, STEP: tl.constexpr, OFFSET: tl.constexpr):
-    """Rotate pairs (i * STEP, i * STEP + OFFSET) of rows `src` into `dst` ([R, 1] pointers, [R, BLOCK_HALF] mask
-    `live`) in fp32, rounded to dst's dtype: NeoX pairs are (i, i + half), GPT-J ones (2i, 2i + 1)."""
+def _pairs(src, live, half, STEP: tl.constexpr, OFFSET: tl.constexpr):
+    """The pairs (i * STEP, i * STEP + OFFSET) of rows `src` ([R, 1] pointers, [R, BLOCK_HALF] mask `live`) in
+    fp32: NeoX pairs are (i, i + half), GPT-J ones (2i, 2i + 1)."""
     x1 = tl.load(src + half * STEP, mask=live, other=0.0).to(tl.float32)
     x2 = tl.load(src + half * STEP + OFFSET, mask=live, other=0.0).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
+def _rotate(x1, x2, dst, live, cos, sin, half, STEP: tl.constexpr, OFFSET: tl.constexpr):
+    """`_pairs`' x1, x2 rotated into `dst`, rounded to its dtype."""
     dtype = dst.dtype.element_ty
     tl.store(dst + half * STEP, (x1 * cos - x2 * sin).to(dtype), mask=live)
     tl.store(dst + half * STEP + OFFSET, (x2 * cos + x1 * sin).to(dtype), mask=live)
@@ -128,29 +139,32 @@ def _mla_latent_kernel(kv_ptr, weight_ptr, q_ptr, q_out_ptr, positions_ptr, inv_
                        USE_PDL: tl.constexpr):
     """One token: its latent row [RMSNorm(c_kv) | rope(k_rope)] written to the cache at its slot, and its query
     heads' rope channels rotated into q_out."""
-    wait_for_previous(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     col = tl.arange(0, BLOCK_RANK)
     ok = col < RANK
+    half = tl.arange(0, BLOCK_HALF)[None, :]
+    # Weights and the step's metadata before the wait; the inputs all before the sum and the stores (no load moves
+    # across a reduction's barrier or above a store: each would be an L2 round trip of its own).
+    weight = tl.load(weight_ptr + col, mask=ok, other=0.0).to(tl.float32)
+    row = cache_ptr + tl.load(slots_ptr + token).to(tl.int64) * stride_c
+    angle = tl.load(positions_ptr + token).to(tl.float32) * tl.load(inv_freq_ptr + half, mask=half < HALF,
+                                                                      other=0.0)
+    cos, sin = tl.cos(angle), tl.sin(angle)  # their range reduction's table loads too
+    wait_for_previous(USE_PDL)
     c = tl.load(kv_ptr + token * stride_kv + col, mask=ok, other=0.0)
+    k1, k2 = _pairs(kv_ptr + token * stride_kv + RANK, half < HALF, half, STEP, OFFSET)
+    head = tl.arange(0, BLOCK_H)[:, None].to(tl.int64)
+    live = (head < heads) & (half < HALF)
+    q1, q2 = _pairs(q_ptr + token * stride_qt + head * stride_qh, live, half, STEP, OFFSET)
     c32 = c.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(c32 * c32, axis=0) / RANK + eps)
     # RMSNorm's roundings as a module: normalised value to the input's dtype, then to the weight's.
     normed = (c32 * rstd).to(c.dtype).to(weight_ptr.dtype.element_ty).to(tl.float32)
-    weight = tl.load(weight_ptr + col, mask=ok, other=0.0).to(tl.float32)
     normed = (weight * normed).to(weight_ptr.dtype.element_ty)
-    row = cache_ptr + tl.load(slots_ptr + token).to(tl.int64) * stride_c
     tl.store(row + col, normed.to(cache_ptr.dtype.element_ty), mask=ok)
 
-    half = tl.arange(0, BLOCK_HALF)[None, :]
-    angle = tl.load(positions_ptr + token).to(tl.float32) * tl.load(inv_freq_ptr + half, mask=half < HALF,
-                                                                      other=0.0)
-    cos, sin = tl.cos(angle), tl.sin(angle)
-    _rotate(kv_ptr + token * stride_kv + RANK, row + RANK, half < HALF, cos, sin, half, STEP, OFFSET)
-    head = tl.arange(0, BLOCK_H)[:, None].to(tl.int64)
-    live = (head < heads) & (half < HALF)
-    _rotate(q_ptr + token * stride_qt + head * stride_qh, q_out_ptr + token * stride_ot + head * stride_oh, live,
-            cos, sin, half, STEP, OFFSET)
+    _rotate(k1, k2, row + RANK, half < HALF, cos, sin, half, STEP, OFFSET)
+    _rotate(q1, q2, q_out_ptr + token * stride_ot + head * stride_oh, live, cos, sin, half, STEP, OFFSET)
 
 
 def _rows(x: torch.Tensor, what: str) -> None:
