@@ -20,16 +20,18 @@ def _grouped_topk_kernel(logits, bias, ids_out, weights_out, logits_stride, scal
                          HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,
                          TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, G_P2: tl.constexpr, S_P2: tl.constexpr,
                          K_P2: tl.constexpr, USE_PDL: tl.constexpr):
-    wait_for_previous(USE_PDL)
-    token = tl.program_id(0).to(tl.int64)
     group = tl.arange(0, G_P2)
     member = tl.arange(0, S_P2)
     valid = (group[:, None] < N_GROUP) & (member[None, :] < GROUP_SIZE)
     expert = group[:, None] * GROUP_SIZE + member[None, :]  # padded lanes alias real ids: mask with `valid`
+    if HAS_BIAS:  # a weight: before the wait
+        balancing = tl.load(bias + expert, mask=valid, other=0.0)
+    wait_for_previous(USE_PDL)
+    token = tl.program_id(0).to(tl.int64)
     scores = tl.sigmoid(tl.load(logits + token * logits_stride + expert, mask=valid, other=0.0))
     choice = scores
     if HAS_BIAS:
-        choice = scores + tl.load(bias + expert, mask=valid, other=0.0)
+        choice = scores + balancing
     choice = tl.where(valid, choice, float("-inf"))
 
     # A group's score: its best value plus the best of the rest (the top-2 sum).
