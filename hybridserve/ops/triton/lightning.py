@@ -66,22 +66,42 @@ def _load_state(state_ptr, slots_ptr, has_state_ptr, row, head, offs_k, offs_v, 
 
 
 @triton.jit
-def _load_head(ptr, weight_ptr, offs, mask, position, inv_freq_ptr, eps,
-               DK: tl.constexpr, HALF: tl.constexpr, NORM_ROPE: tl.constexpr, HAS_NORM: tl.constexpr):
-    """One q or k head [BLOCK_K] in fp32; with NORM_ROPE, per-head RMSNorm (HAS_NORM) and NeoX RoPE of its first
-    2 * HALF channels first, rounded to the input's dtype: `ops.ling_norm.qk_norm_rope`'s output, fused."""
+def _head_weights(weight_ptr, offs, mask, HALF: tl.constexpr, NORM_ROPE: tl.constexpr, HAS_NORM: tl.constexpr):
+    """`_norm_rope`'s norm weights of each channel and of its rotated partner (fp32; ones unless HAS_NORM)."""
+    w, w_partner = 1.0, 1.0
+    if NORM_ROPE and HAS_NORM:
+        rotated = offs < 2 * HALF
+        partner = tl.where(offs < HALF, offs + HALF, offs - HALF)
+        w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        w_partner = tl.load(weight_ptr + partner, mask=mask & rotated, other=0.0).to(tl.float32)
+    return w, w_partner
+
+
+@triton.jit
+def _load_head(ptr, offs, mask, HALF: tl.constexpr, NORM_ROPE: tl.constexpr):
+    """One q or k head [BLOCK_K] as stored, and with NORM_ROPE each rotated channel's partner in fp32 (else 0)."""
     x = tl.load(ptr + offs, mask=mask, other=0.0)
+    other = 0.0
+    if NORM_ROPE:
+        partner = tl.where(offs < HALF, offs + HALF, offs - HALF)  # the other channel of each rotated pair
+        other = tl.load(ptr + partner, mask=mask & (offs < 2 * HALF), other=0.0).to(tl.float32)
+    return x, other
+
+
+@triton.jit
+def _norm_rope(x, other, w, w_partner, offs, cos, sin, eps,
+               DK: tl.constexpr, HALF: tl.constexpr, NORM_ROPE: tl.constexpr, HAS_NORM: tl.constexpr):
+    """`_load_head`'s head in fp32; with NORM_ROPE, per-head RMSNorm (HAS_NORM; `_head_weights`) and NeoX RoPE
+    (cos, sin of each channel's angle) of its first 2 * HALF channels first, rounded to the input's dtype:
+    `ops.ling_norm.qk_norm_rope`'s output, fused."""
     if NORM_ROPE:
         rotated = offs < 2 * HALF
-        partner = tl.where(offs < HALF, offs + HALF, offs - HALF)  # the other channel of each rotated pair
         x32 = x.to(tl.float32)
-        other = tl.load(ptr + partner, mask=mask & rotated, other=0.0).to(tl.float32)
         if HAS_NORM:
             rstd = tl.math.rsqrt(tl.sum(x32 * x32, axis=0) / DK + eps)
-            x32 = x32 * rstd * tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            other = other * rstd * tl.load(weight_ptr + partner, mask=mask & rotated, other=0.0).to(tl.float32)
-        angle = position * tl.load(inv_freq_ptr + offs % HALF, mask=rotated, other=0.0)
-        out = x32 * tl.cos(angle) + tl.where(offs < HALF, -other, other) * tl.sin(angle)
+            x32 = x32 * rstd * w
+            other = other * rstd * w_partner
+        out = x32 * cos + tl.where(offs < HALF, -other, other) * sin
         x = tl.where(rotated, out, x32).to(x.dtype)
     return x.to(tl.float32)
 
@@ -93,22 +113,30 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, state_ptr, slots_ptr, has_state_p
                    stride_slot, stride_sh, stride_sk, scale,
                    DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
                    HALF: tl.constexpr, NORM_ROPE: tl.constexpr, HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr):
-    wait_for_previous(USE_PDL)
     row, head, vblock = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_k = tl.arange(0, BLOCK_K)
     offs_v = vblock * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_k, mask_v = offs_k < DK, offs_v < DV
+    # Before the wait: the state (this layer's previous step), the step's metadata and the weights; only q, k, v
+    # come from the projection before.
     state, state_ptrs, store_mask = _load_state(state_ptr, slots_ptr, has_state_ptr, row, head, offs_k, offs_v,
                                                  mask_k, mask_v, stride_slot, stride_sh, stride_sk)
-    position = 0.0
+    decay = tl.exp(tl.load(log_decay_ptr + head))
+    q_w, q_w_partner = _head_weights(q_weight_ptr, offs_k, mask_k, HALF, NORM_ROPE, HAS_NORM)
+    k_w, k_w_partner = _head_weights(k_weight_ptr, offs_k, mask_k, HALF, NORM_ROPE, HAS_NORM)
+    cos, sin = 1.0, 0.0
     if NORM_ROPE:
-        position = tl.load(positions_ptr + row).to(tl.float32)
-    q = _load_head(q_ptr + row * stride_qt + head * stride_qh, q_weight_ptr, offs_k, mask_k, position,
-                   inv_freq_ptr, eps, DK, HALF, NORM_ROPE, HAS_NORM)
-    k = _load_head(k_ptr + row * stride_kt + head * stride_kh, k_weight_ptr, offs_k, mask_k, position,
-                   inv_freq_ptr, eps, DK, HALF, NORM_ROPE, HAS_NORM)
+        angle = tl.load(positions_ptr + row).to(tl.float32) * tl.load(inv_freq_ptr + offs_k % HALF,
+                                                                        mask=offs_k < 2 * HALF, other=0.0)
+        cos, sin = tl.cos(angle), tl.sin(angle)
+    wait_for_previous(USE_PDL)
+    # q, k and v all loaded before q's norm: no load moves across its reduction's barrier.
+    q, q_other = _load_head(q_ptr + row * stride_qt + head * stride_qh, offs_k, mask_k, HALF, NORM_ROPE)
+    k, k_other = _load_head(k_ptr + row * stride_kt + head * stride_kh, offs_k, mask_k, HALF, NORM_ROPE)
     v = tl.load(v_ptr + row * stride_vt + head * stride_vh + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-    state = tl.exp(tl.load(log_decay_ptr + head)) * state + k[:, None] * v[None, :]
+    q = _norm_rope(q, q_other, q_w, q_w_partner, offs_k, cos, sin, eps, DK, HALF, NORM_ROPE, HAS_NORM)
+    k = _norm_rope(k, k_other, k_w, k_w_partner, offs_k, cos, sin, eps, DK, HALF, NORM_ROPE, HAS_NORM)
+    state = decay * state + k[:, None] * v[None, :]
     tl.store(state_ptrs, state, mask=store_mask)
     out = tl.sum(q[:, None] * state, axis=0) * scale
     tl.store(o_ptr + row * stride_ot + head * stride_oh + offs_v, out, mask=mask_v)
