@@ -30,13 +30,15 @@ def _tempered(logits, draw_params, row, offsets, vocab, logits_stride):
 
 
 @triton.jit
-def _kept(logits, draw_params, block_max, row, offsets, vocab, logits_stride, blocks,
-          BLOCKS_P2: tl.constexpr):
-    """exp(x - row max) of the entries at `offsets`, 0 where min-p (or the padding) drops them."""
+def _row_max(block_max, row, blocks, BLOCKS_P2: tl.constexpr):
     index = tl.arange(0, BLOCKS_P2)
-    row_max = tl.max(tl.load(block_max + row * blocks + index, mask=index < blocks, other=float("-inf")), axis=0)
-    weight = tl.exp(_tempered(logits, draw_params, row, offsets, vocab, logits_stride) - row_max)
-    min_p = tl.load(draw_params + row * 5 + 3).to(tl.float32)
+    return tl.max(tl.load(block_max + row * blocks + index, mask=index < blocks, other=float("-inf")), axis=0)
+
+
+@triton.jit
+def _kept(tempered, min_p, row_max, offsets, vocab):
+    """exp(x - row max) of the `_tempered` entries at `offsets`, 0 where min-p (or the padding) drops them."""
+    weight = tl.exp(tempered - row_max)
     return tl.where((weight >= min_p) & (offsets < vocab), weight, 0.0)
 
 
@@ -54,30 +56,38 @@ def _block_max_kernel(logits, draw_params, block_max, vocab, logits_stride, bloc
 @triton.jit
 def _block_mass_kernel(logits, draw_params, block_max, block_mass, vocab, logits_stride, blocks,
                        BLOCK: tl.constexpr, BLOCKS_P2: tl.constexpr, USE_PDL: tl.constexpr):
-    wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     offsets = block * BLOCK + tl.arange(0, BLOCK)
-    weight = _kept(logits, draw_params, block_max, row, offsets, vocab, logits_stride, blocks, BLOCKS_P2)
+    # The logits and draw_params are the block maxima's inputs, a launch further back: before the wait (after the
+    # maxima's reduction they would be an L2 round trip of their own).
+    tempered = _tempered(logits, draw_params, row, offsets, vocab, logits_stride)
+    min_p = tl.load(draw_params + row * 5 + 3).to(tl.float32)
+    wait_for_previous(USE_PDL)
+    weight = _kept(tempered, min_p, _row_max(block_max, row, blocks, BLOCKS_P2), offsets, vocab)
     tl.store(block_mass + row * blocks + block, tl.sum(weight.to(tl.float64), axis=0))
 
 
 @triton.jit
 def _pick_kernel(logits, draw_params, block_max, block_mass, out, vocab, logits_stride, blocks,
                  BLOCK: tl.constexpr, BLOCKS_P2: tl.constexpr, USE_PDL: tl.constexpr):
-    wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     index = tl.arange(0, BLOCKS_P2)
+    # Before the wait: all but the block masses (the launch before) and the picked block's logits (known after).
+    u = tl.load(draw_params + row * 5 + 4)
+    min_p = tl.load(draw_params + row * 5 + 3).to(tl.float32)
+    row_max = _row_max(block_max, row, blocks, BLOCKS_P2)
+    wait_for_previous(USE_PDL)
     mass = tl.load(block_mass + row * blocks + index, mask=index < blocks, other=0.0)
     cdf = tl.cumsum(mass, axis=0)
-    target = tl.load(draw_params + row * 5 + 4) * tl.max(cdf, axis=0)
+    target = u * tl.max(cdf, axis=0)
     # The first block whose CDF exceeds the target (searchsorted, right), never past the last block with mass.
     block = tl.sum(((cdf <= target) & (index < blocks)).to(tl.int32), axis=0)
     block = tl.minimum(block, tl.max(tl.where(mass > 0, index, 0), axis=0))
     before = tl.sum(tl.where(index == block, cdf - mass, 0.0), axis=0)
     entry = tl.arange(0, BLOCK)
-    weight = _kept(logits, draw_params, block_max, row, block * BLOCK + entry, vocab, logits_stride, blocks,
-                   BLOCKS_P2)
+    weight = _kept(_tempered(logits, draw_params, row, block * BLOCK + entry, vocab, logits_stride), min_p, row_max,
+                   block * BLOCK + entry, vocab)
     entry_cdf = tl.cumsum(weight.to(tl.float64), axis=0) + before
     chosen = tl.sum((entry_cdf <= target).to(tl.int32), axis=0)
     chosen = tl.minimum(chosen, tl.max(tl.where(weight > 0, entry, 0), axis=0))
