@@ -58,6 +58,15 @@ def _pair(ids_ptr, weights_ptr, pair, EXPERTS: tl.constexpr):
 
 
 @triton.jit
+def _pairs(ids_ptr, weights_ptr, row, CHOICES: tl.constexpr, EXPERTS: tl.constexpr):
+    """The `_pair`s of output row `row`'s CHOICES pairs, a tuple."""
+    pairs = ()
+    for choice in tl.static_range(CHOICES):
+        pairs = pairs + (_pair(ids_ptr, weights_ptr, row * CHOICES + choice, EXPERTS),)
+    return pairs
+
+
+@triton.jit
 def _gate_up_block(x_ptr, stride_x, w13_ptr, act_ptr, inter, ws_ptr, stride_se, stride_ws, pair, block, expert,
                    TOP_K: tl.constexpr, H: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
                    W_SCALES: tl.constexpr, ROW_BLOCKS: tl.constexpr):
@@ -91,14 +100,14 @@ def _gemv_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, weights_ptr, act_ptr, stride_x
 
 
 @triton.jit
-def _down_block(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, counter_ptr, ws_ptr, stride_se, stride_ws,
+def _down_block(act_ptr, w2_ptr, pairs, out_ptr, hidden, counter_ptr, ws_ptr, stride_se, stride_ws,
                 r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0, nw_ptr, x_out_ptr, h_ptr, h32_ptr,
-                width, eps, row, block, blocks, CHOICES: tl.constexpr, EXPERTS: tl.constexpr, I: tl.constexpr,
+                width, eps, row, block, blocks, CHOICES: tl.constexpr, I: tl.constexpr,
                 BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, W_SCALES: tl.constexpr,
                 ROW_BLOCKS: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                 HAS_UB: tl.constexpr, HAS_US: tl.constexpr, HAS_RB: tl.constexpr, HAS_RS: tl.constexpr,
                 HAS_SKIP: tl.constexpr, FP32_COPY: tl.constexpr, WAIT: tl.constexpr = False):
-    """out[row, cols] of column block `block` (of `blocks`) = the sum over the row's CHOICES pairs, in order, of
+    """out[row, cols] of column block `block` (of `blocks`) = the sum over the row's CHOICES `_pairs`, in order, of
     (act[pair] @ w2[e]^T * weight) rounded to out's dtype, summed in fp32 and rounded once (one pair: its weighted
     row); with NORM, then the row's residual norm by the last of its `blocks` programs (module docstring; the
     arguments are `norm.residual_norm_row`'s).
@@ -111,7 +120,7 @@ def _down_block(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, counter_
     total = tl.zeros([BN], dtype=tl.float32)
     for choice in tl.static_range(CHOICES):
         pair = row * CHOICES + choice
-        expert, weight, live = _pair(ids_ptr, weights_ptr, pair, EXPERTS)
+        expert, weight, live = pairs[choice]
         if WAIT:
             tl.static_assert(CHOICES == 1, "the down weights load before the wait for one choice a row")
             total += _weighted_down(act_ptr, w2_ptr, ws_ptr, stride_se, stride_ws, out_ptr, pair, expert, weight, live,
@@ -155,16 +164,18 @@ def _gemv_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, co
     launches back, before the gate/up launch could start: their weights' stream starts before the PDL wait
     (ops/triton/pdl.py), loaded whole by `_down_block` for one choice a row, else asked of L2."""
     PRELOAD: tl.constexpr = USE_PDL and CHOICES == 1
+    # Before the wait, once: in the choice loop each pair loaded after the choice before's sum (no load crosses it).
+    pairs = _pairs(ids_ptr, weights_ptr, tl.program_id(0), CHOICES, EXPERTS)
     if USE_PDL and not PRELOAD:
         col = tl.program_id(1) * BN + tl.arange(0, BN)
         for choice in tl.static_range(CHOICES):
-            expert, _, live = _pair(ids_ptr, weights_ptr, tl.program_id(0) * CHOICES + choice, EXPERTS)
+            expert, _, live = pairs[choice]
             prefetch_rows(w2_ptr + expert * hidden * I, col, (col < hidden) & live, I, I)
     if not PRELOAD:
         wait_for_previous(USE_PDL)
-    _down_block(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, counter_ptr, ws_ptr, stride_se, stride_ws,
+    _down_block(act_ptr, w2_ptr, pairs, out_ptr, hidden, counter_ptr, ws_ptr, stride_se, stride_ws,
                 r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0, nw_ptr, x_out_ptr, h_ptr, h32_ptr,
-                width, eps, tl.program_id(0), tl.program_id(1), tl.num_programs(1), CHOICES, EXPERTS, I, BN, BK,
+                width, eps, tl.program_id(0), tl.program_id(1), tl.num_programs(1), CHOICES, I, BN, BK,
                 STAGES, W_SCALES, ROW_BLOCKS, NORM, BLOCK, HAS_RESIDUAL, HAS_UB, HAS_US, HAS_RB, HAS_RS, HAS_SKIP,
                 FP32_COPY, PRELOAD)
 
