@@ -213,11 +213,12 @@ def _stage2_columns(g, cols, first, local, start2, slot2, init2, mine2, proj_ptr
                     BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """Both conv stages of head g for output columns `cols` only, chunk by chunk of the flat stage-2 rows
     (`_lanes`); stage 1 is recomputed per chunk. Products accumulate per j lane and are summed once at the end.
-    One chunk's inputs other than the projection come in `first` (weights, old), loaded before the wait.
+    A one-chunk loop's inputs other than the projection come in `first` (weights, old), loaded before the
+    wait; None: each chunk loads its own.
     -> [BLOCK_T, BLOCK_O] fp32, without bias."""
     acc = tl.zeros([BLOCK_T, BLOCK_O, BLOCK_K], tl.float32)
     for k0 in tl.range(0, D * K1, BLOCK_K, num_stages=STAGES):
-        if BLOCK_K >= D * K1:
+        if first is not None:
             weights, old = first
         else:
             weights = _chunk_weights(g, k0, cols, w0_ptr, b0_ptr, w1_ptr, D, K0, K1, BLOCK_K)
