@@ -114,8 +114,10 @@ def test_tiles_fill_the_gpu_at_real_shapes() -> None:
             t = tiles(tokens, n, k)
             assert t.BT >= tokens and t.BT * t.BN * t.BK <= 8192 and -(-n // t.BN) >= 256, (n, k, t)
             assert (t.STAGES > 1) == (t.BK < k)  # pipelined exactly when the K loop has several chunks
-    zaya_up = moe_gemv.gate_up_tiles(2048, 2048)  # 16 gate|up rows: 8 intermediate columns, 256 programs a pair
-    assert (zaya_up.BN, zaya_up.BK, -(-4096 // zaya_up.BN)) == (16, 512, 256)
+    # ZAYA1's gate|up: 4 interleaved rows (2 intermediate columns) of one K chunk, 1024 programs a pair; Ling's 8
+    # choices a token keep the pipelined chunks
+    assert moe_gemv.gate_up_tiles(2048, 2048) == Tiles(1, 4, 2048, 1) == tiles(1, 4096, 2048, one_chunk=True)
+    assert moe_gemv.gate_up_tiles(1024, 4096, top_k=8).STAGES > 1
     assert moe_gemv.down_tiles(4096, 1024, top_k=8).BN == 16  # Ling: 256 programs a row (a pair, or a token's 8)
     # ZAYA1's one expert a token: a K of one chunk (4 rows of 2048, 512 programs), loaded before the PDL wait
     assert moe_gemv.down_tiles(2048, 2048) == Tiles(1, 4, 2048, 1) == tiles(1, 2048, 2048, one_chunk=True)

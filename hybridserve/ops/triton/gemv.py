@@ -69,13 +69,13 @@ def tiles(tokens: int, rows: int, depth: int, min_rows: int = 1, min_chunk: int 
     `min_rows` and the rows of MIN_PROGRAM_ELEMENTS (short rows: fewer, fuller programs); a K chunk filling
     TILE_ELEMENTS. Tokens count by the next power of two (BT), so the warm-up's power-of-two ladder compiles every
     variant a run needs, and a decode batch padded to its CUDA-graph size keeps the tiles, hence the sums, of the
-    eager step. `one_chunk`: the whole K in one chunk instead, where a tile of TILE_ELEMENTS still holds those least
-    rows (one token of 2048-long rows: 4), so that `dot_rows` can load it before the PDL wait (more, thinner
-    programs: the launch's weights stream in while the kernel before runs)."""
+    eager step. `one_chunk`: those least rows with the whole K in one chunk instead, where a tile of TILE_ELEMENTS
+    holds them (one token of 2048-long rows: 4), so that every load of a program is in flight at once (`dot_rows`
+    can then issue them before the PDL wait): more, thinner programs."""
     bt = next_power_of_2(max(tokens, 1))
     least = max(min_rows, next_power_of_2(cdiv(MIN_PROGRAM_ELEMENTS, depth)))
-    if one_chunk and TILE_ELEMENTS // (bt * next_power_of_2(depth)) >= least:
-        return Tiles(bt, TILE_ELEMENTS // (bt * next_power_of_2(depth)), next_power_of_2(depth), 1)
+    if one_chunk and least <= MAX_COLUMNS and bt * least * next_power_of_2(depth) <= TILE_ELEMENTS:
+        return Tiles(bt, least, next_power_of_2(depth), 1)
     widest = min(MAX_COLUMNS, TILE_ELEMENTS // (bt * min_chunk))
     bn = max(min_rows, min(widest, least))
     while 2 * bn <= widest and cdiv(rows, 2 * bn) >= PROGRAMS:
