@@ -179,6 +179,7 @@ MOE_CASES = {
     "top-8 of 16, two tokens": (16, 32, 8, [[3, 1, 4, 15, 9, 2, 6, 5], [3, 5, 8, 9, 7, 0, 12, 1]],
                                 (Tiles(1, 16, 32, 1), Tiles(1, 32, 8, 1))),
     "default tiles": (4, 32, 8, [[0, 3]], None),
+    "one token top-1, default tiles: gate|up of one K chunk": (4, 512, 64, [[3]], None),
 }
 
 
@@ -186,6 +187,8 @@ MOE_CASES = {
 @pytest.mark.parametrize("case", list(MOE_CASES))
 def test_experts_match_reference(case: str, dtype: torch.dtype) -> None:
     experts, hidden, inter, table, config = MOE_CASES[case]
+    if case.endswith("one K chunk"):  # the form ZAYA1's real widths take (4 rows of 2048)
+        assert moe_gemv.gate_up_tiles(inter, hidden) == Tiles(1, 16, hidden, 1)
     ids = _ids(table)
     w13, w2 = _experts(experts, hidden, inter, dtype, seed=len(table))
     x = _randn(ids.shape[0], hidden, seed=11, dtype=dtype)
