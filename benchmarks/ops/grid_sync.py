@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridserve.ops.triton.grid_sync import barrier_counter, finish, grid_barrier
+from benchmarks.ops._grid_barrier import barrier_counter, finish, grid_barrier
 from hybridserve.ops.triton.pdl import prefetch_rows, wait_for_previous
 
 

@@ -1,7 +1,8 @@
 """Grid-wide barriers inside one launch: a persistent kernel runs a chain of dependent phases (a GEMV, then the
 op that reads its whole output, ...) where a decode step would otherwise pay a kernel launch between each pair.
-Used by benchmarks/ops/grid_sync.py (a kernel boundary against a barrier, docs/performance.md). ZAYA1's MoE half in
-one launch was built on it, measured slower than the separate kernels it replaced and removed (last in 0258cf6).
+Used by benchmarks/ops/grid_sync.py (a kernel boundary against a barrier, docs/performance.md) only, so it lives
+here: ZAYA1's MoE half in one launch was built on it, measured slower than the separate kernels it replaced and
+removed (last in 0258cf6; the module was hybridserve/ops/triton/grid_sync.py until then).
 
 Every program of the launch must be resident at once, or the first barrier waits forever: the caller sizes its grid
 from the SM count and the programs an SM holds *beside whatever else runs there*. With PDL a launch starts while the
