@@ -27,7 +27,7 @@ from hybridserve.ops.norm import ResidualNorm
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.counters import arrival_counters
 from hybridserve.ops.triton.gemv import Tiles, consecutive_row_blocks, dot_rows, fp8_args, min_chunk, tiles
-from hybridserve.ops.triton.norm import epilogue_args, residual_norm_row
+from hybridserve.ops.triton.norm import epilogue_args, prefetch_row_inputs, residual_norm_row
 from hybridserve.ops.triton.sizes import cdiv
 
 MAX_TOKENS = 16  # the most tokens the kernel takes (its register tiles)
@@ -56,6 +56,10 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, n, stride_x, stride
     token_ok = tokens < num_tokens
     if HAS_BIAS:  # a weight, loaded before the wait (after the sum it would be an L2 round trip of its own)
         bias = tl.load(b_ptr + rows, mask=row_ok, other=0.0)
+    if NORM and USE_PDL:
+        for token in range(num_tokens):
+            prefetch_row_inputs(token, tl.program_id(0), r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr,
+                                sx_s0, nw_ptr, width, HAS_RESIDUAL, HAS_UB, HAS_US, HAS_RB, HAS_RS, HAS_SKIP)
     acc = dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, K, rows, row_ok, ws_ptr, stride_ws, K, BT, BN, BK,
                    STAGES, W_SCALES, ROW_BLOCKS, USE_PDL)  # (the PDL wait, after the weights' loads)
     if HAS_BIAS:

@@ -39,7 +39,7 @@ from hybridserve.ops.triton.counters import arrival_counters
 from hybridserve.ops.triton.fp8_quant import SCALE_BLOCK
 from hybridserve.ops.triton.gemv import Tiles, consecutive_row_blocks, dot_rows, fp8_args, min_chunk, tiles
 from hybridserve.ops.triton.moe import expert_shapes
-from hybridserve.ops.triton.norm import epilogue_args, residual_norm_row
+from hybridserve.ops.triton.norm import epilogue_args, prefetch_row_inputs, residual_norm_row
 from hybridserve.ops.triton.pdl import prefetch_rows, wait_for_previous
 from hybridserve.ops.triton.sizes import cdiv
 
@@ -164,6 +164,9 @@ def _gemv_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, co
     launches back, before the gate/up launch could start: their weights' stream starts before the PDL wait
     (ops/triton/pdl.py), loaded whole by `_down_block` for one choice a row, else asked of L2."""
     PRELOAD: tl.constexpr = USE_PDL and CHOICES == 1
+    if NORM and USE_PDL:
+        prefetch_row_inputs(tl.program_id(0), tl.program_id(1), r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr,
+                            sx_ptr, sx_s0, nw_ptr, width, HAS_RESIDUAL, HAS_UB, HAS_US, HAS_RB, HAS_RS, HAS_SKIP)
     # Before the wait, once: in the choice loop each pair loaded after the choice before's sum (no load crosses it).
     pairs = _pairs(ids_ptr, weights_ptr, tl.program_id(0), CHOICES, EXPERTS)
     if USE_PDL and not PRELOAD:

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from hybridserve.ops.residual_norm_args import ResidualNormArgs
 from hybridserve.ops.triton import pdl
-from hybridserve.ops.triton.pdl import wait_for_previous
+from hybridserve.ops.triton.pdl import prefetch_share, wait_for_previous
 from hybridserve.ops.triton.sizes import next_power_of_2
 
 
@@ -56,6 +56,31 @@ def residual_norm_row(row, u_ptr, u_s0, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_
     tl.store(h_ptr + row * width + col, h, mask=ok)
     if FP32_COPY:
         tl.store(h32_ptr + row * width + col, h.to(tl.float32), mask=ok)
+
+
+@triton.jit
+def prefetch_row_inputs(row, program, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0, w_ptr,
+                        width, HAS_RESIDUAL: tl.constexpr, HAS_UB: tl.constexpr, HAS_US: tl.constexpr,
+                        HAS_RB: tl.constexpr, HAS_RS: tl.constexpr, HAS_SKIP: tl.constexpr):
+    """Before a PDL wait, ask L2 for this program's line (`program`) of each tensor `residual_norm_row` of `row`
+    reads besides the update: as an epilogue only the last program to arrive reads them, after the kernel's own
+    products, and the vectors (weights, last read a step ago) would come from HBM on the step's critical path. A
+    prefetch is a hint and L2 is coherent: it is safe whichever kernel wrote them."""
+    row = tl.cast(row, tl.int64)
+    prefetch_share(w_ptr, width, program)
+    if HAS_SKIP:
+        prefetch_share(sw_ptr + row, 1, program)
+        prefetch_share(sx_ptr + row * sx_s0, width, program)
+    if HAS_UB:
+        prefetch_share(ub_ptr, width, program)
+    if HAS_US:
+        prefetch_share(us_ptr, width, program)
+    if HAS_RESIDUAL:
+        prefetch_share(r_ptr + row * r_s0, width, program)
+        if HAS_RB:
+            prefetch_share(rb_ptr, width, program)
+        if HAS_RS:
+            prefetch_share(rs_ptr, width, program)
 
 
 @triton.jit

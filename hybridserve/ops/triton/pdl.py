@@ -52,6 +52,17 @@ def prefetch_rows(w_ptr, rows, row_ok, stride_w, ROW_LENGTH: tl.constexpr, BYTES
     _prefetch_l2(starts[:, None] + line[None, :], row_ok[:, None] & (line < SPAN)[None, :])
 
 
+@triton.jit
+def prefetch_share(ptr, elements, program, LINES: tl.constexpr = 1):
+    """Ask L2 for lines [program * LINES, (program + 1) * LINES) of the `elements` contiguous elements at ptr
+    (none past them). Spread over a launch's programs, a few lines each, a small tensor that only one program will
+    read after the wait (a last-arriving program's epilogue) arrives in L2 while the kernel before still runs."""
+    SIZE: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth // 8
+    line = tl.cast(program, tl.int64) * LINES + tl.arange(0, LINES)
+    offsets = line * (LINE // SIZE)
+    _prefetch_l2(ptr.to(tl.pointer_type(tl.int8), bitcast=True) + offsets * SIZE, offsets < elements)
+
+
 @triton.constexpr_function
 def _span(row_bytes: int, share: int) -> int:
     """Bytes of a row to prefetch: its share of the budget, at least a line, at most the row."""

@@ -42,7 +42,7 @@ from hybridserve.ops.reference.zaya_router import Routing
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.counters import arrival_counters
 from hybridserve.ops.triton.norm import residual_rms_norm
-from hybridserve.ops.triton.pdl import prefetch_rows, wait_for_previous
+from hybridserve.ops.triton.pdl import prefetch_rows, prefetch_share, wait_for_previous
 from hybridserve.ops.triton.sizes import cdiv, next_power_of_2
 
 # The largest decode batch captured in a CUDA graph (and the last tile bucket the launch constants below were sized
@@ -166,7 +166,12 @@ def _dense_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr
                   BK: tl.constexpr, STAGES: tl.constexpr, BC: tl.constexpr, BKC: tl.constexpr, CARRY: tl.constexpr,
                   NORM: tl.constexpr, GELU: tl.constexpr, SELECT: tl.constexpr, USE_PDL: tl.constexpr):
     """`_dense_block` of this program's BT tokens and BN columns. With SELECT, the token block's last program to
-    finish then selects its classes from the whole out rows."""
+    finish then selects its classes from the whole out rows; the class weights and balancing biases it reads are
+    asked of L2 before the wait, two lines a program (weights last read a step ago: HBM, on the critical path)."""
+    if SELECT and USE_PDL:
+        program = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        prefetch_share(wo_ptr, CLASSES * N, program, LINES=2)
+        prefetch_share(bias_ptr, CLASSES, program)
     rows, row_ok = _dense_block(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr, norm_ptr, eps,
                                 tl.program_id(1), tl.program_id(0), K, N, BT, BN, BK, STAGES, CARRY, NORM, GELU,
                                 USE_PDL)  # (the PDL wait, after the weights' loads)
