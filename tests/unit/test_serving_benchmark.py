@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -27,7 +28,11 @@ BUNDLED_TOKENS = 151669  # the bundled Qwen3 tokenizer: 151643 BPE entries + 26 
 
 
 def _serving(*options: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([*SERVING, *options], timeout=timeout, capture_output=True, text=True, cwd=ROOT)
+    """The benchmark, and the server it starts, with one intra-op thread (as tests/server/conftest.py's servers):
+    they share CI's two cores with the other test worker, where oversubscribed OpenMP threads spin and slowed the
+    smoke run (and the worker beside it) fivefold."""
+    return subprocess.run([*SERVING, *options], timeout=timeout, capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def _options(*options: str) -> dict:
