@@ -35,7 +35,7 @@ from hybridserve.ops.attention import paged_attention
 from hybridserve.ops.conv import cca_conv_to_cache
 from hybridserve.ops.norm import ResidualNorm, residual_rms_norm
 from hybridserve.ops.qk_cache import QKCache
-from hybridserve.ops.zaya_router import Routing, eda_route
+from hybridserve.ops.zaya_router import Routing, eda_route, fuses_residual_norm, residual_norm_route
 
 
 def _head_rows(q_heads: int, k_heads: int, head_dim: int) -> torch.Tensor:
@@ -132,8 +132,9 @@ class CCAAttention(nn.Module):
         self.state: dict[str, torch.Tensor] = {}
         self.page_state: dict[str, torch.Tensor] = {}
 
-    def forward(self, h: torch.Tensor, batch: ForwardBatch, norm: ResidualNorm):
-        """-> `norm`'s (x, h, h32) of the attention output (the residual update: o_proj's kernel may run it)."""
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, norm: ResidualNorm | None = None):
+        """-> the attention output (the residual update), or with `norm` its (x, h, h32) (o_proj's kernel may run
+        it)."""
         # A sliding layer's KV lives in the window group (its own pages and table), when the caches have one.
         kv_batch = batch if self.sliding_window is None else batch.window_view()
         q = self.qkv_proj(h, batch, self.state, self.page_state, QKCache(
@@ -189,10 +190,23 @@ class EDARouter(nn.Module):
 
     def forward(self, x32: torch.Tensor, carry: torch.Tensor | None) -> Routing:
         """x32: the normed MoE input in fp32 (the down-projection is part of the op, so its kernels fuse it)."""
+        return eda_route(x32, *self._parameters_after_input(carry))
+
+    def normalises(self, update: torch.Tensor) -> bool:
+        """Whether `after_norm` runs the residual norm of `update` in the router's first launch (a decode step on
+        the kernels); elsewhere the projection computing the update runs it in its epilogue."""
+        return fuses_residual_norm(update.shape[0], update.shape[1], self.down_proj.weight.shape[0], update.device)
+
+    def after_norm(self, update: torch.Tensor, norm: ResidualNorm,
+                   carry: torch.Tensor | None) -> tuple[tuple[torch.Tensor, torch.Tensor], Routing]:
+        """-> (`norm`'s (x, h) of `update`, the routing of h): `forward` on the norm's output."""
+        return residual_norm_route(update, norm, *self._parameters_after_input(carry))
+
+    def _parameters_after_input(self, carry: torch.Tensor | None) -> tuple:
         mlp = self.router_mlp
-        return eda_route(x32, self.down_proj.weight, self.down_proj.bias, carry, self.router_states_scale,
-                         mlp.norm.weight, mlp.norm.eps, mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias,
-                         mlp.out_proj.weight, self.balancing_biases)
+        return (self.down_proj.weight, self.down_proj.bias, carry, self.router_states_scale, mlp.norm.weight,
+                mlp.norm.eps, mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias, mlp.out_proj.weight,
+                self.balancing_biases)
 
 
 class ZayaMoE(nn.Module):
@@ -203,13 +217,13 @@ class ZayaMoE(nn.Module):
         self.experts = StackedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size,
                                       quant=quant.child("experts").scheme("gate_up_proj", "down_proj"))
 
-    def forward(self, x: torch.Tensor, x32: torch.Tensor, carry: torch.Tensor | None, norm: ResidualNorm):
-        """-> (`norm`'s x and h of the routed output reduced over ranks, the router carry).
+    def forward(self, x: torch.Tensor, route: Routing, norm: ResidualNorm):
+        """x: the normed MoE input, `route` its routing (`gate`'s) -> (`norm`'s x and h of the routed output reduced
+        over ranks, the router carry).
 
         Skip tokens run expert 0 with weight 0: exactly zero, so the (partial) sum needs no premask. The
         scaled-identity term (skip weight * x) is replicated on every rank: it joins `norm` as its skip term, added
         once, after the reduce."""
-        route = self.gate(x32, carry)
         if self.scaled_identity:
             norm = replace(norm, skip_weight=route.skip_weight, skip_input=x)
         x_new, h, _ = self.experts.forward_residual_norm(x, route.expert_ids, route.expert_weights, norm)
@@ -230,9 +244,14 @@ class ZayaDecoderLayer(nn.Module):
                 next_norm: RMSNorm):
         """x: the fp32 residual; h: input_layernorm(x), computed by the step before. Returns the new residual, its
         `next_norm` (the next layer's input norm, or the final norm) and the router carry."""
-        x, h2, h2_32 = self.self_attn(h, batch, self.post_attention_residual_scale.of(
-            x, self.post_attention_layernorm, fp32_copy=True))
-        return self.mlp(h2, h2_32, carry, self.post_mlp_residual_scale.of(x, next_norm))
+        attention_norm = self.post_attention_residual_scale.of(x, self.post_attention_layernorm, fp32_copy=True)
+        router = self.mlp.gate
+        if router.normalises(h):  # the router's first launch runs the norm (o_proj's launch then ends sooner)
+            (x, h2), route = router.after_norm(self.self_attn(h, batch), attention_norm, carry)
+        else:
+            x, h2, h2_32 = self.self_attn(h, batch, attention_norm)
+            route = router(h2_32, carry)
+        return self.mlp(h2, route, self.post_mlp_residual_scale.of(x, next_norm))
 
 
 class ZayaModel(nn.Module):

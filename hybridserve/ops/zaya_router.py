@@ -2,9 +2,12 @@
 argmax over p + balancing_biases, all in fp32 (reference: ops/reference/zaya_router.py)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from hybridserve.ops import backends
+from hybridserve.ops.norm import ResidualNorm
 from hybridserve.ops.reference import zaya_router as reference
 from hybridserve.ops.reference.zaya_router import Routing
 
@@ -22,3 +25,29 @@ def eda_route(x32: torch.Tensor, down_weight: torch.Tensor, down_bias: torch.Ten
         from hybridserve.ops.triton import zaya_router as kernel
         return kernel.eda_route(*args)
     return reference.eda_route(*args)
+
+
+def fuses_residual_norm(tokens: int, hidden: int, width: int, device: torch.device) -> bool:
+    """Whether `residual_norm_route` runs the norm inside the router's first launch for `tokens` rows of `hidden`
+    into a router of `width`; elsewhere the projection that computes the update should run it (its epilogue)."""
+    if not backends.use_triton("zaya_router", device):
+        return False
+    from hybridserve.ops.triton import zaya_router as kernel
+    return kernel.takes_residual_norm(tokens, hidden, width)
+
+
+def residual_norm_route(update: torch.Tensor, norm: ResidualNorm, down_weight: torch.Tensor,
+                        down_bias: torch.Tensor, carry: torch.Tensor | None, states_scale: torch.Tensor | None,
+                        norm_weight: torch.Tensor, eps: float, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor,
+                        fc2_weight: torch.Tensor, fc2_bias: torch.Tensor, out_weight: torch.Tensor,
+                        balancing_biases: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], Routing]:
+    """`norm`(update), then `eda_route` of the normed rows in fp32: -> ((x, h) as `norm` gives them, the routing).
+    Where `fuses_residual_norm`, the router's first launch normalises the rows itself (one last-arriving program's
+    norm fewer on a decode step's critical path); the results are the same either way."""
+    args = (down_weight, down_bias, carry, states_scale, norm_weight, eps, fc1_weight, fc1_bias, fc2_weight,
+            fc2_bias, out_weight, balancing_biases)
+    if fuses_residual_norm(update.shape[0], update.shape[1], down_weight.shape[0], update.device):
+        from hybridserve.ops.triton import zaya_router as kernel
+        return kernel.normed_route(update, norm, *args)
+    x, h, h32 = replace(norm, fp32_copy=True)(update)
+    return (x, h), eda_route(h32, *args)

@@ -35,8 +35,7 @@ def _rank_main(rank: int, size: int, address: str, directory: str, premask_every
 
     zaya.EDARouter.forward = counting
     if premask_every_rank:  # the skip term added to each rank's partial sum before the reduce
-        def forward(self, x, x32, carry, norm):
-            route = self.gate(x32, carry)
+        def forward(self, x, route, norm):
             partial = self.experts(x, route.expert_ids, route.expert_weights) + route.skip_weight * x
             x_new, h, _ = norm(all_reduce(partial))
             return x_new, h, route.carry

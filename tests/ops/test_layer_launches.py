@@ -1,10 +1,12 @@
 """Launch budgets per decoder layer and decode step, counted on CPU (tests/ops/launch_counts.py).
 
-ZAYA1, 9 a layer: 2 GEMV linears (fused q|k|v|v projection, o_proj with the post-attention residual norm in its
-epilogue; cuBLAS GEMMs beyond decode sizes), CCA conv (QKNorm+RoPE+KV write in its epilogue), attention (its split
-merge in the last split program), the EDA router's three (down-projection + carry, norm + fc1, fc2 + class
-selection, each split by columns), the experts' gate/up and down GEMVs (down with the post-MoE residual norm).
-Before the norm and merge epilogues it was 13, before the conv's q/k epilogue 10."""
+ZAYA1, 9 a layer: 2 GEMV linears (fused q|k|v|v projection, o_proj; cuBLAS GEMMs beyond decode sizes), CCA conv
+(QKNorm+RoPE+KV write in its epilogue), attention (its split merge in the last split program), the EDA router's three
+(the post-attention residual norm + down-projection + carry, norm + fc1, fc2 + class selection, each split by
+columns), the experts' gate/up and down GEMVs (down with the post-MoE residual norm). The post-attention norm runs in
+the router's first launch where that launch holds whole rows (every step at these widths; at ZAYA1-8B's, 1 and 2
+tokens), else in o_proj's epilogue: 9 either way. Before the norm and merge epilogues it was 13, before the conv's
+q/k epilogue 10."""
 from __future__ import annotations
 
 import pytest
@@ -17,10 +19,11 @@ from tests.ops.launch_counts import decode_step_launches
 def test_zaya_decode_layer_launch_budget():
     counts = decode_step_launches("zaya", num_layers=3, batch_size=3)[1]  # a middle layer
     assert counts == {
-        "triton._linear_kernel": 2,  # the fused q|k|v|v projection, o_proj (+ the post-attention norm)
+        "triton._linear_kernel": 2,  # the fused q|k|v|v projection, o_proj
         "triton._cca_conv_kernel": 1,  # + QKNorm, RoPE and the K/V cache write
         "triton._attention_kernel": 1,  # one launch, split or not (splits are merged by their last program)
-        "triton._dense_kernel": 3,  # the EDA router
+        "triton._normed_down_kernel": 1,  # the post-attention residual norm + the router's down-projection
+        "triton._dense_kernel": 2,  # the router's fc1, fc2 + class selection
         "triton._gemv_gate_up_kernel": 1,
         "triton._gemv_down_kernel": 1,  # + the post-MoE residual norm
     }

@@ -17,9 +17,13 @@ import pytest
 import torch
 import triton
 
+from hybridserve.ops.reference import norm as norm_reference
 from hybridserve.ops.reference import zaya_router as reference
+from hybridserve.ops.residual_norm_args import ResidualNormArgs
 from hybridserve.ops.triton import zaya_router as kernel
 from tests.ops.conftest import DEVICE
+from tests.ops.test_norm_kernel import FORMS
+from tests.ops.test_norm_kernel import _inputs as norm_inputs
 
 
 def router_inputs(tokens: int, hidden: int, width: int, experts: int, skip_bias: float, seed: int = 0,
@@ -95,6 +99,60 @@ def test_fused_form_matches_reference(tokens, with_carry, hidden, width, experts
         skip = want.choice == experts
         assert 0 < skip.sum() < len(skip)
         assert (want.expert_ids[skip] == 0).all() and (want.expert_weights[skip] == 0).all()
+
+
+@pytest.mark.parametrize("with_carry", [True, False])
+@pytest.mark.parametrize("tokens, dtype", [(1, torch.float16), (2, torch.float32), (17, torch.float16)])
+def test_norm_in_the_first_launch_equals_the_norm_then_the_router(tokens, dtype, with_carry):
+    """`normed_route`: ZAYA1's post-attention residual norm as launch 1's prologue gives the norm's x and h (as
+    tests/ops/test_norm_kernel.py bounds them against the reference) and the routing of h."""
+    args = router_inputs(tokens, 72, 40, 4, 0.15, seed=tokens, device="cpu")
+    del args["x32"]
+    if not with_carry:
+        args["carry"] = None
+    inputs = norm_inputs(tokens, 72, dtype, seed=tokens)
+    norm = {name: inputs[name] for name in FORMS["zaya_post_attention"] if name != "update"}
+    want_x, want_h, _ = norm_reference.residual_rms_norm(inputs["update"], inputs["norm_weight"], 1e-5, **norm)
+    on_device = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    assert kernel.takes_residual_norm(tokens, 72, 40)
+    (x, h), got = kernel.normed_route(
+        inputs["update"].to(DEVICE), ResidualNormArgs(inputs["norm_weight"].to(DEVICE), 1e-5, fp32_copy=True,
+                                                      **{k: v.to(DEVICE) for k, v in norm.items()}), **on_device)
+    x, h = x.cpu(), h.cpu()
+    assert x.dtype == torch.float32 and h.dtype == dtype
+    assert torch.allclose(x, want_x, rtol=1e-6, atol=1e-6)
+    ulp = torch.finfo(dtype).eps if dtype != torch.float32 else 5e-6
+    assert ((h.float() - want_h.float()).abs() <= 2 * ulp * want_h.float().abs() + 1e-6).all()
+    want = reference.eda_route(h.float(), **args)
+    check_routing(got, want, biased_probs(args, want.carry))
+    assert not kernel._arrival_counters(DEVICE).any()
+
+
+def test_the_op_off_the_kernels_is_the_norm_then_the_router():
+    """ops.zaya_router.residual_norm_route on CPU tensors: the references, one after the other."""
+    from hybridserve.ops.norm import ResidualNorm
+    from hybridserve.ops.zaya_router import fuses_residual_norm, residual_norm_route
+    args = router_inputs(2, 72, 40, 4, 0.15, device="cpu")
+    del args["x32"]
+    inputs = norm_inputs(2, 72, torch.float32)
+    norm = {name: inputs[name] for name in FORMS["zaya_post_attention"] if name != "update"}
+    assert not fuses_residual_norm(2, 72, 40, torch.device("cpu"))
+    (x, h), got = residual_norm_route(inputs["update"], ResidualNorm(inputs["norm_weight"], 1e-5, **norm), **args)
+    want_x, want_h, want_h32 = norm_reference.residual_rms_norm(inputs["update"], inputs["norm_weight"], 1e-5,
+                                                                fp32_copy=True, **norm)
+    assert torch.equal(x, want_x) and torch.equal(h, want_h)
+    for a, b in zip(got, reference.eda_route(want_h32, **args)):
+        assert torch.equal(a, b)
+
+
+def test_the_norm_prologue_needs_rows_in_one_chunk():
+    """Where launch 1 loops over K (more tokens, or narrow tiles) the rows are not whole in a program."""
+    args = router_inputs(1, 72, 40, 4, 0.15, device=DEVICE)
+    update = args.pop("x32")
+    with mock.patch.object(kernel, "TILE_ELEMENTS", 64):
+        assert not kernel.takes_residual_norm(1, 72, 40)
+        with pytest.raises(ValueError, match="one chunk"):
+            kernel.normed_route(update, ResidualNormArgs(torch.ones(72, device=DEVICE), 1e-5), **args)
 
 
 # (tokens, programs to aim for, GEMM tile rows): the tiles 16x32, 32x32, 64x32 and 128x32 (gemm_tiles) at token

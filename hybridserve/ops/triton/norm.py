@@ -26,36 +26,55 @@ def residual_norm_row(row, u_ptr, u_s0, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_
                       HAS_SKIP: tl.constexpr, FP32_COPY: tl.constexpr, U_CACHE: tl.constexpr):
     """Row `row`: x = the updated residual (fp32), h = norm(x) in the weight's dtype (and its fp32 copy).
     U_CACHE: the update's load cache modifier (".cg" where other programs of the same kernel wrote it)."""
-    row = tl.cast(row, tl.int64)  # a Python int in the interpreter's loops
+    one = tl.cast(row, tl.int64) + tl.arange(0, 1)  # a Python int in the interpreter's loops
+    residual_norm_rows(one, one == one, True, u_ptr, u_s0, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr,
+                       sx_ptr, sx_s0, w_ptr, x_out_ptr, h_ptr, h32_ptr, width, eps, BLOCK, HAS_RESIDUAL, HAS_UB,
+                       HAS_US, HAS_RB, HAS_RS, HAS_SKIP, FP32_COPY, U_CACHE)
+
+
+@triton.jit
+def residual_norm_rows(rows, row_ok, store, u_ptr, u_s0, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr,
+                       sx_s0, w_ptr, x_out_ptr, h_ptr, h32_ptr, width, eps, BLOCK: tl.constexpr,
+                       HAS_RESIDUAL: tl.constexpr, HAS_UB: tl.constexpr, HAS_US: tl.constexpr, HAS_RB: tl.constexpr,
+                       HAS_RS: tl.constexpr, HAS_SKIP: tl.constexpr, FP32_COPY: tl.constexpr,
+                       U_CACHE: tl.constexpr):
+    """`residual_norm_row` of the rows `rows` [R] where `row_ok`, stored only if `store` (a program that needs h
+    for its own product but is not the one that writes it). -> h as fp32 [R, BLOCK] (zero past `width`)."""
+    rows = rows.to(tl.int64)
     col = tl.arange(0, BLOCK)
-    ok = col < width
+    col_ok = col < width
+    ok = row_ok[:, None] & col_ok[None, :]
     # The norm weight is loaded with the update, not after the store of x: the compiler moves no load above a
     # store, so there it would be an L2 round trip of its own on a decode step's critical path.
-    w = tl.load(w_ptr + col, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + row * u_s0 + col, mask=ok, other=0.0, cache_modifier=U_CACHE).to(tl.float32)
+    w = tl.load(w_ptr + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    u = tl.load(u_ptr + rows[:, None] * u_s0 + col[None, :], mask=ok, other=0.0,
+                cache_modifier=U_CACHE).to(tl.float32)
     if HAS_SKIP:
-        weight = tl.load(sw_ptr + row).to(tl.float32)
-        u += weight * tl.load(sx_ptr + row * sx_s0 + col, mask=ok, other=0.0).to(tl.float32)
+        weight = tl.load(sw_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        u += weight * tl.load(sx_ptr + rows[:, None] * sx_s0 + col[None, :], mask=ok, other=0.0).to(tl.float32)
     if HAS_UB:
-        u += tl.load(ub_ptr + col, mask=ok, other=0.0).to(tl.float32)
+        u += tl.load(ub_ptr + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_US:
-        u *= tl.load(us_ptr + col, mask=ok, other=0.0).to(tl.float32)
+        u *= tl.load(us_ptr + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     x = u
     if HAS_RESIDUAL:
-        r = tl.load(r_ptr + row * r_s0 + col, mask=ok, other=0.0).to(tl.float32)
+        r = tl.load(r_ptr + rows[:, None] * r_s0 + col[None, :], mask=ok, other=0.0).to(tl.float32)
         if HAS_RB:
-            r += tl.load(rb_ptr + col, mask=ok, other=0.0).to(tl.float32)
+            r += tl.load(rb_ptr + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if HAS_RS:
-            r *= tl.load(rs_ptr + col, mask=ok, other=0.0).to(tl.float32)
+            r *= tl.load(rs_ptr + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         x = u + r
-    tl.store(x_out_ptr + row * width + col, x, mask=ok)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / width + eps)
+    out = rows[:, None] * width + col[None, :]
+    stored = tl.where(store, ok, False)  # tl.where, not &: the interpreter cannot AND a mask with a scalar
+    tl.store(x_out_ptr + out, x, mask=stored)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / width + eps)[:, None]
     dtype = h_ptr.dtype.element_ty
     normed = (x * rstd).to(dtype).to(tl.float32)
     h = (w * normed).to(dtype)
-    tl.store(h_ptr + row * width + col, h, mask=ok)
+    tl.store(h_ptr + out, h, mask=stored)
     if FP32_COPY:
-        tl.store(h32_ptr + row * width + col, h.to(tl.float32), mask=ok)
+        tl.store(h32_ptr + out, h.to(tl.float32), mask=stored)
+    return h.to(tl.float32)
 
 
 @triton.jit

@@ -1,7 +1,13 @@
 """ZAYA1's EDA router, down-projection included, in fp32 Triton kernels (contract: ops/reference/zaya_router.py).
 
 Decode (at most `FUSED_MAX_TOKENS` tokens, the CUDA-graph batch sizes): three launches of one kernel, `_dense_kernel`.
-    1. z = x32 @ Wd^T + bd (+ carry * scale)         the EDA carry handed to the next layer's router
+    1. z = x32 @ Wd^T + bd (+ carry * scale)         the EDA carry handed to the next layer's router; where a
+                                                      program's rows are whole in one K chunk (1-2 tokens at
+                                                      ZAYA1-8B's widths), `normed_route` runs it on the update
+                                                      of o_proj instead, x32 the post-attention residual norm of
+                                                      it, computed by every program for its rows
+                                                      (`_normed_down_kernel`): o_proj's launch then ends without a
+                                                      last-arriving program's norm on the step's critical path
     2. u1 = GELU(fc1(RMSNorm(z)))                     every program recomputes its rows' rstd (RMSNorm needs all
                                                       of z, which only exists after launch 1)
     3. u2 = GELU(fc2(u1)), then per token block the last program to finish it computes the E + 1 class logits,
@@ -34,14 +40,17 @@ only summation orders (and, in the prefill form, 3xTF32's remainder rounding) di
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
 
 from hybridserve.ops.reference.zaya_router import Routing
+from hybridserve.ops.residual_norm_args import ResidualNormArgs
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.counters import arrival_counters
-from hybridserve.ops.triton.norm import residual_rms_norm
+from hybridserve.ops.triton.norm import epilogue_args, prefetch_row_inputs, residual_norm_rows, residual_rms_norm
 from hybridserve.ops.triton.pdl import prefetch_rows, prefetch_share, wait_for_previous
 from hybridserve.ops.triton.sizes import cdiv, next_power_of_2
 
@@ -50,6 +59,7 @@ from hybridserve.ops.triton.sizes import cdiv, next_power_of_2
 FUSED_MAX_TOKENS = 256
 PROGRAMS = 128  # programs per fused launch to aim for: about one per SM of an H200 (132 SMs)
 TILE_ELEMENTS = 8192  # a program's [tokens, columns, K chunk] product tile: 64 fp32 registers a thread at 4 warps
+WARPS = 4
 PIPELINE_STAGES = 6  # K chunks in flight (cp.async) per program when its loop has several: latency, not FLOPs
 SELECT_TOKENS = 16  # tokens per program of the prefill form's selection
 GEMM_BK = 32  # K chunk of the prefill form's GEMM tiles (fp32: [128, 32] + [32, 128] is 32 KB a stage)
@@ -126,6 +136,30 @@ def _select(u_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_p
 
 
 @triton.jit
+def _block_inputs(b_ptr, carry_ptr, scale_ptr, tile, ok, cols, col_ok, CARRY: tl.constexpr):
+    """(bias [BN], carry [BT, BN], scale [BN]; carry and scale 0 without CARRY) of a block, loaded before the wait:
+    the bias and scale are weights, the carry the layer before's router output (launches back). After the products
+    they would be an L2 round trip of their own (no load moves across the sum's barrier)."""
+    bias = tl.load(b_ptr + cols, mask=col_ok, other=0.0)
+    carry, scale = 0.0, 0.0
+    if CARRY:
+        carry = tl.load(carry_ptr + tile, mask=ok, other=0.0)
+        scale = tl.load(scale_ptr + cols, mask=col_ok, other=0.0)
+    return bias, carry, scale
+
+
+@triton.jit
+def _block_output(acc, bias, carry, scale, out_ptr, tile, ok, CARRY: tl.constexpr, GELU: tl.constexpr):
+    """Store act(acc + bias (+ carry * scale)) of a block."""
+    acc += bias[None, :]
+    if CARRY:
+        acc += carry * scale[None, :]
+    if GELU:
+        acc = _gelu(acc)
+    tl.store(out_ptr + tile, acc, mask=ok)
+
+
+@triton.jit
 def _dense_block(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr, norm_ptr, eps, token_block, col_block,
                  K: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  STAGES: tl.constexpr, CARRY: tl.constexpr, NORM: tl.constexpr, GELU: tl.constexpr,
@@ -140,22 +174,12 @@ def _dense_block(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr,
     col_ok = cols < N
     tile = rows[:, None] * N + cols[None, :]
     ok = row_ok[:, None] & col_ok[None, :]
-    # Before the wait: the bias and scale are weights, the carry the layer before's router output (launches back).
-    # After the products they would be an L2 round trip of their own (no load moves across the sum's barrier).
-    bias = tl.load(b_ptr + cols, mask=col_ok, other=0.0)
-    if CARRY:
-        scale = tl.load(scale_ptr + cols, mask=col_ok, other=0.0)
-        carry = tl.load(carry_ptr + tile, mask=ok, other=0.0)
+    bias, carry, scale = _block_inputs(b_ptr, carry_ptr, scale_ptr, tile, ok, cols, col_ok, CARRY)
     acc, squares = _rows_times_cols(x_ptr, w_ptr, norm_ptr, rows, row_ok, cols, col_ok, K, BT, BN, BK, STAGES, NORM,
                                     False, "", WAIT)
     if NORM:  # rstd after the product: (x * w_norm) @ W^T * rstd = (w_norm * x * rstd) @ W^T
         acc *= tl.rsqrt(squares / K + eps)[:, None]
-    acc += bias[None, :]
-    if CARRY:
-        acc += carry * scale[None, :]
-    if GELU:
-        acc = _gelu(acc)
-    tl.store(out_ptr + tile, acc, mask=ok)
+    _block_output(acc, bias, carry, scale, out_ptr, tile, ok, CARRY, GELU)
     return rows, row_ok
 
 
@@ -182,6 +206,41 @@ def _dense_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr
             _select(out_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr, rows,
                     row_ok, N, CLASSES, BT, BC, BKC, False, ".cg")  # .cg: the other programs' u2, from L2
             tl.store(counter_ptr + tl.program_id(1), 0)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _normed_down_kernel(u_ptr, u_s0, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0, nw_ptr,
+                        x_out_ptr, h_ptr, h32_ptr, width, eps, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr,
+                        scale_ptr, K: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
+                        BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_UB: tl.constexpr, HAS_US: tl.constexpr,
+                        HAS_RB: tl.constexpr, HAS_RS: tl.constexpr, HAS_SKIP: tl.constexpr, FP32_COPY: tl.constexpr,
+                        CARRY: tl.constexpr, USE_PDL: tl.constexpr):
+    """Launch 1 with the residual norm that makes its input as a prologue (`normed_route`): z[rows, cols] = h[rows]
+    @ w[cols]^T + b (+ carry * scale), h = the residual norm of the update u (its arguments are `norm.
+    residual_norm_row`'s). Every program normalises its BT rows itself (all of K, one chunk: the weight tile is in
+    registers before the wait) and the token block's first column block stores x and h for the launches after."""
+    rows = tl.program_id(1) * BT + tl.arange(0, BT)
+    row_ok = rows < num_tokens
+    cols = tl.program_id(0) * BN + tl.arange(0, BN)
+    col_ok = cols < N
+    tile = rows[:, None] * N + cols[None, :]
+    ok = row_ok[:, None] & col_ok[None, :]
+    k = tl.arange(0, BLOCK)
+    w = tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=col_ok[:, None] & (k < K)[None, :], other=0.0)
+    bias, carry, scale = _block_inputs(b_ptr, carry_ptr, scale_ptr, tile, ok, cols, col_ok, CARRY)
+    if USE_PDL:  # the norm's vectors and residual rows (weights, and a residual written launches back) into L2
+        for t in tl.static_range(BT):
+            row = tl.program_id(1) * BT + t
+            if row < num_tokens:
+                prefetch_row_inputs(row, tl.program_id(0), r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr,
+                                    sx_ptr, sx_s0, nw_ptr, width, HAS_RESIDUAL, HAS_UB, HAS_US, HAS_RB, HAS_RS,
+                                    HAS_SKIP)
+    wait_for_previous(USE_PDL)
+    h = residual_norm_rows(rows, row_ok, tl.program_id(0) == 0, u_ptr, u_s0, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr,
+                           rs_ptr, sw_ptr, sx_ptr, sx_s0, nw_ptr, x_out_ptr, h_ptr, h32_ptr, width, eps, BLOCK,
+                           HAS_RESIDUAL, HAS_UB, HAS_US, HAS_RB, HAS_RS, HAS_SKIP, FP32_COPY, "")
+    acc = tl.sum(h[:, None, :] * w[None, :, :], axis=2)  # one chunk, as `_rows_times_cols` with BK >= K
+    _block_output(acc, bias, carry, scale, out_ptr, tile, ok, CARRY, False)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -276,24 +335,72 @@ def fused_route(x32, down_weight, down_bias, carry, states_scale, norm_weight, e
     width, classes = down_weight.shape[0], out_weight.shape[0]
     choice, ids, weight, expert_w, skip_w, (z, u1, u2) = _outputs(tokens, 3, width, x32.device)
     if tokens:
-        bt, bn = fused_tiles(tokens, width)
-        grid = (cdiv(width, bn), cdiv(tokens, bt))
-        bc = next_power_of_2(classes)
+        grid, common = _fused_launch(tokens, width, classes, x32.device)
         dummy = x32
-        select = (_arrival_counters(x32.device), out_weight, balancing_biases, choice, weight, ids, expert_w, skip_w)
-        common = dict(N=width, CLASSES=classes, BT=bt, BN=bn, BC=bc, BKC=_chunk(bt, bc, width), num_warps=4,
-                      **pdl.launch(x32.device))
         _dense_kernel[grid](x32, down_weight, down_bias, z, tokens, carry if carry is not None else dummy,
                             states_scale if carry is not None else dummy, dummy, eps, *(dummy,) * 8,
-                            K=hidden, **_loop(bt, bn, hidden), CARRY=carry is not None, NORM=False, GELU=False,
-                            SELECT=False, **common)
-        _dense_kernel[grid](z, fc1_weight, fc1_bias, u1, tokens, dummy, dummy, norm_weight, eps, *(dummy,) * 8,
-                            K=width, **_loop(bt, bn, width), CARRY=False, NORM=True, GELU=True, SELECT=False,
-                            **common)
-        _dense_kernel[grid](u1, fc2_weight, fc2_bias, u2, tokens, dummy, dummy, dummy, eps, *select,
-                            K=width, **_loop(bt, bn, width), CARRY=False, NORM=False, GELU=True, SELECT=True,
-                            **common)
+                            K=hidden, **_loop(common["BT"], common["BN"], hidden), CARRY=carry is not None,
+                            NORM=False, GELU=False, SELECT=False, **common)
+        _mlp_launches(grid, common, z, u1, u2, tokens, norm_weight, eps, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
+                      (out_weight, balancing_biases, choice, weight, ids, expert_w, skip_w))
     return Routing(choice, weight, ids, expert_w, skip_w, z)
+
+
+def takes_residual_norm(tokens: int, hidden: int, width: int) -> bool:
+    """Whether `normed_route` runs the residual norm in launch 1: a decode bucket whose launch-1 tile holds all of
+    K in one chunk (at ZAYA1-8B's widths, 1 and 2 tokens), where every program has its rows whole anyway."""
+    if not 0 < tokens <= FUSED_MAX_TOKENS:
+        return False
+    bt, bn = fused_tiles(tokens, width)
+    return _chunk(bt, bn, hidden) >= hidden
+
+
+def normed_route(update: torch.Tensor, norm: ResidualNormArgs, down_weight, down_bias, carry, states_scale,
+                 norm_weight, eps, fc1_weight, fc1_bias, fc2_weight, fc2_bias, out_weight, balancing_biases):
+    """`norm` of `update` [T, H] and the decode form's routing of its output, the norm as launch 1's prologue
+    (`_normed_down_kernel`): the launch that computes the update (o_proj) no longer ends in a last-arriving
+    program's norm. Only where `takes_residual_norm`; the other arguments as `eda_route`'s (the carry added only
+    with states_scale). -> ((x fp32, h in the norm weight's dtype), Routing)."""
+    tokens, hidden = update.shape
+    width, classes = down_weight.shape[0], out_weight.shape[0]
+    if states_scale is None or carry is None:
+        carry = states_scale = None
+    _check_router_tensors(down_weight, down_bias, norm_weight, fc1_weight, fc1_bias, fc2_weight, fc2_bias, out_weight,
+                          balancing_biases, *((carry, states_scale) if carry is not None else ()))
+    if not takes_residual_norm(tokens, hidden, width) or update.stride(1) != 1:
+        raise ValueError(f"normed_route: the norm prologue takes 1 to {FUSED_MAX_TOKENS} tokens of unit column "
+                         f"stride whose rows fit launch 1's one chunk; got {tuple(update.shape)}")
+    choice, ids, weight, expert_w, skip_w, (z, u1, u2) = _outputs(tokens, 3, width, update.device)
+    prologue, flags, (x, h, _) = epilogue_args(replace(norm, fp32_copy=False), tokens, hidden, update)
+    grid, common = _fused_launch(tokens, width, classes, update.device)
+    _normed_down_kernel[grid](update, update.stride(0), *prologue, down_weight, down_bias, z, tokens,
+                              carry if carry is not None else update, states_scale if carry is not None else update,
+                              K=hidden, N=width, BT=common["BT"], BN=common["BN"], CARRY=carry is not None, **flags,
+                              num_warps=WARPS, **pdl.launch(update.device))
+    _mlp_launches(grid, common, z, u1, u2, tokens, norm_weight, eps, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
+                  (out_weight, balancing_biases, choice, weight, ids, expert_w, skip_w))
+    return (x, h), Routing(choice, weight, ids, expert_w, skip_w, z)
+
+
+def _fused_launch(tokens: int, width: int, classes: int, device: torch.device) -> tuple[tuple[int, int], dict]:
+    """(grid, the constexprs and launch options every decode-form launch shares)."""
+    bt, bn = fused_tiles(tokens, width)
+    bc = next_power_of_2(classes)
+    return (cdiv(width, bn), cdiv(tokens, bt)), dict(N=width, CLASSES=classes, BT=bt, BN=bn, BC=bc,
+                                                     BKC=_chunk(bt, bc, width), num_warps=WARPS, **pdl.launch(device))
+
+
+def _mlp_launches(grid, common: dict, z, u1, u2, tokens, norm_weight, eps, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
+                  select: tuple) -> None:
+    """Launches 2 and 3 of the decode form on launch 1's z: u1 = GELU(fc1(RMSNorm(z))), then u2 = GELU(fc2(u1))
+    and the selection (`select`: out_proj's weight, the balancing biases, then the routing outputs)."""
+    dummy, width = z, z.shape[1]
+    counters = _arrival_counters(z.device)
+    loop = _loop(common["BT"], common["BN"], width)
+    _dense_kernel[grid](z, fc1_weight, fc1_bias, u1, tokens, dummy, dummy, norm_weight, eps, *(dummy,) * 8,
+                        K=width, **loop, CARRY=False, NORM=True, GELU=True, SELECT=False, **common)
+    _dense_kernel[grid](u1, fc2_weight, fc2_bias, u2, tokens, dummy, dummy, dummy, eps, counters, *select,
+                        K=width, **loop, CARRY=False, NORM=False, GELU=True, SELECT=True, **common)
 
 
 def gemm_tiles(tokens: int, n: int) -> tuple[int, int]:
