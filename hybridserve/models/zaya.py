@@ -192,10 +192,11 @@ class EDARouter(nn.Module):
         """x32: the normed MoE input in fp32 (the down-projection is part of the op, so its kernels fuse it)."""
         return eda_route(x32, *self._parameters_after_input(carry))
 
-    def normalises(self, update: torch.Tensor) -> bool:
-        """Whether `after_norm` runs the residual norm of `update` in the router's first launch (a decode step on
-        the kernels); elsewhere the projection computing the update runs it in its epilogue."""
-        return fuses_residual_norm(update.shape[0], update.shape[1], self.down_proj.weight.shape[0], update.device)
+    def normalises(self, tokens: int) -> bool:
+        """Whether `after_norm` runs the residual norm of a `tokens`-row update in the router's first launch (a
+        decode step on the kernels); elsewhere the projection computing the update runs it in its epilogue."""
+        weight = self.down_proj.weight
+        return fuses_residual_norm(tokens, weight.shape[1], weight.shape[0], weight.device)
 
     def after_norm(self, update: torch.Tensor, norm: ResidualNorm,
                    carry: torch.Tensor | None) -> tuple[tuple[torch.Tensor, torch.Tensor], Routing]:
@@ -246,7 +247,7 @@ class ZayaDecoderLayer(nn.Module):
         `next_norm` (the next layer's input norm, or the final norm) and the router carry."""
         attention_norm = self.post_attention_residual_scale.of(x, self.post_attention_layernorm, fp32_copy=True)
         router = self.mlp.gate
-        if router.normalises(h):  # the router's first launch runs the norm (o_proj's launch then ends sooner)
+        if router.normalises(h.shape[0]):  # the router's first launch runs the norm (o_proj's launch then ends sooner)
             (x, h2), route = router.after_norm(self.self_attn(h, batch), attention_norm, carry)
         else:
             x, h2, h2_32 = self.self_attn(h, batch, attention_norm)
