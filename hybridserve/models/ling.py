@@ -14,7 +14,6 @@ import re
 from collections.abc import Hashable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.cache.kv_pool import KVCacheSpec
@@ -37,6 +36,7 @@ from hybridserve.layers.weights import new_parameter
 from hybridserve.models.ling_config import LingConfig
 from hybridserve.ops.activation import silu_and_mul
 from hybridserve.ops.lightning import QKNormRope, lightning_attention
+from hybridserve.ops.linear import linear
 from hybridserve.ops.ling_norm import qk_norm_rope
 from hybridserve.ops.router import grouped_topk
 
@@ -130,9 +130,9 @@ class LingMLP(nn.Module):
 
 class LingRouter(nn.Module):
     """Sigmoid scores in fp32; `expert_bias` (aux-loss-free balancing) steers the group-limited top-k selection
-    only, the weights are the unbiased scores of the chosen experts, renormalised and scaled. The
-    logits GEMM stays in torch (fp32); the selection is `ops.router.grouped_topk` (one kernel on CUDA).
-    Replicated: every rank needs all scores for the group ranking."""
+    only, the weights are the unbiased scores of the chosen experts, renormalised and scaled. The logits are an
+    fp32 `ops.linear` (the GEMV kernel at decode sizes on CUDA, F.linear elsewhere); the selection is
+    `ops.router.grouped_topk` (one kernel on CUDA). Replicated: every rank needs all scores for the group ranking."""
 
     def __init__(self, config: LingConfig):
         super().__init__()
@@ -144,7 +144,7 @@ class LingRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H]: given in fp32 (the norm's fp32 copy, exact), the logits GEMM needs no cast of its own."""
-        logits = F.linear(x.float(), self.weight)  # [T, E] fp32
+        logits = linear(x.float(), self.weight)  # [T, E] fp32
         return grouped_topk(logits, self.expert_bias, self.n_group, self.topk_group, self.top_k,
                             self.routed_scaling_factor)
 

@@ -77,6 +77,15 @@ def test_linear_matches_reference(case: str, dtype: torch.dtype) -> None:
     assert torch.equal(got, linear_kernel.linear(x, w, b, config))  # deterministic
 
 
+def test_ling_router_logits_in_one_preloaded_chunk() -> None:
+    """Ling-2.6-flash's router logits (ops.linear takes fp32 weights too): 256 experts of 4096 fp32 at one token are
+    rows of one K chunk, 2 a program (the tile a program loads before the PDL wait), within 1e-5 of the exact value."""
+    x = _randn(1, 4096, seed=40, dtype=torch.float32)
+    w = _randn(256, 4096, seed=41, dtype=torch.float32, scale=4096 ** -0.5)
+    assert tiles(1, 256, 4096) == Tiles(1, 2, 4096, 1)
+    _assert_one_rounding(linear_kernel.linear(x, w), F.linear(x.double(), w.double()))
+
+
 def test_linear_strided_and_batched_inputs() -> None:
     """x rows further apart than K (a column slice), and leading dims [2, 3] flattened to 6 tokens and back."""
     wide = _randn(6, 80, seed=4, dtype=torch.float32)
@@ -341,9 +350,9 @@ def test_entry_points_with_a_norm_equal_the_norm_after() -> None:
 
 
 def test_entry_points_switch_on_host_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the kernels selected: linear takes the GEMV kernel up to FASTER_UP_TO_TOKENS rows of 16-bit weights up
-    to FASTER_UP_TO_WEIGHT_BYTES, F.linear beyond and for fp32; fused_experts the GEMV form up to MAX_PAIRS pairs,
-    the grouped form beyond."""
+    """With the kernels selected: linear takes the GEMV kernel up to FASTER_UP_TO_TOKENS rows of 16-bit or fp32
+    weights up to FASTER_UP_TO_WEIGHT_BYTES, F.linear beyond; fused_experts the GEMV form up to MAX_PAIRS pairs, the
+    grouped form beyond."""
     calls: list[str] = []
     monkeypatch.setattr(backends, "use_triton", lambda op, device: True)
     monkeypatch.setattr(linear_kernel, "linear", lambda *a: calls.append("gemv linear"))
@@ -355,9 +364,9 @@ def test_entry_points_switch_on_host_sizes(monkeypatch: pytest.MonkeyPatch) -> N
     assert linear_op.linear(torch.zeros(beyond, 8, dtype=torch.float16), w16).shape == (beyond, 4)
     big = torch.zeros(linear_kernel.FASTER_UP_TO_WEIGHT_BYTES // 2 // 8 + 1, 8, dtype=torch.float16)  # a row over
     assert linear_op.linear(torch.zeros(1, 8, dtype=torch.float16), big).shape == (1, big.shape[0])
-    assert linear_op.linear(torch.zeros(2, 8), w16.float()).shape == (2, 4)
+    linear_op.linear(torch.zeros(2, 8), w16.float())  # fp32 (Ling's router logits)
     w13, w2 = torch.zeros(4, 4, 8), torch.zeros(4, 8, 2)
     for tokens in (moe_gemv.MAX_PAIRS // 2, moe_gemv.MAX_PAIRS // 2 + 1):
         ids = torch.zeros(tokens, 2, dtype=torch.long)
         moe_op.fused_experts(torch.zeros(tokens, 8), w13, w2, ids, ids.float())
-    assert calls == ["gemv linear", "gemv experts", "grouped experts"]
+    assert calls == ["gemv linear", "gemv linear", "gemv experts", "grouped experts"]

@@ -34,7 +34,7 @@ def test_zaya_decode_layer_launch_budget():
 # RMSNorm: alone, or fused with the residual add before it, which also adds the previous MoE's shared expert and
 # sums its routed rows, and writes the fp32 copy the router reads. Before this budget the step was 129 launches
 # (fp16 count: 18 + 20 + 20 + 69, plus 2 outside): torch RMSNorms and RoPE, SiLU and multiply apart, casts, cats.
-# Every 16-bit projection of a decode step is the GEMV linear kernel; the router's fp32 logits stay a torch GEMM.
+# Every 16-bit projection of a decode step is the GEMV linear kernel, and so are the router's fp32 logits.
 _LIGHTNING = {
     "triton._linear_kernel": 2,  # the Q|K|V|G projection, dense (o_proj)
     "triton._add_rms_norm_kernel": 2,  # input norm (layer 0: no residual yet), post-attention norm
@@ -42,8 +42,8 @@ _LIGHTNING = {
     "triton._group_rms_norm_kernel": 1,  # GroupRMSNorm fused with the sigmoid output gate
 }
 _MOE = {
-    "aten.mm": 1,  # router logits (fp32, from the norm's fp32 copy)
-    "triton._linear_kernel": 2,  # shared expert gate|up and down
+    "triton._linear_kernel": 3,  # router logits (fp32, from the norm's fp32 copy), shared expert gate|up and down
+    # (each layer's entry below sets its total)
     "triton._grouped_topk_kernel": 1,
     "triton._gemv_gate_up_kernel": 1,  # the routed experts' decode form: no alignment launch
     "triton._gemv_down_kernel": 1,  # its K rows per token are summed by the next norm, with the shared expert
@@ -52,10 +52,10 @@ _MOE = {
 LING_BUDGET = {
     "outside": {"aten.embedding": 1, "triton._add_rms_norm_kernel": 1},  # final norm (+ layer 3's MoE parts)
     0: _LIGHTNING | {"triton._linear_kernel": 4, "triton._silu_and_mul_kernel": 1},  # + dense FFN: gate|up, down
-    1: _LIGHTNING | _MOE | {"triton._linear_kernel": 4},
-    2: _LIGHTNING | _MOE | {"triton._linear_kernel": 4},
+    1: _LIGHTNING | _MOE | {"triton._linear_kernel": 5},
+    2: _LIGHTNING | _MOE | {"triton._linear_kernel": 5},
     3: _MOE | {
-        "triton._linear_kernel": 5,  # + fused q_a|kv_a projection, q_b, dense
+        "triton._linear_kernel": 6,  # + fused q_a|kv_a projection, q_b, dense
         "triton._add_rms_norm_kernel": 3,  # input and post-attention norms, q_a_layernorm
         "triton._mla_latent_kernel": 1,  # kv_a_layernorm + RoPE + latent cache write, the query's RoPE
         "aten.bmm": 2,  # q_nope W_UK written into the attention query in place, the output's W_UV
