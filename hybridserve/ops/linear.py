@@ -1,10 +1,12 @@
-"""Dense linear layers (the 16-bit projections of layers/linear.py): x @ W^T (+ bias). Backend op "linear".
+"""Dense linear layers (the 16-bit projections of layers/linear.py, Ling-2.6's fp32 router logits): x @ W^T (+ bias).
+Backend op "linear".
 
 On CUDA, decode-sized inputs (at most `ops.triton.linear.FASTER_UP_TO_TOKENS` rows) of 16-bit or fp32 weights up
-to `FASTER_UP_TO_WEIGHT_BYTES` run the GEMV kernel, where it beats cuBLAS (fp32: Ling-2.6's router logits, which
-cuBLAS ran in 7.7 us a layer outside the PDL chain; the kernel's time on them is not measured yet); everything else,
-and the reference the kernel is tested against, is torch's F.linear (cuBLAS on CUDA). `linear_residual_norm` hands the GEMV kernel the
-residual norm that follows the projection, so that it runs in the same launch.
+to `FASTER_UP_TO_WEIGHT_BYTES` run the GEMV kernel, where it beats cuBLAS (measured for 16-bit weights; fp32 is
+Ling-2.6's router logits, which cuBLAS ran in 7.7 us a layer outside the PDL chain, not yet timed in the kernel);
+everything else, and the reference the kernel is tested against, is torch's F.linear (cuBLAS on CUDA).
+`linear_residual_norm` hands the GEMV kernel the residual norm that follows the projection, so that it runs in the
+same launch.
 
 FP8 weights (`fp8` given: e4m3 weight, its scales and scheme) run as `ops.reference.fp8.fp8_linear` defines
 (backend op "fp8_linear"): weight-only up to `core.quant.WEIGHT_ONLY_MAX_ROWS` rows, W8A8 beyond. On CUDA
@@ -25,7 +27,8 @@ from hybridserve.ops.reference import fp8 as fp8_reference
 def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the GEMV kernel runs this product (decode-sized x, a 16-bit or fp32 weight it streams faster than
     cuBLAS)."""
-    if weight.dtype not in (torch.float16, torch.bfloat16, torch.float32) or not backends.use_triton("linear", x.device):
+    if (weight.dtype not in (torch.float16, torch.bfloat16, torch.float32)
+            or not backends.use_triton("linear", x.device)):
         return False
     from hybridserve.ops.triton import linear as kernel
     return x.numel() <= kernel.FASTER_UP_TO_TOKENS * x.shape[-1] and x.dtype == weight.dtype \
