@@ -27,6 +27,14 @@ def _inputs(rows: int, width: int, dtype: torch.dtype, seed: int = 0):
     }
 
 
+def assert_norm_close(x: torch.Tensor, h: torch.Tensor, want_x: torch.Tensor, want_h: torch.Tensor) -> None:
+    """The module docstring's bounds: x within 1e-6 relative, h within 2 ulps of its dtype."""
+    assert x.dtype == torch.float32 and h.dtype == want_h.dtype
+    assert torch.allclose(x, want_x, rtol=1e-6, atol=1e-6)
+    ulp = torch.finfo(h.dtype).eps if h.dtype != torch.float32 else 5e-6
+    assert ((h.float() - want_h.float()).abs() <= 2 * ulp * want_h.float().abs() + 1e-6).all()
+
+
 FORMS = {
     "zaya_post_mlp": ("update", "residual", "update_bias", "update_scale", "residual_bias", "residual_scale",
                       "skip_weight", "skip_input"),
@@ -46,10 +54,8 @@ def test_residual_rms_norm_matches_reference(dtype, form, width):
     got = kernel.residual_rms_norm(norm_weight=inputs["norm_weight"].to(DEVICE), eps=1e-5, fp32_copy=True,
                                    **{k: v.to(DEVICE) for k, v in kwargs.items()})
     x, h, h32 = (t.cpu() for t in got)
-    assert x.dtype == torch.float32 and h.dtype == dtype
-    assert torch.allclose(x, want[0], rtol=1e-6, atol=1e-6)
-    ulp = torch.finfo(dtype).eps if dtype != torch.float32 else 5e-6
-    assert ((h.float() - want[1].float()).abs() <= 2 * ulp * want[1].float().abs() + 1e-6).all()
+    assert h.dtype == dtype
+    assert_norm_close(x, h, want[0], want[1])
     assert torch.equal(h32, h.float())
 
 

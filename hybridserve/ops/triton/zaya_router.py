@@ -316,16 +316,24 @@ def _check_router_tensors(*tensors: torch.Tensor) -> None:
         raise ValueError("the router kernels take contiguous fp32 tensors")
 
 
+def _checked_carry(carry: torch.Tensor | None, states_scale: torch.Tensor | None, *weights: torch.Tensor) -> tuple:
+    """(carry, states_scale), both None unless both are given (the EDA carry is added only with its scale), after
+    `_check_router_tensors` of them and the router's weights."""
+    if carry is None or states_scale is None:
+        carry = states_scale = None
+    _check_router_tensors(*weights, *((carry, states_scale) if carry is not None else ()))
+    return carry, states_scale
+
+
 def eda_route(x32: torch.Tensor, down_weight: torch.Tensor, down_bias: torch.Tensor, carry: torch.Tensor | None,
               states_scale: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, fc1_weight: torch.Tensor,
               fc1_bias: torch.Tensor, fc2_weight: torch.Tensor, fc2_bias: torch.Tensor, out_weight: torch.Tensor,
               balancing_biases: torch.Tensor) -> Routing:
-    has_carry = states_scale is not None and carry is not None
-    _check_router_tensors(x32, down_weight, down_bias, norm_weight, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
-                          out_weight, balancing_biases, *((carry, states_scale) if has_carry else ()))
+    carry, states_scale = _checked_carry(carry, states_scale, x32, down_weight, down_bias, norm_weight, fc1_weight,
+                                         fc1_bias, fc2_weight, fc2_bias, out_weight, balancing_biases)
     route = fused_route if x32.shape[0] <= FUSED_MAX_TOKENS else gemm_route
-    return route(x32, down_weight, down_bias, carry if has_carry else None, states_scale if has_carry else None,
-                 norm_weight, eps, fc1_weight, fc1_bias, fc2_weight, fc2_bias, out_weight, balancing_biases)
+    return route(x32, down_weight, down_bias, carry, states_scale, norm_weight, eps, fc1_weight, fc1_bias, fc2_weight,
+                 fc2_bias, out_weight, balancing_biases)
 
 
 def fused_route(x32, down_weight, down_bias, carry, states_scale, norm_weight, eps, fc1_weight, fc1_bias, fc2_weight,
@@ -363,10 +371,8 @@ def normed_route(update: torch.Tensor, norm: ResidualNormArgs, down_weight, down
     with states_scale). -> ((x fp32, h in the norm weight's dtype), Routing)."""
     tokens, hidden = update.shape
     width, classes = down_weight.shape[0], out_weight.shape[0]
-    if states_scale is None or carry is None:
-        carry = states_scale = None
-    _check_router_tensors(down_weight, down_bias, norm_weight, fc1_weight, fc1_bias, fc2_weight, fc2_bias, out_weight,
-                          balancing_biases, *((carry, states_scale) if carry is not None else ()))
+    carry, states_scale = _checked_carry(carry, states_scale, down_weight, down_bias, norm_weight, fc1_weight,
+                                         fc1_bias, fc2_weight, fc2_bias, out_weight, balancing_biases)
     if not takes_residual_norm(tokens, hidden, width) or update.stride(1) != 1:
         raise ValueError(f"normed_route: the norm prologue takes 1 to {FUSED_MAX_TOKENS} tokens of unit column "
                          f"stride whose rows fit launch 1's one chunk; got {tuple(update.shape)}")
