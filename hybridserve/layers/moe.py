@@ -16,8 +16,9 @@ from torch import nn
 from hybridserve.core.parallel import all_reduce, divide, tp_rank, tp_size
 from hybridserve.core.quant import Fp8Scheme
 from hybridserve.layers.weights import Loaded, check_shape, fp8_scales, shard_slice, weight_parameter, weight_target
-from hybridserve.ops.moe import fused_experts, fused_experts_residual_norm
+from hybridserve.ops.moe import fused_experts, fused_experts_residual_norm, takes_deferred_selection
 from hybridserve.ops.norm import ResidualNorm
+from hybridserve.ops.reference.zaya_router import DeferredSelection
 
 
 def _copy_shard(target, loaded: Loaded, dim: int) -> None:
@@ -70,10 +71,19 @@ class StackedExperts(nn.Module):
         return fused_experts(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, reduce, self._fp8())
 
     def forward_residual_norm(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                              norm: ResidualNorm):
+                              norm: ResidualNorm, selection: DeferredSelection | None = None):
         """`norm` (the residual norm consuming the output) on the weighted sum, reduced over ranks first: -> its
-        (x, h, h32). On one rank the decode kernels run the norm in their own launch."""
+        (x, h, h32). On one rank the decode kernels run the norm in their own launch. `selection`: the routing's
+        class selection deferred to those launches (only where `takes_deferred_selection`)."""
         if tp_size() == 1:
             return fused_experts_residual_norm(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, norm,
-                                               self._fp8())
+                                               self._fp8(), selection)
+        if selection is not None:
+            raise ValueError("a deferred selection needs the experts on one rank")
         return norm(all_reduce(self(x, topk_ids, topk_weights)))
+
+    def takes_deferred_selection(self, tokens: int) -> bool:
+        """Whether `forward_residual_norm` of `tokens` tokens with one choice each takes a routing whose class
+        selection is left to its launches (`ops.moe.takes_deferred_selection`, on one rank). Host sizes only."""
+        return (tp_size() == 1 and self.gate_up_proj.is_contiguous() and self.down_proj.is_contiguous()
+                and takes_deferred_selection(tokens, self.gate_up_proj.device, self._fp8()))

@@ -198,10 +198,12 @@ class EDARouter(nn.Module):
         weight = self.down_proj.weight
         return fuses_residual_norm(tokens, weight.shape[1], weight.shape[0], weight.device)
 
-    def after_norm(self, update: torch.Tensor, norm: ResidualNorm,
-                   carry: torch.Tensor | None) -> tuple[tuple[torch.Tensor, torch.Tensor], Routing]:
-        """-> (`norm`'s (x, h) of `update`, the routing of h): `forward` on the norm's output."""
-        return residual_norm_route(update, norm, *self._parameters_after_input(carry))
+    def after_norm(self, update: torch.Tensor, norm: ResidualNorm, carry: torch.Tensor | None,
+                   defer_selection: bool = False) -> tuple[tuple[torch.Tensor, torch.Tensor], Routing]:
+        """-> (`norm`'s (x, h) of `update`, the routing of h): `forward` on the norm's output. `defer_selection`:
+        the class selection is left to the experts' launches (`Routing.selection`)."""
+        return residual_norm_route(update, norm, *self._parameters_after_input(carry),
+                                   defer_selection=defer_selection)
 
     def _parameters_after_input(self, carry: torch.Tensor | None) -> tuple:
         mlp = self.router_mlp
@@ -227,7 +229,8 @@ class ZayaMoE(nn.Module):
         once, after the reduce."""
         if self.scaled_identity:
             norm = replace(norm, skip_weight=route.skip_weight, skip_input=x)
-        x_new, h, _ = self.experts.forward_residual_norm(x, route.expert_ids, route.expert_weights, norm)
+        x_new, h, _ = self.experts.forward_residual_norm(x, route.expert_ids, route.expert_weights, norm,
+                                                         route.selection)
         return x_new, h, route.carry
 
 
@@ -247,8 +250,11 @@ class ZayaDecoderLayer(nn.Module):
         `next_norm` (the next layer's input norm, or the final norm) and the router carry."""
         attention_norm = self.post_attention_residual_scale.of(x, self.post_attention_layernorm, fp32_copy=True)
         router = self.mlp.gate
-        if router.normalises(h.shape[0]):  # the router's first launch runs the norm (o_proj's launch then ends sooner)
-            (x, h2), route = router.after_norm(self.self_attn(h, batch), attention_norm, carry)
+        tokens = h.shape[0]
+        if router.normalises(tokens):  # the router's first launch runs the norm (o_proj's launch then ends sooner)
+            # and, where the experts' launches can make the class selection, the router leaves it to them
+            (x, h2), route = router.after_norm(self.self_attn(h, batch), attention_norm, carry,
+                                               self.mlp.experts.takes_deferred_selection(tokens))
         else:
             x, h2, h2_32 = self.self_attn(h, batch, attention_norm)
             route = router(h2_32, carry)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from hybridserve.core.quant import Fp8Scales, experts_weight_only
+from hybridserve.core.quant import WEIGHT_ONLY_MAX_PAIRS, Fp8Scales, experts_weight_only
 from hybridserve.ops import backends
 from hybridserve.ops.norm import ResidualNorm
 from hybridserve.ops.reference import fp8 as fp8_reference
 from hybridserve.ops.reference import moe as reference
+from hybridserve.ops.reference.zaya_router import DeferredSelection
 
 ExpertScales = tuple[Fp8Scales, Fp8Scales]  # (gate_up's, down's)
 
@@ -54,10 +55,32 @@ def _fp8_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids:
 
 
 def fused_experts_residual_norm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-                                topk_weights: torch.Tensor, norm: ResidualNorm, fp8: ExpertScales | None = None):
-    """`norm`(fused_experts(...)): in the GEMV form's down launch where that form runs. -> `norm`'s (x, h, h32)."""
-    if backends.use_triton("moe" if fp8 is None else "fp8_moe", x.device):
+                                topk_weights: torch.Tensor, norm: ResidualNorm, fp8: ExpertScales | None = None,
+                                selection: DeferredSelection | None = None):
+    """`norm`(fused_experts(...)): in the GEMV form's down launch where that form runs. -> `norm`'s (x, h, h32).
+    `selection`: ZAYA1's routing with its class selection deferred to these launches (`Routing.selection`; they
+    then write topk_ids and topk_weights): only where `takes_deferred_selection`."""
+    if _gemv_backend(x.device, topk_ids.numel(), fp8):
         from hybridserve.ops.triton import moe_gemv
-        if moe_gemv.takes(x, w13, w2, topk_ids) and (fp8 is None or experts_weight_only(topk_ids)):
-            return moe_gemv.fused_experts(x, w13, w2, topk_ids, topk_weights, norm=norm, fp8=fp8)
+        if moe_gemv.takes(x, w13, w2, topk_ids):
+            return moe_gemv.fused_experts(x, w13, w2, topk_ids, topk_weights, norm=norm, fp8=fp8,
+                                          selection=selection)
+    if selection is not None:
+        raise ValueError("fused_experts_residual_norm: a deferred selection needs the GEMV experts "
+                         "(takes_deferred_selection)")
     return norm(fused_experts(x, w13, w2, topk_ids, topk_weights, fp8=fp8))
+
+
+def takes_deferred_selection(tokens: int, device: torch.device, fp8: ExpertScales | None = None) -> bool:
+    """Whether `fused_experts_residual_norm` of `tokens` tokens with one choice each (contiguous stacks, x rows of
+    unit column stride) runs the GEMV form, which takes a deferred selection. Host-known sizes only."""
+    if not _gemv_backend(device, tokens, fp8):
+        return False
+    from hybridserve.ops.triton import moe_gemv
+    return 0 < tokens <= moe_gemv.MAX_PAIRS
+
+
+def _gemv_backend(device: torch.device, pairs: int, fp8: ExpertScales | None) -> bool:
+    """Whether the experts' Triton backend runs here, at weight-only sizes for FP8 experts."""
+    return backends.use_triton("moe" if fp8 is None else "fp8_moe", device) and (
+        fp8 is None or pairs <= WEIGHT_ONLY_MAX_PAIRS)

@@ -40,14 +40,20 @@ def residual_norm_route(update: torch.Tensor, norm: ResidualNorm, down_weight: t
                         down_bias: torch.Tensor, carry: torch.Tensor | None, states_scale: torch.Tensor | None,
                         norm_weight: torch.Tensor, eps: float, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor,
                         fc2_weight: torch.Tensor, fc2_bias: torch.Tensor, out_weight: torch.Tensor,
-                        balancing_biases: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], Routing]:
+                        balancing_biases: torch.Tensor,
+                        defer_selection: bool = False) -> tuple[tuple[torch.Tensor, torch.Tensor], Routing]:
     """`norm`(update), then `eda_route` of the normed rows in fp32: -> ((x, h) as `norm` gives them, the routing).
     Where `fuses_residual_norm`, the router's first launch normalises the rows itself (one last-arriving program's
-    norm fewer on a decode step's critical path); the results are the same either way."""
+    norm fewer on a decode step's critical path); the results are the same either way. `defer_selection` (only
+    where `fuses_residual_norm`, for a consumer that takes it: `ops.moe.fused_experts_residual_norm`): the routing
+    comes with its class selection left to the experts' launches (`Routing.selection`)."""
     args = (down_weight, down_bias, carry, states_scale, norm_weight, eps, fc1_weight, fc1_bias, fc2_weight,
             fc2_bias, out_weight, balancing_biases)
     if fuses_residual_norm(update.shape[0], update.shape[1], down_weight.shape[0], update.device):
         from hybridserve.ops.triton import zaya_router as kernel
-        return kernel.normed_route(update, norm, *args)
+        return kernel.normed_route(update, norm, *args, defer_selection=defer_selection)
+    if defer_selection:
+        raise ValueError("residual_norm_route: a deferred selection needs the fused decode form "
+                         "(fuses_residual_norm)")
     x, h, h32 = replace(norm, fp32_copy=True)(update)
     return (x, h), eda_route(h32, *args)

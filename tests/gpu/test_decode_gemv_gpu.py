@@ -151,7 +151,7 @@ def test_weights_loaded_before_the_pdl_wait_change_no_bit(pdl_switch, tokens: in
     def outputs() -> list[torch.Tensor]:
         got = [linear.linear(x, dense), moe_gemv.fused_experts(x, w13, w2, ids, weights)]
         got += [fp8_linear.fp8_linear(x, w, s, scheme, None, None) for scheme, w, s in quantized]
-        return got + list(zaya_router.eda_route(**route))
+        return got + list(zaya_router.eda_route(**route).tensors())
     pdl_switch(False)
     without = outputs()
     pdl_switch(True)

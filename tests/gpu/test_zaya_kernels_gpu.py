@@ -126,7 +126,7 @@ def test_router_replays_from_a_cuda_graph(tokens):
             static[name].copy_(fresh[name])
         graph.replay()
         eager = zaya_router.eda_route(**static)
-        for got, want in zip(captured, eager):
+        for got, want in zip(captured.tensors(), eager.tensors(), strict=True):
             assert torch.equal(got, want)
         host = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in static.items()}
         want = router_reference.eda_route(**host)

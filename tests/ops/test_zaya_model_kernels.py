@@ -2,7 +2,8 @@
 interpreter) equals the same model on its torch references over fresh, chunked, mixed and decode steps: logits, state
 slots and page footers. Both are fp32; the kernels sum in other orders, hence 1e-4 on logits of unit scale. The decode
 steps of more than 8 tokens run the router's decode form and the experts' grouped form, the decode step (three
-tokens) the experts' GEMV form with the post-MoE residual norm in its down launch; MOD skips included."""
+tokens) the experts' GEMV form with the post-MoE residual norm in its down launch (and, with the post-attention
+norm in the router's first launch, the class selection deferred to the experts' launches); MOD skips included."""
 from __future__ import annotations
 
 import contextlib
@@ -83,6 +84,9 @@ def test_model_on_kernels_equals_model_on_references(tmp_path, monkeypatch, norm
         assert [spy.called for spy in spies] == [kernels] * len(spies)
         assert not kernels or all(call.kwargs.get("to_cache") is not None for call in spies[0].call_args_list)
         assert not kernels or all(call.kwargs.get("norm") is not None for call in spies[-1].call_args_list)
+        # with the norm in the router, its decode step's selection is left to the GEMV experts' launches
+        deferred = [call.kwargs.get("selection") is not None for call in spies[-1].call_args_list]
+        assert deferred == [norm_in_router] * len(deferred)
         results[kernels] = (torch.cat(logits), harness.state.buffers, footers.buffers)
     (want, want_state, want_footers), (got, got_state, got_footers) = results[False], results[True]
     assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()

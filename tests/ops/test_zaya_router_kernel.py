@@ -43,9 +43,15 @@ def router_inputs(tokens: int, hidden: int, width: int, experts: int, skip_bias:
                 balancing_biases=biases)
 
 
+def on_host(routing: reference.Routing) -> reference.Routing:
+    """A settled routing's tensors on the CPU (no deferred selection)."""
+    assert routing.selection is None
+    return reference.Routing(*(t.cpu() for t in routing.tensors()))
+
+
 def check_routing(got: reference.Routing, want: reference.Routing, probs_biased: torch.Tensor) -> None:
     """Compare a routing (any device) to the reference; `probs_biased` = the reference's p + bias [T, E + 1]."""
-    got = reference.Routing(*(t.cpu() for t in got))
+    got = on_host(got)
     assert torch.allclose(got.carry, want.carry, rtol=1e-5, atol=1e-5)
     top2 = probs_biased.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) > 1e-5
@@ -139,8 +145,51 @@ def test_the_op_off_the_kernels_is_the_norm_then_the_router():
     want_x, want_h, want_h32 = norm_reference.residual_rms_norm(inputs["update"], inputs["norm_weight"], 1e-5,
                                                                 fp32_copy=True, **norm)
     assert torch.equal(x, want_x) and torch.equal(h, want_h)
-    for a, b in zip(got, reference.eda_route(want_h32, **args)):
+    for a, b in zip(on_host(got).tensors(), reference.eda_route(want_h32, **args).tensors(), strict=True):
         assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="fused decode form"):
+        residual_norm_route(inputs["update"], ResidualNorm(inputs["norm_weight"], 1e-5, **norm), **args,
+                            defer_selection=True)
+
+
+@pytest.mark.parametrize("tokens, skip_bias", [(1, -1.0), (2, -1.0), (2, 1.0)])
+def test_a_selection_deferred_to_the_experts_equals_launch_3s(tokens, skip_bias):
+    """`normed_route` with defer_selection, then the GEMV experts with ZAYA1's post-MoE norm: both expert launches
+    select from launch 3's partial logits what launch 3's last program selects (the MOD skip included), the gate/up
+    launch writes the routing's outputs, and the experts' output and norm equal those of the settled routing."""
+    from hybridserve.ops.norm import ResidualNorm
+    from hybridserve.ops.triton import moe_gemv
+    hidden, width, experts, inter = 72, 40, 4, 24
+    args = router_inputs(tokens, hidden, width, experts, skip_bias, seed=10 + tokens, device=DEVICE)
+    del args["x32"]
+    inputs = norm_inputs(tokens, hidden, torch.float32, seed=tokens)
+    attention_norm = ResidualNormArgs(inputs["norm_weight"].to(DEVICE), 1e-5, fp32_copy=True,
+                                      **{k: inputs[k].to(DEVICE) for k in FORMS["zaya_post_attention"][1:]})
+    gen = torch.Generator().manual_seed(3)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5).to(DEVICE)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) / inter ** 0.5).to(DEVICE)
+    mlp_norm = {k: v.to(DEVICE) for k, v in norm_inputs(tokens, hidden, torch.float32, seed=7).items()
+                if k in FORMS["zaya_post_mlp"][1:6] or k == "norm_weight"}
+
+    def experts_of(routing, h, selection=None):
+        norm = ResidualNorm(**mlp_norm, eps=1e-5, skip_weight=routing.skip_weight, skip_input=h)
+        return moe_gemv.fused_experts(h, w13, w2, routing.expert_ids, routing.expert_weights, norm=norm,
+                                      selection=selection)
+
+    (_, h), settled = kernel.normed_route(inputs["update"].to(DEVICE), attention_norm, **args)
+    want = experts_of(settled, h)
+    (_, h_deferred), deferred = kernel.normed_route(inputs["update"].to(DEVICE), attention_norm, **args,
+                                                    defer_selection=True)
+    assert torch.equal(h_deferred, h)
+    assert deferred.selection.partials.shape == (tokens, 10, 8)  # 40 columns in blocks of 4; 5 classes padded
+    got = experts_of(deferred, h_deferred, deferred.selection)
+    settled, deferred = on_host(settled), on_host(deferred._replace(selection=None))
+    assert torch.equal(deferred.choice, settled.choice)
+    assert ((settled.choice == experts).all() if skip_bias > 0 else (settled.choice < experts).all())  # p <= 1
+    for name in ("weight", "expert_weights", "skip_weight"):
+        assert torch.allclose(getattr(deferred, name), getattr(settled, name), rtol=1e-6, atol=1e-7), name
+    assert torch.equal(deferred.expert_ids, settled.expert_ids)
+    assert_norm_close(got[0].cpu(), got[1].cpu(), want[0].cpu(), want[1].cpu())
 
 
 def test_the_norm_prologue_needs_rows_in_one_chunk():
@@ -183,7 +232,7 @@ def test_ties_take_the_first_class_and_skip_maps_to_expert_zero(route):
     assert torch.allclose(got.expert_weights.cpu(), uniform, rtol=1e-6) and not got.skip_weight.cpu().any()
     args["balancing_biases"] = torch.tensor([0.0, 0.0, 0.5, 0.5, 0.0, 0.6])  # every token takes the skip class
     got, _ = run_both(args, getattr(kernel, route))
-    got = reference.Routing(*(t.cpu() for t in got))
+    got = on_host(got)
     assert (got.choice == experts).all() and not got.expert_ids.any() and not got.expert_weights.any()
     assert torch.allclose(got.skip_weight, uniform, rtol=1e-6) and torch.equal(got.weight, got.skip_weight)
 
@@ -193,7 +242,7 @@ def test_fused_form_repeats_bitwise():
     args = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v
             for k, v in router_inputs(17, 72, 40, 4, 0.05, device="cpu").items()}
     first, second = kernel.eda_route(**args), kernel.eda_route(**args)
-    for a, b in zip(first, second):
+    for a, b in zip(first.tensors(), second.tensors(), strict=True):
         assert torch.equal(a, b)
 
 

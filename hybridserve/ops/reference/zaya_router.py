@@ -14,6 +14,17 @@ import torch.nn.functional as F
 from hybridserve.ops.reference.norm import rms_normalize
 
 
+class DeferredSelection(NamedTuple):
+    """A decode routing whose class selection the experts' launches make (`ops.triton.zaya_router.normed_route`
+    with defer_selection, `ops.triton.moe_gemv`): its tensors are device buffers the selecting kernels read or
+    write, not values yet."""
+    partials: torch.Tensor  # [T, parts, C] fp32: per token, partial class logits that sum to the logits
+    balancing_biases: torch.Tensor  # [E + 1] fp32
+    choice: torch.Tensor  # the Routing's outputs the selecting launch writes besides expert_ids / expert_weights
+    weight: torch.Tensor
+    skip_weight: torch.Tensor
+
+
 class Routing(NamedTuple):
     choice: torch.Tensor  # [T] int64: the expert, or E for the skip class
     weight: torch.Tensor  # [T, 1] fp32: the (unrenormalised) probability of the choice
@@ -21,6 +32,12 @@ class Routing(NamedTuple):
     expert_weights: torch.Tensor  # [T, 1] fp32: the weight, 0 for skip tokens
     skip_weight: torch.Tensor  # [T, 1] fp32: the weight for skip tokens, else 0 (MOD's scaled identity)
     carry: torch.Tensor  # [T, R] fp32
+    # Where set, the fields above but carry are written by the experts' launch that consumes this routing.
+    selection: DeferredSelection | None = None
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """choice .. carry: the routing's tensors, without its deferred selection."""
+        return tuple(self)[:-1]
 
 
 def routing_from_probs(probs: torch.Tensor, balancing_biases: torch.Tensor, carry: torch.Tensor) -> Routing:

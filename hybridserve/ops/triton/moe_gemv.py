@@ -21,6 +21,11 @@ shapes only: CUDA-graph capturable, no host sync, deterministic.
 e4m3 experts (`fp8`: weight-only, as `ops.reference.fp8.fp8_fused_experts` defines decode sizes; the decode form
 of `ops.triton.fp8_moe`) run the same two launches on half the weight bytes (`gemv.dot_rows`).
 
+With a deferred selection (ZAYA1's decode steps: `ops.triton.zaya_router.normed_route`), the pairs' experts are
+not in topk_ids yet: both launches choose them from the router's partial class logits themselves (the gate/up launch
+after its wait, the down launch before it, the logits being two launches back there), bit for bit alike
+(`zaya_router.deferred_choice`), and the gate/up launch stores the routing's outputs.
+
 With a `ResidualNorm` (ZAYA1: the post-MoE residual update and the next layer's input norm) the down launch also
 runs the norm, row by row: a program bumps its row's arrival counter after storing its columns (acq_rel), and the
 last of the row's programs normalises it, read back through L2, and puts the counter back to zero
@@ -34,6 +39,7 @@ import triton.language as tl
 
 from hybridserve.core.quant import Fp8Scales
 from hybridserve.ops.norm import ResidualNorm
+from hybridserve.ops.reference.zaya_router import DeferredSelection
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.counters import arrival_counters
 from hybridserve.ops.triton.fp8_quant import SCALE_BLOCK
@@ -42,6 +48,7 @@ from hybridserve.ops.triton.moe import expert_shapes
 from hybridserve.ops.triton.norm import epilogue_args, prefetch_row_inputs, residual_norm_row
 from hybridserve.ops.triton.pdl import prefetch_rows, wait_for_previous
 from hybridserve.ops.triton.sizes import cdiv
+from hybridserve.ops.triton.zaya_router import deferred_choice
 
 # The most (token, choice) pairs ops.moe gives this form; beyond, the grouped-GEMM form (`ops.triton.moe`), whose
 # expert blocks share each weight tile among their rows. benchmarks/ops/moe.py times both forms at decode sizes; on
@@ -55,6 +62,16 @@ def _pair(ids_ptr, weights_ptr, pair, EXPERTS: tl.constexpr):
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     weight = tl.load(weights_ptr + pair)
     return expert, weight, (weight != 0.0) & (expert >= 0) & (expert < EXPERTS)
+
+
+@triton.jit
+def _selected_pair(partials_ptr, balancing, pair, PARTS: tl.constexpr, EXPERTS: tl.constexpr, BC: tl.constexpr):
+    """`_pair` of a deferred ZAYA1 selection (`zaya_router.deferred_choice`; one choice a token, E + 1 classes,
+    the last the MOD skip: expert 0 at weight 0), then the choice and its probability."""
+    choice, prob = deferred_choice(partials_ptr, balancing, pair, PARTS, EXPERTS + 1, BC)
+    skip = choice == EXPERTS
+    weight = tl.where(skip, 0.0, prob)
+    return tl.where(skip, 0, choice).to(tl.int64), weight, weight != 0.0, choice, prob
 
 
 @triton.jit
@@ -87,13 +104,28 @@ def _gate_up_block(x_ptr, stride_x, w13_ptr, act_ptr, inter, ws_ptr, stride_se, 
 
 @triton.jit
 def _gemv_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, weights_ptr, act_ptr, stride_x, inter, ws_ptr, stride_se,
-                         stride_ws, TOP_K: tl.constexpr, EXPERTS: tl.constexpr, H: tl.constexpr, BN: tl.constexpr,
-                         BK: tl.constexpr, STAGES: tl.constexpr, W_SCALES: tl.constexpr, ROW_BLOCKS: tl.constexpr,
-                         USE_PDL: tl.constexpr):
-    """`_gate_up_block` of pair program_id(0), block program_id(1)."""
-    wait_for_previous(USE_PDL)
+                         stride_ws, partials_ptr, balancing_ptr, choice_ptr, prob_ptr, skip_ptr, TOP_K: tl.constexpr,
+                         EXPERTS: tl.constexpr, H: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                         STAGES: tl.constexpr, W_SCALES: tl.constexpr, ROW_BLOCKS: tl.constexpr, PARTS: tl.constexpr,
+                         BC: tl.constexpr, USE_PDL: tl.constexpr):
+    """`_gate_up_block` of pair program_id(0), block program_id(1). PARTS > 0: the pair's routing is a deferred
+    selection (`_selected_pair`; partials from the launch just before, so after the wait); the pair's block-0
+    program stores its outputs: ids, weights and the selection's choice, probability and skip weight."""
     pair = tl.program_id(0)
-    expert, _, live = _pair(ids_ptr, weights_ptr, pair, EXPERTS)
+    if PARTS > 0:
+        c = tl.arange(0, BC)
+        balancing = tl.load(balancing_ptr + c, mask=c < EXPERTS + 1, other=0.0)  # a weight: before the wait
+    wait_for_previous(USE_PDL)
+    if PARTS > 0:
+        expert, weight, live, choice, prob = _selected_pair(partials_ptr, balancing, pair, PARTS, EXPERTS, BC)
+        if tl.program_id(1) == 0:
+            tl.store(ids_ptr + pair, expert)
+            tl.store(weights_ptr + pair, weight)
+            tl.store(choice_ptr + pair, choice.to(tl.int64))
+            tl.store(prob_ptr + pair, prob)
+            tl.store(skip_ptr + pair, tl.where(choice == EXPERTS, prob, 0.0))
+    else:
+        expert, _, live = _pair(ids_ptr, weights_ptr, pair, EXPERTS)
     if live:  # else the down launch skips the pair too: its act row is never read
         _gate_up_block(x_ptr, stride_x, w13_ptr, act_ptr, inter, ws_ptr, stride_se, stride_ws, pair, tl.program_id(1),
                        expert, TOP_K, H, BN, BK, STAGES, W_SCALES, ROW_BLOCKS)
@@ -155,20 +187,30 @@ def _weighted_down(act_ptr, w2_ptr, ws_ptr, stride_se, stride_ws, out_ptr, pair,
 @triton.jit
 def _gemv_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, counter_ptr, ws_ptr, stride_se,
                       stride_ws, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0, nw_ptr, x_out_ptr,
-                      h_ptr, h32_ptr, width, eps, CHOICES: tl.constexpr, EXPERTS: tl.constexpr, I: tl.constexpr,
-                      BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, W_SCALES: tl.constexpr,
-                      ROW_BLOCKS: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
-                      HAS_RESIDUAL: tl.constexpr, HAS_UB: tl.constexpr, HAS_US: tl.constexpr, HAS_RB: tl.constexpr,
-                      HAS_RS: tl.constexpr, HAS_SKIP: tl.constexpr, FP32_COPY: tl.constexpr, USE_PDL: tl.constexpr):
+                      h_ptr, h32_ptr, width, eps, partials_ptr, balancing_ptr, CHOICES: tl.constexpr,
+                      EXPERTS: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      STAGES: tl.constexpr, W_SCALES: tl.constexpr, ROW_BLOCKS: tl.constexpr, NORM: tl.constexpr,
+                      BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_UB: tl.constexpr, HAS_US: tl.constexpr,
+                      HAS_RB: tl.constexpr, HAS_RS: tl.constexpr, HAS_SKIP: tl.constexpr, FP32_COPY: tl.constexpr,
+                      PARTS: tl.constexpr, BC: tl.constexpr, USE_PDL: tl.constexpr):
     """`_down_block` of output row program_id(0), column block program_id(1). The pairs' experts were chosen two
     launches back, before the gate/up launch could start: their weights' stream starts before the PDL wait
-    (ops/triton/pdl.py), loaded whole by `_down_block` for one choice a row, else asked of L2."""
+    (ops/triton/pdl.py), loaded whole by `_down_block` for one choice a row, else asked of L2. PARTS > 0: the
+    choice is a deferred selection, made here from the partials (also two launches back) as the gate/up launch
+    makes it (`_selected_pair`: the same bits)."""
     PRELOAD: tl.constexpr = USE_PDL and CHOICES == 1
     if NORM and USE_PDL:
         prefetch_row_inputs(tl.program_id(0), tl.program_id(1), r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr,
                             sx_ptr, sx_s0, nw_ptr, width, HAS_RESIDUAL, HAS_UB, HAS_US, HAS_RB, HAS_RS, HAS_SKIP)
     # Before the wait, once: in the choice loop each pair loaded after the choice before's sum (no load crosses it).
-    pairs = _pairs(ids_ptr, weights_ptr, tl.program_id(0), CHOICES, EXPERTS)
+    if PARTS > 0:
+        tl.static_assert(CHOICES == 1, "a deferred selection chooses one expert a token")
+        c = tl.arange(0, BC)
+        balancing = tl.load(balancing_ptr + c, mask=c < EXPERTS + 1, other=0.0)
+        expert, weight, live, _, _ = _selected_pair(partials_ptr, balancing, tl.program_id(0), PARTS, EXPERTS, BC)
+        pairs = ((expert, weight, live),)
+    else:
+        pairs = _pairs(ids_ptr, weights_ptr, tl.program_id(0), CHOICES, EXPERTS)
     if USE_PDL and not PRELOAD:
         col = tl.program_id(1) * BN + tl.arange(0, BN)
         for choice in tl.static_range(CHOICES):
@@ -207,6 +249,21 @@ def down_tiles(hidden: int, inter: int, fp8: Fp8Scales | None = None, top_k: int
                  one_chunk=top_k == 1 and fp8 is None)
 
 
+def _check_selection(selection: DeferredSelection, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                     experts: int, reduce: bool) -> None:
+    """What the kernels write and read of a deferred selection: one choice a token over E + 1 classes; topk_ids
+    int64 and topk_weights fp32 contiguous (the gate/up launch stores into them)."""
+    tokens, parts, classes = selection.partials.shape
+    ok = (reduce and topk_ids.shape == (tokens, 1) and topk_ids.dtype == torch.int64 and topk_ids.is_contiguous()
+          and topk_weights.dtype == torch.float32 and topk_weights.is_contiguous()
+          and selection.balancing_biases.shape == (experts + 1,) and classes >= experts + 1
+          and selection.partials.is_contiguous())
+    if not ok:
+        raise ValueError(f"a deferred selection needs one choice a token over {experts} experts + skip, reduced, "
+                         f"with contiguous int64 ids and fp32 weights; got partials {tuple(selection.partials.shape)}, "
+                         f"ids {tuple(topk_ids.shape)} {topk_ids.dtype}, weights {topk_weights.dtype}")
+
+
 def takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor) -> bool:
     """Whether ops.moe gives these pairs this form: at most MAX_PAIRS of them (decode), x rows of unit column
     stride, contiguous weights. A host-size test."""
@@ -228,15 +285,19 @@ def _gate_up_row_blocks(inter: int, rows: int) -> int:
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                   topk_weights: torch.Tensor, reduce: bool = True,
                   config: tuple[Tiles, Tiles] | None = None, norm: ResidualNorm | None = None,
-                  fp8: tuple[Fp8Scales, Fp8Scales] | None = None):
+                  fp8: tuple[Fp8Scales, Fp8Scales] | None = None, selection: DeferredSelection | None = None):
     """x [T, H]; w13 [E, 2I, H] (gate rows first); w2 [E, H, I]; topk_ids/weights [T, K] -> [T, H] in x's dtype,
     or with `reduce=False` the K weighted rows [T, K, H] (see `ops.moe.fused_experts`); with `norm` (reduced
     only), `norm` applied to the [T, H] result in the down launch: -> its (x, h, h32). Any T*K works (ops.moe
     takes this form up to MAX_PAIRS; the norm epilogue up to MAX_PAIRS tokens). `fp8`: the e4m3 stacks' (gate/up,
-    down) scales. `config`: (gate/up, down) tiles instead of `gate_up_tiles` / `down_tiles` (tests, tuning)."""
+    down) scales. `config`: (gate/up, down) tiles instead of `gate_up_tiles` / `down_tiles` (tests, tuning).
+    `selection`: ZAYA1's deferred class selection (one choice a token, E + 1 classes): both launches select from
+    its partial logits, and the gate/up launch writes topk_ids, topk_weights (fp32) and the selection's outputs."""
     tokens, hidden, experts, inter, top_k = expert_shapes(x, w13, w2, topk_ids, topk_weights)
     if x.stride(1) != 1 or not (w13.is_contiguous() and w2.is_contiguous()):
         raise ValueError("the GEMV experts need contiguous weights and x rows of unit column stride")
+    if selection is not None:
+        _check_selection(selection, topk_ids, topk_weights, experts, reduce)
     if norm is not None and (not reduce or tokens > MAX_PAIRS or norm.norm_weight.shape != (hidden,)):
         raise ValueError(f"the experts' norm epilogue needs reduced rows, at most {MAX_PAIRS} tokens and a norm "
                          f"over the {hidden} outputs")
@@ -254,15 +315,22 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
         ids = topk_ids.reshape(-1).contiguous()
         weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
         act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+        if selection is None:
+            deferred, parts, bc = (x,) * 5, 0, 1
+        else:
+            deferred = (selection.partials, selection.balancing_biases, selection.choice, selection.weight,
+                        selection.skip_weight)
+            _, parts, bc = selection.partials.shape
         _gemv_gate_up_kernel[(pairs, cdiv(2 * inter, up_tiles.BN))](
-            x, w13, ids, weights, act, x.stride(0), inter, *_expert_scales(up_scales), TOP_K=top_k, EXPERTS=experts,
-            H=hidden, BN=up_tiles.BN, BK=up_tiles.BK, STAGES=up_tiles.STAGES, **up_kinds, num_warps=up_tiles.num_warps,
-            **pdl.launch(x.device))
+            x, w13, ids, weights, act, x.stride(0), inter, *_expert_scales(up_scales), *deferred, TOP_K=top_k,
+            EXPERTS=experts, H=hidden, BN=up_tiles.BN, BK=up_tiles.BK, STAGES=up_tiles.STAGES, **up_kinds,
+            PARTS=parts, BC=bc, num_warps=up_tiles.num_warps, **pdl.launch(x.device))
         counter = arrival_counters("moe_down_norm", MAX_PAIRS, x.device) if norm is not None else out
         _gemv_down_kernel[(out.shape[0], cdiv(hidden, down.BN))](
-            act, w2, ids, weights, out, hidden, counter, *_expert_scales(down_scales), *epilogue,
+            act, w2, ids, weights, out, hidden, counter, *_expert_scales(down_scales), *epilogue, *deferred[:2],
             CHOICES=top_k if reduce else 1, EXPERTS=experts, I=inter, BN=down.BN, BK=down.BK, STAGES=down.STAGES,
-            **down_kinds, NORM=norm is not None, **flags, num_warps=down.num_warps, **pdl.launch(x.device))
+            **down_kinds, NORM=norm is not None, **flags, PARTS=parts, BC=bc, num_warps=down.num_warps,
+            **pdl.launch(x.device))
     if norm is not None:
         return normed
     return out if reduce else out.view(tokens, top_k, hidden)

@@ -11,7 +11,11 @@ Decode (at most `FUSED_MAX_TOKENS` tokens, the CUDA-graph batch sizes): three la
     2. u1 = GELU(fc1(RMSNorm(z)))                     every program recomputes its rows' rstd (RMSNorm needs all
                                                       of z, which only exists after launch 1)
     3. u2 = GELU(fc2(u1)), then per token block the last program to finish it computes the E + 1 class logits,
-       softmax, the biased argmax and the routing outputs.
+       softmax, the biased argmax and the routing outputs. Or, with a deferred selection (`normed_route`'s
+       defer_selection, for the GEMV experts that consume it), each of at most DEFERRED_PARTS programs stores its
+       columns' share of the logits, and the experts' two launches each make the selection from those partial
+       logits (`deferred_choice`): the last-arriving program, its counter and its reads back leave the critical
+       path of a decode step.
 At a few tokens a step what costs is reading the weights (the down-projection's is 2 MB of fp32) and the launches,
 not arithmetic. So each launch is split over output columns and tokens into about `PROGRAMS` programs (one per SM
 of an H200), each reading only its slice of the weight, and no program pads its rows to tl.dot's 16: products are
@@ -46,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridserve.ops.reference.zaya_router import Routing
+from hybridserve.ops.reference.zaya_router import DeferredSelection, Routing
 from hybridserve.ops.residual_norm_args import ResidualNormArgs
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.counters import arrival_counters
@@ -64,6 +68,11 @@ PIPELINE_STAGES = 6  # K chunks in flight (cp.async) per program when its loop h
 SELECT_TOKENS = 16  # tokens per program of the prefill form's selection
 GEMM_BK = 32  # K chunk of the prefill form's GEMM tiles (fp32: [128, 32] + [32, 128] is 32 KB a stage)
 GEMM_STAGES = 3
+# `deferred_choice`'s fixed point: the exponentials (at most 1 each) times 2^58, so that a sum of up to 32 classes
+# fits an int64; a part below 2^-58 of the largest is dropped, far below fp32's 2^-24 of the sum.
+FIXED_POINT = tl.constexpr(2.0 ** 58)
+DEFERRED_PARTS = 16  # partial logit rows a token of a deferred selection (fc2's programs): what each selector reads
+MAX_DEFERRED_CLASSES = 32  # the classes `FIXED_POINT` leaves room for
 
 
 @triton.jit
@@ -136,6 +145,28 @@ def _select(u_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_p
 
 
 @triton.jit
+def deferred_choice(partials_ptr, balancing, row, PARTS: tl.constexpr, CLASSES: tl.constexpr, BC: tl.constexpr):
+    """(class index, its probability) of token `row` of a deferred selection: the class logits summed from the
+    PARTS partial rows `_dense_kernel` stored with DEFER (partials[row, p, :BC]), softmax, argmax over p +
+    `balancing` ([BC], the balancing biases) as `_select` does. The gate/up and the down launch each select for
+    themselves, so both must get the same bits whatever layout their compiler picks: the parts are added one by one
+    in part order (elementwise), and the softmax's one cross-lane sum is an integer sum (exact, so in any order) of
+    the exponentials in fixed point; max and argmax are exact."""
+    c = tl.arange(0, BC)
+    ok = c < CLASSES
+    base = partials_ptr + row.to(tl.int64) * (PARTS * BC)
+    logits = tl.load(base + c, mask=ok, other=0.0)
+    for part in tl.static_range(1, PARTS):
+        logits += tl.load(base + part * BC + c, mask=ok, other=0.0)
+    logits = tl.where(ok, logits, float("-inf"))
+    e = tl.exp(logits - tl.max(logits, axis=0))  # in (0, 1], the largest 1
+    total = tl.sum((e * FIXED_POINT).to(tl.int64), axis=0).to(tl.float32) / FIXED_POINT
+    probs = e / total
+    choice = tl.argmax(tl.where(ok, probs + balancing, float("-inf")), axis=0, tie_break_left=True)
+    return choice, tl.sum(tl.where(c == choice, probs, 0.0), axis=0)
+
+
+@triton.jit
 def _block_inputs(b_ptr, carry_ptr, scale_ptr, tile, ok, cols, col_ok, CARRY: tl.constexpr):
     """(bias [BN], carry [BT, BN], scale [BN]; carry and scale 0 without CARRY) of a block, loaded before the wait:
     the bias and scale are weights, the carry the layer before's router output (launches back). After the products
@@ -150,13 +181,14 @@ def _block_inputs(b_ptr, carry_ptr, scale_ptr, tile, ok, cols, col_ok, CARRY: tl
 
 @triton.jit
 def _block_output(acc, bias, carry, scale, out_ptr, tile, ok, CARRY: tl.constexpr, GELU: tl.constexpr):
-    """Store act(acc + bias (+ carry * scale)) of a block."""
+    """Store act(acc + bias (+ carry * scale)) of a block; -> it."""
     acc += bias[None, :]
     if CARRY:
         acc += carry * scale[None, :]
     if GELU:
         acc = _gelu(acc)
     tl.store(out_ptr + tile, acc, mask=ok)
+    return acc
 
 
 @triton.jit
@@ -167,7 +199,7 @@ def _dense_block(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr,
     """out[rows, cols] = act(x'[rows] @ w[cols]^T + b[cols]) (+ carry[rows, cols] * scale[cols], with CARRY) for
     BT tokens and BN columns (blocks `token_block`, `col_block`); x' = norm_weight * x * rstd(x) with NORM, act =
     GELU with GELU. WAIT: the PDL wait comes inside, after the weights' loads (`_rows_times_cols`).
-    -> (rows, row_ok)."""
+    -> (rows, row_ok, the stored block)."""
     rows = token_block * BT + tl.arange(0, BT)
     row_ok = rows < num_tokens
     cols = col_block * BN + tl.arange(0, BN)
@@ -179,26 +211,38 @@ def _dense_block(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr,
                                     False, "", WAIT)
     if NORM:  # rstd after the product: (x * w_norm) @ W^T * rstd = (w_norm * x * rstd) @ W^T
         acc *= tl.rsqrt(squares / K + eps)[:, None]
-    _block_output(acc, bias, carry, scale, out_ptr, tile, ok, CARRY, GELU)
-    return rows, row_ok
+    return rows, row_ok, _block_output(acc, bias, carry, scale, out_ptr, tile, ok, CARRY, GELU)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])  # one variant for every token count of a tile bucket
 def _dense_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr, norm_ptr, eps,
                   counter_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr,
-                  K: tl.constexpr, N: tl.constexpr, CLASSES: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr, STAGES: tl.constexpr, BC: tl.constexpr, BKC: tl.constexpr, CARRY: tl.constexpr,
-                  NORM: tl.constexpr, GELU: tl.constexpr, SELECT: tl.constexpr, USE_PDL: tl.constexpr):
+                  partials_ptr, K: tl.constexpr, N: tl.constexpr, CLASSES: tl.constexpr, BT: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, BC: tl.constexpr, BKC: tl.constexpr,
+                  CARRY: tl.constexpr, NORM: tl.constexpr, GELU: tl.constexpr, SELECT: tl.constexpr,
+                  DEFER: tl.constexpr, USE_PDL: tl.constexpr):
     """`_dense_block` of this program's BT tokens and BN columns. With SELECT, the token block's last program to
     finish then selects its classes from the whole out rows; the class weights and balancing biases it reads are
-    asked of L2 before the wait, two lines a program (weights last read a step ago: HBM, on the critical path)."""
+    asked of L2 before the wait, two lines a program (weights last read a step ago: HBM, on the critical path).
+    With DEFER instead, each program stores its columns' share of the class logits, [BT, BC] at partials[rows,
+    program], out_proj's columns loaded before the wait, and leaves the selection to the experts' launches
+    (`deferred_choice`): no arrival counter, no last program."""
     if SELECT and USE_PDL:
         program = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
         prefetch_share(wo_ptr, CLASSES * N, program, LINES=2)
         prefetch_share(bias_ptr, CLASSES, program)
-    rows, row_ok = _dense_block(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr, norm_ptr, eps,
-                                tl.program_id(1), tl.program_id(0), K, N, BT, BN, BK, STAGES, CARRY, NORM, GELU,
-                                USE_PDL)  # (the PDL wait, after the weights' loads)
+    if DEFER:
+        c = tl.arange(0, BC)
+        cols = tl.program_id(0) * BN + tl.arange(0, BN)
+        wo = tl.load(wo_ptr + c[:, None] * N + cols[None, :], mask=(c < CLASSES)[:, None] & (cols < N)[None, :],
+                     other=0.0)
+    rows, row_ok, out = _dense_block(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr, norm_ptr, eps,
+                                     tl.program_id(1), tl.program_id(0), K, N, BT, BN, BK, STAGES, CARRY, NORM,
+                                     GELU, USE_PDL)  # (the PDL wait, after the weights' loads)
+    if DEFER:
+        part = tl.sum(out[:, None, :] * wo[None, :, :], axis=2)  # masked columns: GELU(0) = 0, wo 0
+        slots = (rows[:, None] * tl.num_programs(0) + tl.program_id(0)) * BC + c[None, :]
+        tl.store(partials_ptr + slots, part, mask=row_ok[:, None])
     if SELECT:
         tl.debug_barrier()  # every thread's stores precede the release below
         arrived = tl.atomic_add(counter_ptr + tl.program_id(1), 1, sem="acq_rel")
@@ -346,9 +390,9 @@ def fused_route(x32, down_weight, down_bias, carry, states_scale, norm_weight, e
         grid, common = _fused_launch(tokens, width, classes, x32.device)
         dummy = x32
         _dense_kernel[grid](x32, down_weight, down_bias, z, tokens, carry if carry is not None else dummy,
-                            states_scale if carry is not None else dummy, dummy, eps, *(dummy,) * 8,
+                            states_scale if carry is not None else dummy, dummy, eps, *(dummy,) * 9,
                             K=hidden, **_loop(common["BT"], common["BN"], hidden), CARRY=carry is not None,
-                            NORM=False, GELU=False, SELECT=False, **common)
+                            NORM=False, GELU=False, SELECT=False, DEFER=False, **common)
         _mlp_launches(grid, common, z, u1, u2, tokens, norm_weight, eps, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
                       (out_weight, balancing_biases, choice, weight, ids, expert_w, skip_w))
     return Routing(choice, weight, ids, expert_w, skip_w, z)
@@ -364,11 +408,15 @@ def takes_residual_norm(tokens: int, hidden: int, width: int) -> bool:
 
 
 def normed_route(update: torch.Tensor, norm: ResidualNormArgs, down_weight, down_bias, carry, states_scale,
-                 norm_weight, eps, fc1_weight, fc1_bias, fc2_weight, fc2_bias, out_weight, balancing_biases):
+                 norm_weight, eps, fc1_weight, fc1_bias, fc2_weight, fc2_bias, out_weight, balancing_biases,
+                 defer_selection: bool = False):
     """`norm` of `update` [T, H] and the decode form's routing of its output, the norm as launch 1's prologue
     (`_normed_down_kernel`): the launch that computes the update (o_proj) no longer ends in a last-arriving
     program's norm. Only where `takes_residual_norm`; the other arguments as `eda_route`'s (the carry added only
-    with states_scale). -> ((x fp32, h in the norm weight's dtype), Routing)."""
+    with states_scale). `defer_selection`: launch 3 stores partial class logits instead of selecting, and the
+    Routing's `selection` hands them to the experts' launches (`ops.triton.moe_gemv`), which select for themselves
+    and write its choice, weight, expert_ids, expert_weights and skip_weight: one last-arriving program fewer.
+    -> ((x fp32, h in the norm weight's dtype), Routing)."""
     tokens, hidden = update.shape
     width, classes = down_weight.shape[0], out_weight.shape[0]
     carry, states_scale = _checked_carry(carry, states_scale, down_weight, down_bias, norm_weight, fc1_weight,
@@ -383,9 +431,25 @@ def normed_route(update: torch.Tensor, norm: ResidualNormArgs, down_weight, down
                               carry if carry is not None else update, states_scale if carry is not None else update,
                               K=hidden, N=width, BT=common["BT"], BN=common["BN"], CARRY=carry is not None, **flags,
                               num_warps=WARPS, **pdl.launch(update.device))
+    select = (out_weight, balancing_biases, choice, weight, ids, expert_w, skip_w)
+    selection = None
+    if defer_selection:
+        if classes > MAX_DEFERRED_CLASSES:
+            raise ValueError(f"normed_route: a deferred selection takes at most {MAX_DEFERRED_CLASSES} classes; "
+                             f"got {classes}")
+        parts, _ = _deferred_tiles(tokens, width)
+        partials = torch.empty(tokens, parts, common["BC"], device=update.device, dtype=torch.float32)
+        selection = DeferredSelection(partials, balancing_biases, choice, weight, skip_w)
     _mlp_launches(grid, common, z, u1, u2, tokens, norm_weight, eps, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
-                  (out_weight, balancing_biases, choice, weight, ids, expert_w, skip_w))
-    return (x, h), Routing(choice, weight, ids, expert_w, skip_w, z)
+                  select, None if selection is None else selection.partials)
+    return (x, h), Routing(choice, weight, ids, expert_w, skip_w, z, selection)
+
+
+def _deferred_tiles(tokens: int, width: int) -> tuple[int, tuple[int, int]]:
+    """(parts, (BT, BN)) of launch 3 with a deferred selection: all tokens in one block, the columns in at most
+    DEFERRED_PARTS blocks, since every selecting program reads all of a token's parts."""
+    bn = next_power_of_2(cdiv(width, DEFERRED_PARTS))
+    return cdiv(width, bn), (next_power_of_2(tokens), bn)
 
 
 def _fused_launch(tokens: int, width: int, classes: int, device: torch.device) -> tuple[tuple[int, int], dict]:
@@ -397,16 +461,24 @@ def _fused_launch(tokens: int, width: int, classes: int, device: torch.device) -
 
 
 def _mlp_launches(grid, common: dict, z, u1, u2, tokens, norm_weight, eps, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
-                  select: tuple) -> None:
+                  select: tuple, partials: torch.Tensor | None = None) -> None:
     """Launches 2 and 3 of the decode form on launch 1's z: u1 = GELU(fc1(RMSNorm(z))), then u2 = GELU(fc2(u1))
-    and the selection (`select`: out_proj's weight, the balancing biases, then the routing outputs)."""
+    and the selection (`select`: out_proj's weight, the balancing biases, then the routing outputs), or with
+    `partials` [T, parts, BC] the partial class logits of a deferred one (`_deferred_tiles`)."""
     dummy, width = z, z.shape[1]
-    counters = _arrival_counters(z.device)
     loop = _loop(common["BT"], common["BN"], width)
-    _dense_kernel[grid](z, fc1_weight, fc1_bias, u1, tokens, dummy, dummy, norm_weight, eps, *(dummy,) * 8,
-                        K=width, **loop, CARRY=False, NORM=True, GELU=True, SELECT=False, **common)
-    _dense_kernel[grid](u1, fc2_weight, fc2_bias, u2, tokens, dummy, dummy, dummy, eps, counters, *select,
-                        K=width, **loop, CARRY=False, NORM=False, GELU=True, SELECT=True, **common)
+    _dense_kernel[grid](z, fc1_weight, fc1_bias, u1, tokens, dummy, dummy, norm_weight, eps, *(dummy,) * 9,
+                        K=width, **loop, CARRY=False, NORM=True, GELU=True, SELECT=False, DEFER=False, **common)
+    if partials is None:
+        _dense_kernel[grid](u1, fc2_weight, fc2_bias, u2, tokens, dummy, dummy, dummy, eps,
+                            _arrival_counters(z.device), *select, dummy, K=width, **loop, CARRY=False, NORM=False,
+                            GELU=True, SELECT=True, DEFER=False, **common)
+        return
+    parts, (bt, bn) = _deferred_tiles(tokens, width)
+    _dense_kernel[(parts, cdiv(tokens, bt))](u1, fc2_weight, fc2_bias, u2, tokens, dummy, dummy, dummy, eps, dummy,
+                                             *select, partials, K=width, **_loop(bt, bn, width), CARRY=False,
+                                             NORM=False, GELU=True, SELECT=False, DEFER=True,
+                                             **(common | dict(BT=bt, BN=bn)))
 
 
 def gemm_tiles(tokens: int, n: int) -> tuple[int, int]:
