@@ -68,9 +68,9 @@ PIPELINE_STAGES = 6  # K chunks in flight (cp.async) per program when its loop h
 SELECT_TOKENS = 16  # tokens per program of the prefill form's selection
 GEMM_BK = 32  # K chunk of the prefill form's GEMM tiles (fp32: [128, 32] + [32, 128] is 32 KB a stage)
 GEMM_STAGES = 3
-# `deferred_choice`'s fixed point: the exponentials (at most 1 each) times 2^58, so that a sum of up to 32 classes
-# fits an int64; a part below 2^-58 of the largest is dropped, far below fp32's 2^-24 of the sum.
-FIXED_POINT = tl.constexpr(2.0 ** 58)
+# `deferred_choice`'s fixed point: the exponentials (at most 1 each) times 2^57, so that a sum of up to 32 classes
+# (2^62 at most) fits an int64; a part below 2^-57 of the largest is dropped, far below fp32's 2^-24 of the sum.
+FIXED_POINT = tl.constexpr(2.0 ** 57)
 DEFERRED_PARTS = 16  # partial logit rows a token of a deferred selection (fc2's programs): what each selector reads
 MAX_DEFERRED_CLASSES = 32  # the classes `FIXED_POINT` leaves room for
 
