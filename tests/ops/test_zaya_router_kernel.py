@@ -152,16 +152,20 @@ def test_the_op_off_the_kernels_is_the_norm_then_the_router():
                             defer_selection=True)
 
 
-@pytest.mark.parametrize("tokens, skip_bias", [(1, -1.0), (2, -1.0), (2, 1.0)])
+@pytest.mark.parametrize("tokens, skip_bias", [(1, -1.0), (2, -1.0), (2, 1.0), (2, 0.0)])
 def test_a_selection_deferred_to_the_experts_equals_launch_3s(tokens, skip_bias):
     """`normed_route` with defer_selection, then the GEMV experts with ZAYA1's post-MoE norm: both expert launches
     select from launch 3's partial logits what launch 3's last program selects (the MOD skip included), the gate/up
-    launch writes the routing's outputs, and the experts' output and norm equal those of the settled routing."""
+    launch writes the routing's outputs, and the experts' output and norm equal those of the settled routing.
+    skip_bias 0: every class tied (zero class weights and biases): both take the first, at probability 1/5."""
     from hybridserve.ops.norm import ResidualNorm
     from hybridserve.ops.triton import moe_gemv
     hidden, width, experts, inter = 72, 40, 4, 24
     args = router_inputs(tokens, hidden, width, experts, skip_bias, seed=10 + tokens, device=DEVICE)
     del args["x32"]
+    if skip_bias == 0:
+        args["out_weight"].zero_()
+        args["balancing_biases"].zero_()
     inputs = norm_inputs(tokens, hidden, torch.float32, seed=tokens)
     attention_norm = ResidualNormArgs(inputs["norm_weight"].to(DEVICE), 1e-5, fp32_copy=True,
                                       **{k: inputs[k].to(DEVICE) for k in FORMS["zaya_post_attention"][1:]})
@@ -186,6 +190,8 @@ def test_a_selection_deferred_to_the_experts_equals_launch_3s(tokens, skip_bias)
     settled, deferred = on_host(settled), on_host(deferred._replace(selection=None))
     assert torch.equal(deferred.choice, settled.choice)
     assert ((settled.choice == experts).all() if skip_bias > 0 else (settled.choice < experts).all())  # p <= 1
+    if skip_bias == 0:
+        assert not deferred.choice.any() and torch.allclose(deferred.weight, torch.full_like(deferred.weight, 0.2))
     for name in ("weight", "expert_weights", "skip_weight"):
         assert torch.allclose(getattr(deferred, name), getattr(settled, name), rtol=1e-6, atol=1e-7), name
     assert torch.equal(deferred.expert_ids, settled.expert_ids)
