@@ -48,7 +48,7 @@ from hybridserve.ops.triton.moe import expert_shapes
 from hybridserve.ops.triton.norm import epilogue_args, prefetch_row_inputs, residual_norm_row
 from hybridserve.ops.triton.pdl import prefetch_rows, wait_for_previous
 from hybridserve.ops.triton.sizes import cdiv
-from hybridserve.ops.triton.zaya_router import deferred_choice
+from hybridserve.ops.triton.zaya_router import class_biases, deferred_choice, routed, store_routing
 
 # The most (token, choice) pairs ops.moe gives this form; beyond, the grouped-GEMM form (`ops.triton.moe`), whose
 # expert blocks share each weight tile among their rows. benchmarks/ops/moe.py times both forms at decode sizes; on
@@ -67,11 +67,10 @@ def _pair(ids_ptr, weights_ptr, pair, EXPERTS: tl.constexpr):
 @triton.jit
 def _selected_pair(partials_ptr, balancing, pair, PARTS: tl.constexpr, EXPERTS: tl.constexpr, BC: tl.constexpr):
     """`_pair` of a deferred ZAYA1 selection (`zaya_router.deferred_choice`; one choice a token, E + 1 classes,
-    the last the MOD skip: expert 0 at weight 0), then the choice and its probability."""
+    the last the MOD skip: `zaya_router.routed`), then the choice and its probability."""
     choice, prob = deferred_choice(partials_ptr, balancing, pair, PARTS, EXPERTS + 1, BC)
-    skip = choice == EXPERTS
-    weight = tl.where(skip, 0.0, prob)
-    return tl.where(skip, 0, choice).to(tl.int64), weight, weight != 0.0, choice, prob
+    expert, weight, _ = routed(choice, prob, EXPERTS + 1)
+    return expert, weight, weight != 0.0, choice, prob
 
 
 @triton.jit
@@ -113,17 +112,12 @@ def _gemv_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, weights_ptr, act_ptr, stride_x
     program stores its outputs: ids, weights and the selection's choice, probability and skip weight."""
     pair = tl.program_id(0)
     if PARTS > 0:
-        c = tl.arange(0, BC)
-        balancing = tl.load(balancing_ptr + c, mask=c < EXPERTS + 1, other=0.0)  # a weight: before the wait
+        balancing = class_biases(balancing_ptr, EXPERTS + 1, BC)  # a weight: before the wait
     wait_for_previous(USE_PDL)
     if PARTS > 0:
-        expert, weight, live, choice, prob = _selected_pair(partials_ptr, balancing, pair, PARTS, EXPERTS, BC)
-        if tl.program_id(1) == 0:
-            tl.store(ids_ptr + pair, expert)
-            tl.store(weights_ptr + pair, weight)
-            tl.store(choice_ptr + pair, choice.to(tl.int64))
-            tl.store(prob_ptr + pair, prob)
-            tl.store(skip_ptr + pair, tl.where(choice == EXPERTS, prob, 0.0))
+        expert, _, live, choice, prob = _selected_pair(partials_ptr, balancing, pair, PARTS, EXPERTS, BC)
+        store_routing(choice, prob, pair, tl.program_id(1) == 0, choice_ptr, prob_ptr, ids_ptr, weights_ptr,
+                      skip_ptr, EXPERTS + 1)
     else:
         expert, _, live = _pair(ids_ptr, weights_ptr, pair, EXPERTS)
     if live:  # else the down launch skips the pair too: its act row is never read
@@ -205,8 +199,7 @@ def _gemv_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, co
     # Before the wait, once: in the choice loop each pair loaded after the choice before's sum (no load crosses it).
     if PARTS > 0:
         tl.static_assert(CHOICES == 1, "a deferred selection chooses one expert a token")
-        c = tl.arange(0, BC)
-        balancing = tl.load(balancing_ptr + c, mask=c < EXPERTS + 1, other=0.0)
+        balancing = class_biases(balancing_ptr, EXPERTS + 1, BC)
         expert, weight, live, _, _ = _selected_pair(partials_ptr, balancing, tl.program_id(0), PARTS, EXPERTS, BC)
         pairs = ((expert, weight, live),)
     else:

@@ -126,7 +126,7 @@ def _select(u_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_p
     first of equal maxima, as torch's argmax), and the routing outputs."""
     c = tl.arange(0, BC)
     c_valid = c < CLASSES
-    balancing = tl.load(bias_ptr + c, mask=c_valid, other=0.0)  # with the products' loads, not a round trip after
+    balancing = class_biases(bias_ptr, CLASSES, BC)  # with the products' loads, not a round trip after
     logits, _ = _rows_times_cols(u_ptr, wo_ptr, u_ptr, rows, row_ok, c, c_valid, K, BT, BC, BK, 1, False, U_GELU,
                                  CACHE)
     c_ok = c_valid[None, :]
@@ -136,12 +136,34 @@ def _select(u_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_p
     biased = tl.where(c_ok, probs + balancing[None, :], float("-inf"))
     choice = tl.argmax(biased, axis=1, tie_break_left=True)
     weight = tl.sum(tl.where(c[None, :] == choice[:, None], probs, 0.0), axis=1)
+    store_routing(choice, weight, rows, row_ok, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr, CLASSES)
+
+
+@triton.jit
+def class_biases(bias_ptr, CLASSES: tl.constexpr, BC: tl.constexpr):
+    """The balancing biases as [BC] (0 past CLASSES): a weight, loadable before any wait."""
+    c = tl.arange(0, BC)
+    return tl.load(bias_ptr + c, mask=c < CLASSES, other=0.0)
+
+
+@triton.jit
+def routed(choice, weight, CLASSES: tl.constexpr):
+    """(expert id int64, expert weight, skip weight) of a class choice and its probability: the last class is the MOD
+    skip, which runs expert 0 at weight 0 and carries its probability as the skip weight."""
     skip = choice == CLASSES - 1
+    return tl.where(skip, 0, choice).to(tl.int64), tl.where(skip, 0.0, weight), tl.where(skip, weight, 0.0)
+
+
+@triton.jit
+def store_routing(choice, weight, rows, row_ok, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr,
+                  CLASSES: tl.constexpr):
+    """Store the Routing's outputs of `rows` (`routed`'s mapping of their choices)."""
+    expert, expert_weight, skip_weight = routed(choice, weight, CLASSES)
     tl.store(choice_ptr + rows, choice.to(tl.int64), mask=row_ok)
     tl.store(weight_ptr + rows, weight, mask=row_ok)
-    tl.store(ids_ptr + rows, tl.where(skip, 0, choice).to(tl.int64), mask=row_ok)
-    tl.store(expert_w_ptr + rows, tl.where(skip, 0.0, weight), mask=row_ok)
-    tl.store(skip_w_ptr + rows, tl.where(skip, weight, 0.0), mask=row_ok)
+    tl.store(ids_ptr + rows, expert, mask=row_ok)
+    tl.store(expert_w_ptr + rows, expert_weight, mask=row_ok)
+    tl.store(skip_w_ptr + rows, skip_weight, mask=row_ok)
 
 
 @triton.jit
