@@ -21,8 +21,10 @@ blocks therefore overlap by P - 1 tokens (none when every row has one token): pr
 block, head) loads all of the old state before a barrier and stores the new one after it. In the columns form
 several programs read the head's window, so each bumps the (token block, head) arrival counter after its reads
 (acq_rel); the last to arrive writes the new window and the page footers, and resets the counter to 0 so that the
-next call (and every CUDA-graph replay) starts from zero (ops/triton/counters.py). Page footers are stored from
-values loaded before the new window is written.
+next call (and every CUDA-graph replay) starts from zero (ops/triton/counters.py). Every program loads what the
+stores take (old window columns, projection rows) before its arrival, so that the last one's stores follow the
+arrival without an L2 round trip of their own. Page footers are stored from values loaded before the new window is
+written.
 
 With `to_cache` (ops.conv.cca_conv_to_cache, what the model runs) the kernel also does the q/k normalisation, RoPE
 and the K/V cache write (ops/triton/zaya_qk.py) instead of returning q, k and v: the program that writes a head's
@@ -250,22 +252,29 @@ def _head_mix(proj_ptr, proj_s0, tok, g, cols, ok2, HQ: tl.constexpr, HK: tl.con
 
 
 @triton.jit
-def _write_windows(g, tok, local, start, seq, mine, starter, end, out_slot, keep_final, slot, init, proj_ptr,
-                   proj_s0, conv_ptr, cs0, cs1, cs2, cfoot_ptr, cf0, cf1, cf2, pos_ptr, pt_ptr, pt_s0, page_size,
-                   D: tl.constexpr, P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
-                   HAS_FOOTER: tl.constexpr, HAS_VERIFY: tl.constexpr):
-    """Head g's page footers (the window after each page's last token), the new window of every row whose first
-    token is in this block (verify rows: the window after each token, into its slot instead); all reads of the old
-    window come before the first store to it."""
+def _window_lanes(g, D: tl.constexpr, P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Head g's window as 3-D views (tokens x window columns x channels): (column p, p in range, channel, channel in
+    range)."""
     d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    # 3-D views: tokens x window columns x channels.
     p = tl.arange(0, BLOCK_P)[None, :, None]
-    p_ok = p < P
+    return p, p < P, (g * D + d)[None, None, :], (d < D)[None, None, :]
+
+
+@triton.jit
+def _window_values(g, tok, local, start, seq, mine, starter, end, out_slot, slot, init, proj_ptr, proj_s0, conv_ptr,
+                   cs0, cs1, cs2, pos_ptr, pt_ptr, pt_s0, page_size, D: tl.constexpr, P: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, HAS_FOOTER: tl.constexpr,
+                   HAS_VERIFY: tl.constexpr):
+    """What `_store_windows` stores for head g, loaded: (page footers: the window after each page's last token,
+    the window after each token of a verify row, the new window of every row whose first token is in this block,
+    the footer tokens and their pages); None where the kind is off. Every program of the columns form loads them
+    before its arrival (any of them may be the last): after it they would be an L2 round trip of their own on a
+    decode step's critical path. The old window is only overwritten after every program has arrived."""
+    p, p_ok, ch3, ok3 = _window_lanes(g, D, P, BLOCK_D, BLOCK_P)
     start3, slot3, init3 = start[:, None, None], slot[:, None, None], init[:, None, None]
-    ch3, ok3 = (g * D + d)[None, None, :], d_ok[None, None, :]
     # The window after token t: raw rows t - P + 1 .. t (column p = row t - (P - 1 - p)).
     after = local[:, None, None] - (P - 1 - p)
+    footer, each, is_end, page = None, None, None, None
     if HAS_FOOTER:  # after a page's last token
         is_end, page = _page_ends(tok, seq, mine, pos_ptr, pt_ptr, pt_s0, page_size)
         footer = _raw(proj_ptr, proj_s0, conv_ptr, cs0, cs1, cs2, start3, after, slot3, init3,
@@ -277,13 +286,26 @@ def _write_windows(g, tok, local, start, seq, mine, starter, end, out_slot, keep
     back = (end - start)[:, None, None] - P + p
     window = _raw(proj_ptr, proj_s0, conv_ptr, cs0, cs1, cs2, start3, back, slot3, init3,
                   starter[:, None, None] & p_ok, ch3, ok3, P)
-    tl.debug_barrier()  # every read of the old window above happens before it is overwritten below
-    if HAS_FOOTER:  # after the loads above, which the compiler would not move above a store
+    return footer, each, window, is_end, page
+
+
+@triton.jit
+def _store_windows(g, values, mine, starter, out_slot, keep_final, slot, conv_ptr, cs0, cs1, cs2, cfoot_ptr, cf0,
+                   cf1, cf2, D: tl.constexpr, P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+                   HAS_FOOTER: tl.constexpr, HAS_VERIFY: tl.constexpr):
+    """Store head g's `values` (`_window_values`): page footers, the rows' new windows (verify rows: the window
+    after each token, into its slot instead)."""
+    footer, each, window, is_end, page = values
+    p, p_ok, ch3, ok3 = _window_lanes(g, D, P, BLOCK_D, BLOCK_P)
+    slot3 = slot[:, None, None]
+    tl.debug_barrier()  # every thread's reads of the old window happen before it is overwritten below
+    if HAS_FOOTER:
         tl.store(cfoot_ptr + page[:, None, None] * cf0 + ch3 * cf1 + p * cf2, footer.to(cfoot_ptr.dtype.element_ty),
                  mask=is_end[:, None, None] & p_ok & ok3)
     tl.store(conv_ptr + slot3 * cs0 + ch3 * cs1 + p * cs2, window.to(conv_ptr.dtype.element_ty),
              mask=(starter & keep_final)[:, None, None] & p_ok & ok3)
     if HAS_VERIFY:
+        has_out = (mine & (out_slot >= 0))[:, None, None] & p_ok
         tl.store(conv_ptr + out_slot[:, None, None] * cs0 + ch3 * cs1 + p * cs2, each.to(conv_ptr.dtype.element_ty),
                  mask=has_out & ok3)
 
@@ -328,6 +350,9 @@ def _conv_head(g, cb, pid, num_tokens, proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr
     acc += bias.to(tl.float32)[None, :]
     acc += mix
     tl.store(qk_out_ptr + (tok[:, None] * (HQ + HK) + g) * D + cols[None, :], acc, mask=ok2)
+    windows = _window_values(g, tok, local, start, seq, mine, starter, end, out_slot, slot, init, proj_ptr, proj_s0,
+                             conv_ptr, cs0, cs1, cs2, pos_ptr, pt_ptr, pt_s0, page_size, D, P, BLOCK_D, BLOCK_P,
+                             HAS_FOOTER, HAS_VERIFY)
     last = True  # the heads form: this program is the head's only one
     if COLUMNS:
         tl.debug_barrier()  # every thread's reads of the old window precede the release below
@@ -335,9 +360,8 @@ def _conv_head(g, cb, pid, num_tokens, proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr
         arrived = tl.atomic_add(counter, 1, sem="acq_rel")
         last = arrived == (D + BLOCK_O - 1) // BLOCK_O - 1  # the head's other column blocks are done with it
     if last:
-        _write_windows(g, tok, local, start, seq, mine, starter, end, out_slot, keep_final, slot, init, proj_ptr,
-                       proj_s0, conv_ptr, cs0, cs1, cs2, cfoot_ptr, cf0, cf1, cf2, pos_ptr, pt_ptr, pt_s0, page_size,
-                       D, P, BLOCK_D, BLOCK_P, HAS_FOOTER, HAS_VERIFY)
+        _store_windows(g, windows, mine, starter, out_slot, keep_final, slot, conv_ptr, cs0, cs1, cs2, cfoot_ptr, cf0,
+                       cf1, cf2, D, P, BLOCK_D, BLOCK_P, HAS_FOOTER, HAS_VERIFY)
         if TO_CACHE:
             tl.debug_barrier()  # the heads form: every thread's stores of the rows precede their reads below
             kv_row = tl.load(kv_slot_ptr + tok, mask=mine, other=0)
