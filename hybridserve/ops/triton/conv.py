@@ -267,14 +267,18 @@ def _window_values(g, tok, local, start, seq, mine, starter, end, out_slot, slot
                    HAS_VERIFY: tl.constexpr):
     """What `_store_windows` stores for head g, loaded: (page footers: the window after each page's last token,
     the window after each token of a verify row, the new window of every row whose first token is in this block,
-    the footer tokens and their pages); None where the kind is off. Every program of the columns form loads them
+    the footer tokens and their pages); the window itself where a kind is off. Every program of the columns form loads them
     before its arrival (any of them may be the last): after it they would be an L2 round trip of their own on a
     decode step's critical path. The old window is only overwritten after every program has arrived."""
     p, p_ok, ch3, ok3 = _window_lanes(g, D, P, BLOCK_D, BLOCK_P)
     start3, slot3, init3 = start[:, None, None], slot[:, None, None], init[:, None, None]
+    # The row's new window: raw rows S - P .. S - 1 of the chunk (older ones from the old window).
+    back = (end - start)[:, None, None] - P + p
+    window = _raw(proj_ptr, proj_s0, conv_ptr, cs0, cs1, cs2, start3, back, slot3, init3,
+                  starter[:, None, None] & p_ok, ch3, ok3, P)
+    footer, each, is_end, page = window, window, starter, slot  # (placeholders where the kind is off)
     # The window after token t: raw rows t - P + 1 .. t (column p = row t - (P - 1 - p)).
     after = local[:, None, None] - (P - 1 - p)
-    footer, each, is_end, page = None, None, None, None
     if HAS_FOOTER:  # after a page's last token
         is_end, page = _page_ends(tok, seq, mine, pos_ptr, pt_ptr, pt_s0, page_size)
         footer = _raw(proj_ptr, proj_s0, conv_ptr, cs0, cs1, cs2, start3, after, slot3, init3,
@@ -282,10 +286,6 @@ def _window_values(g, tok, local, start, seq, mine, starter, end, out_slot, slot
     if HAS_VERIFY:  # after each token of a verify row, for its own slot
         has_out = (mine & (out_slot >= 0))[:, None, None] & p_ok
         each = _raw(proj_ptr, proj_s0, conv_ptr, cs0, cs1, cs2, start3, after, slot3, init3, has_out, ch3, ok3, P)
-    # The row's new window: raw rows S - P .. S - 1 of the chunk (older ones from the old window).
-    back = (end - start)[:, None, None] - P + p
-    window = _raw(proj_ptr, proj_s0, conv_ptr, cs0, cs1, cs2, start3, back, slot3, init3,
-                  starter[:, None, None] & p_ok, ch3, ok3, P)
     return footer, each, window, is_end, page
 
 
