@@ -24,8 +24,8 @@ from hybridserve.layers.weights import (
     weight_parameter,
     weight_target,
 )
-from hybridserve.ops.linear import linear, linear_residual_norm
-from hybridserve.ops.norm import ResidualNorm
+from hybridserve.ops.linear import linear, linear_residual_norm, takes_pending
+from hybridserve.ops.norm import PendingNorm, ResidualNorm
 
 
 class ReplicatedLinear(nn.Module):
@@ -89,8 +89,13 @@ class MergedColumnParallelLinear(nn.Module):
             check_shape(target.shape, shard)
             target.copy_(shard)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
+        """x, or the PendingNorm whose h it is (finished in the product's launch where `takes_pending`)."""
         return linear(x, self.weight, self.bias, fp8_scales(self.weight))
+
+    def takes_pending(self, tokens: int) -> bool:
+        """Whether `forward` of a PendingNorm of `tokens` rows finishes it in its own launch (ops.linear)."""
+        return takes_pending(tokens, self.weight, fp8_scales(self.weight))
 
 
 class RowParallelLinear(nn.Module):

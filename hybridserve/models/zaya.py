@@ -33,7 +33,7 @@ from hybridserve.models.zaya_config import ZayaConfig
 from hybridserve.ops import backends
 from hybridserve.ops.attention import paged_attention
 from hybridserve.ops.conv import cca_conv_to_cache
-from hybridserve.ops.norm import ResidualNorm, residual_rms_norm
+from hybridserve.ops.norm import PendingNorm, ResidualNorm, residual_rms_norm
 from hybridserve.ops.qk_cache import QKCache
 from hybridserve.ops.zaya_router import Routing, eda_route, fuses_residual_norm, residual_norm_route
 
@@ -73,9 +73,10 @@ class CCAProjection(nn.Module):
         self.conv_qk_depthwise = ConvWeights(channels, 1, config.cca_time0, rows)
         self.conv_qk_grouped = ConvWeights(channels, d, config.cca_time1, rows)
 
-    def forward(self, h: torch.Tensor, batch: ForwardBatch, state: dict[str, torch.Tensor],
+    def forward(self, h: torch.Tensor | PendingNorm, batch: ForwardBatch, state: dict[str, torch.Tensor],
                 page_state: dict[str, torch.Tensor], cache: QKCache) -> torch.Tensor:
-        """`state`: the per-request slots; `page_state`: per-page footers to fill (empty without prefix caching);
+        """h: the layer's normed input, or the PendingNorm that makes it (finished in the projection's launch);
+        `state`: the per-request slots; `page_state`: per-page footers to fill (empty without prefix caching);
         `cache`: the q/k normalisation and the KV cache that K and V go to. -> q, normalised and rotated."""
         bias = self.qkvv_proj.bias
         return cca_conv_to_cache(self.qkvv_proj(h), self.conv_qk_depthwise.weight, self.conv_qk_depthwise.bias,
@@ -132,9 +133,9 @@ class CCAAttention(nn.Module):
         self.state: dict[str, torch.Tensor] = {}
         self.page_state: dict[str, torch.Tensor] = {}
 
-    def forward(self, h: torch.Tensor, batch: ForwardBatch, norm: ResidualNorm | None = None):
-        """-> the attention output (the residual update), or with `norm` its (x, h, h32) (o_proj's kernel may run
-        it)."""
+    def forward(self, h: torch.Tensor | PendingNorm, batch: ForwardBatch, norm: ResidualNorm | None = None):
+        """h: the normed input, or its PendingNorm. -> the attention output (the residual update), or with `norm`
+        its (x, h, h32) (o_proj's kernel may run it)."""
         # A sliding layer's KV lives in the window group (its own pages and table), when the caches have one.
         kv_batch = batch if self.sliding_window is None else batch.window_view()
         q = self.qkv_proj(h, batch, self.state, self.page_state, QKCache(
@@ -155,10 +156,12 @@ class ResidualScaling(nn.Module):
         self.residual_scale = new_parameter(hidden_size)
         self.residual_bias = new_parameter(hidden_size)
 
-    def of(self, residual: torch.Tensor, norm: RMSNorm, fp32_copy: bool = False) -> ResidualNorm:
-        """The update of `residual` followed by `norm` (and an fp32 copy of its output if asked)."""
+    def of(self, residual: torch.Tensor, norm: RMSNorm, fp32_copy: bool = False,
+           h_pending: bool = False) -> ResidualNorm:
+        """The update of `residual` followed by `norm` (and an fp32 copy of its output if asked; `h_pending`: its
+        reader takes a PendingNorm)."""
         return ResidualNorm(norm.weight, norm.eps, residual, self.hidden_states_bias, self.hidden_states_scale,
-                            self.residual_bias, self.residual_scale, fp32_copy=fp32_copy)
+                            self.residual_bias, self.residual_scale, fp32_copy=fp32_copy, h_pending=h_pending)
 
 
 class RouterMLP(nn.Module):
@@ -244,13 +247,14 @@ class ZayaDecoderLayer(nn.Module):
         self.mlp = ZayaMoE(config, layer_idx, quant.child("mlp"))
         self.post_mlp_residual_scale = ResidualScaling(config.hidden_size)
 
-    def forward(self, x: torch.Tensor, h: torch.Tensor, carry: torch.Tensor | None, batch: ForwardBatch,
-                next_norm: RMSNorm):
-        """x: the fp32 residual; h: input_layernorm(x), computed by the step before. Returns the new residual, its
-        `next_norm` (the next layer's input norm, or the final norm) and the router carry."""
+    def forward(self, x: torch.Tensor, h: torch.Tensor | PendingNorm, carry: torch.Tensor | None,
+                batch: ForwardBatch, next_norm: RMSNorm, h_pending: bool = False):
+        """x: the fp32 residual; h: input_layernorm(x) (or its PendingNorm), computed by the layer before. Returns
+        the new residual, its `next_norm` (the next layer's input norm, or the final norm; `h_pending`: left to the
+        next layer's projection where the experts' launch can) and the router carry."""
         attention_norm = self.post_attention_residual_scale.of(x, self.post_attention_layernorm, fp32_copy=True)
         router = self.mlp.gate
-        tokens = h.shape[0]
+        tokens = x.shape[0]
         if router.normalises(tokens):  # the router's first launch runs the norm (o_proj's launch then ends sooner)
             # and, where the experts' launches can make the class selection, the router leaves it to them
             (x, h2), route = router.after_norm(self.self_attn(h, batch), attention_norm, carry,
@@ -258,7 +262,11 @@ class ZayaDecoderLayer(nn.Module):
         else:
             x, h2, h2_32 = self.self_attn(h, batch, attention_norm)
             route = router(h2_32, carry)
-        return self.mlp(h2, route, self.post_mlp_residual_scale.of(x, next_norm))
+        return self.mlp(h2, route, self.post_mlp_residual_scale.of(x, next_norm, h_pending=h_pending))
+
+    def takes_pending(self, tokens: int) -> bool:
+        """Whether this layer's input projection finishes a PendingNorm of `tokens` rows in its own launch."""
+        return self.self_attn.qkv_proj.qkvv_proj.takes_pending(tokens)
 
 
 class ZayaModel(nn.Module):
@@ -279,8 +287,12 @@ class ZayaModel(nn.Module):
                                     update_bias=self.input_hidden_states_bias,
                                     update_scale=self.input_hidden_states_scale)
         carry = None
-        for layer, next_norm in zip(self.layers, norms[1:]):
-            x, h, carry = layer(x, h, carry, batch, next_norm)
+        tokens = x.shape[0]
+        for i, (layer, next_norm) in enumerate(zip(self.layers, norms[1:])):
+            # The next layer's input norm is finished in its q|k|v|v launch where that launch can (the final one
+            # is the model's output: never pending).
+            pending = i + 1 < len(self.layers) and self.layers[i + 1].takes_pending(tokens)
+            x, h, carry = layer(x, h, carry, batch, next_norm, pending)
         return h
 
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridserve.core.quant import Fp8Scales, linear_weight_only
+from hybridserve.core.quant import WEIGHT_ONLY_MAX_ROWS, Fp8Scales, linear_weight_only
 from hybridserve.ops import backends
-from hybridserve.ops.norm import ResidualNorm
+from hybridserve.ops.norm import PendingNorm, ResidualNorm
 from hybridserve.ops.reference import fp8 as fp8_reference
 
 
@@ -36,15 +36,35 @@ def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.numel() * weight.element_size() <= kernel.FASTER_UP_TO_WEIGHT_BYTES
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch.Tensor | None = None,
            fp8: Fp8Scales | None = None) -> torch.Tensor:
-    """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N] (`fp8`: the e4m3 weight's scales and scheme)."""
+    """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N] (`fp8`: the e4m3 weight's scales and scheme). x may
+    be a PendingNorm: the product of its h, made in the GEMV kernel's launch where `takes_pending` (else in torch
+    first)."""
+    if isinstance(x, PendingNorm):
+        if takes_pending(x.shape[0], weight, fp8) and (fp8 is not None or x.norm_weight.dtype == weight.dtype):
+            from hybridserve.ops.triton import linear as kernel
+            return kernel.linear(x, weight, bias, fp8=fp8)
+        x = x.h()
     if fp8 is not None:
         return _fp8_linear(x, weight, bias, fp8)
     if _takes_gemv(x, weight):
         from hybridserve.ops.triton import linear as kernel
         return kernel.linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def takes_pending(tokens: int, weight: torch.Tensor, fp8: Fp8Scales | None = None) -> bool:
+    """Whether `linear` of a PendingNorm of `tokens` rows finishes its norm in the GEMV kernel's launch (where that
+    kernel runs the product): a producer should leave h pending only then. Host-known sizes only."""
+    if weight.dim() != 2 or not weight.is_contiguous() or not 0 < tokens:
+        return False
+    if fp8 is not None:
+        return backends.use_triton("fp8_linear", weight.device) and tokens <= WEIGHT_ONLY_MAX_ROWS
+    from hybridserve.ops.triton import linear as kernel
+    return (weight.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and backends.use_triton("linear", weight.device) and tokens <= kernel.FASTER_UP_TO_TOKENS
+            and weight.numel() * weight.element_size() <= kernel.FASTER_UP_TO_WEIGHT_BYTES)
 
 
 def _fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: Fp8Scales) -> torch.Tensor:

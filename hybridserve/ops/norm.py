@@ -9,6 +9,8 @@ term added to the routed update); a plain pre-norm residual add is the form with
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from hybridserve.ops import backends
@@ -41,7 +43,36 @@ class ResidualNorm(ResidualNormArgs):
     same bits in 16-bit dtypes; fp32, whose update nothing rounds, may differ by where the compiler places FMAs)."""
 
     def __call__(self, update: torch.Tensor):
-        """-> (x fp32, h, h as fp32 or None), as `residual_rms_norm`."""
+        """-> (x fp32, h, h as fp32 or None), as `residual_rms_norm` (h a tensor even where `h_pending` allows a
+        PendingNorm)."""
         return residual_rms_norm(update, self.norm_weight, self.eps, self.residual, self.update_bias,
                                  self.update_scale, self.residual_bias, self.residual_scale, self.skip_weight,
                                  self.skip_input, self.fp32_copy)
+
+
+@dataclass(frozen=True)
+class PendingNorm:
+    """The RMSNorm half of a `ResidualNorm` whose update is done (`h_pending`): x, the new fp32 residual, is stored,
+    and each row's sum of squares as partial sums, one per program of the launch that made x. The projection that
+    reads h finishes it in its own launch (`ops.linear.linear` takes it as its input), so the launch that made x ends
+    without a last program's norm on a decode step's critical path; `h()` finishes it in torch for any other reader.
+    The statistics and roundings are `residual_rms_norm`'s; only the sum's order differs."""
+    x: torch.Tensor  # [T, H] fp32
+    sum_squares: torch.Tensor  # [T, P] fp32: the partial sums of x^2 over H
+    norm_weight: torch.Tensor  # [H]
+    eps: float
+
+    @property
+    def shape(self) -> torch.Size:
+        """h's shape."""
+        return self.x.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """h's dtype."""
+        return self.norm_weight.dtype
+
+    def h(self) -> torch.Tensor:
+        """h = norm_weight * to_dtype(x / sqrt(mean(x^2) + eps)), in norm_weight's dtype."""
+        rstd = torch.rsqrt(self.sum_squares.sum(-1, keepdim=True) / self.x.shape[-1] + self.eps)
+        return self.norm_weight * (self.x * rstd).to(self.norm_weight.dtype)

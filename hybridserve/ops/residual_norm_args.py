@@ -22,7 +22,12 @@ class ResidualNormArgs:
     skip_weight: torch.Tensor | None = None
     skip_input: torch.Tensor | None = None
     fp32_copy: bool = False
+    # The reader of h takes an `ops.norm.PendingNorm` in its place: a kernel that can may store x and the rows' sums
+    # of squares and leave h to that reader's launch.
+    h_pending: bool = False
 
     def __post_init__(self):
         if (self.skip_weight is None) != (self.skip_input is None):
             raise ValueError("skip_weight and skip_input come together")
+        if self.h_pending and self.fp32_copy:
+            raise ValueError("a pending h has no fp32 copy")

@@ -17,6 +17,9 @@ into FMAs (measured on the H200: ulp-level differences), so 1e-6 relative there 
 """
 from __future__ import annotations
 
+from dataclasses import replace
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,7 +29,7 @@ from tests.ops.conftest import DEVICE, KERNEL_DTYPES, ON_GPU
 from hybridserve.ops import backends
 from hybridserve.ops import linear as linear_op
 from hybridserve.ops import moe as moe_op
-from hybridserve.ops.norm import ResidualNorm
+from hybridserve.ops.norm import PendingNorm, ResidualNorm
 from hybridserve.ops.reference import moe as reference
 from hybridserve.ops.triton import linear as linear_kernel
 from hybridserve.ops.triton import norm as norm_kernel
@@ -344,6 +347,92 @@ def test_entry_points_with_a_norm_equal_the_norm_after() -> None:
     norm = _residual_norm(2, 32, dtype, seed=30, skip=True, fp32_copy=False)
     _assert_same(moe_op.fused_experts_residual_norm(x, w13, w2, ids, weights, norm),
                  norm(moe_op.fused_experts(x, w13, w2, ids, weights)), True)
+
+
+# ----------------------------------------------------------------------------------------------------- pending norm
+
+
+def _pending(tokens: int, width: int, parts: int, dtype: torch.dtype, seed: int) -> PendingNorm:
+    """A PendingNorm of random fp32 residual rows, their sums of squares cut into `parts` column blocks."""
+    x = _randn(tokens, width, seed=seed, dtype=torch.float32, scale=3.0)
+    sums = torch.stack([block.sum(1) for block in torch.tensor_split(x * x, parts, dim=1)], 1)
+    weight = (1 + 0.1 * _randn(width, seed=seed + 1, dtype=torch.float32)).to(dtype)
+    return PendingNorm(x, sums.contiguous(), weight, 1e-6)
+
+
+def _assert_h_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """h made from other partial sums than `want`'s: rstd moves by fp32 ulps, which may move a rounding of h by
+    one unit of its dtype (fp32: 1e-6 relative)."""
+    bits = MANTISSA_BITS.get(want.dtype, 20)
+    torch.testing.assert_close(got, want, rtol=2.0 ** -bits, atol=2.0 ** -bits * want.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("tokens, k, parts, config", [
+    (1, 40, 5, Tiles(1, 8, 16, 2)),  # a pipelined loop of ragged K chunks, ragged rows
+    (3, 64, 8, Tiles(4, 4, 64, 1)),  # one chunk, masked token lanes
+    (2, 48, 3, None),  # the default tiles
+])
+def test_linear_finishes_a_pending_norm(tokens, k, parts, config, dtype) -> None:
+    """The GEMV launch given a PendingNorm makes its h on the way (rstd from the partial sums, the norm's two
+    roundings): what it gives for the h that PendingNorm.h() makes, up to a rounding of h moved by the sum's order
+    (of the products' magnitudes: 2^-mantissa of h's dtype)."""
+    pending = _pending(tokens, k, parts, dtype, seed=40)
+    w = _randn(20, k, seed=41, dtype=dtype, scale=k ** -0.5)
+    bias = _randn(20, seed=42, dtype=dtype)
+    got = linear_kernel.linear(pending, w, bias, config)
+    h = pending.h()
+    want = linear_kernel.linear(h, w, bias, config)
+    assert got.dtype == dtype and got.shape == (tokens, 20)
+    bound = 2.0 ** -MANTISSA_BITS.get(dtype, 20) * (h.double().abs() @ w.double().abs().T).max().item()
+    assert (got.double() - want.double()).abs().max().item() <= bound + 1e-5 * want.double().abs().max().item()
+
+
+def test_linear_rejects_a_bad_pending_norm() -> None:
+    pending = _pending(2, 16, 2, torch.float32, seed=43)
+    w = _randn(8, 16, seed=44, dtype=torch.float32)
+    with pytest.raises(ValueError, match="pending norm"):
+        linear_kernel.linear(replace(pending, x=pending.x.half()), w)
+    with pytest.raises(ValueError, match="pending norm"):
+        linear_kernel.linear(replace(pending, sum_squares=pending.sum_squares[:1]), w)
+    with pytest.raises(ValueError, match="x is torch.float16"):
+        linear_kernel.linear(replace(pending, norm_weight=pending.norm_weight.half()), w)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("table, weights", [
+    ([[2]], [[0.7]]),  # one token, top-1
+    ([[0], [3], [1]], [[0.0], [0.4], [0.9]]),  # a MOD skip token: its x is the skip term and the residual
+])
+def test_experts_leave_a_pending_norm(table, weights, dtype) -> None:
+    """With `h_pending` the down launch stores x (each program its columns) and each program's sum of squares:
+    x is the standalone norm kernel's, and the PendingNorm's h its h up to a rounding moved by the sum's order."""
+    ids = _ids(table)
+    w13, w2 = _experts(4, 40, 24, dtype, seed=45)
+    x = _randn(ids.shape[0], 40, seed=46, dtype=dtype)
+    weight = torch.tensor(weights, device=DEVICE)
+    config = (Tiles(1, 16, 16, 2), Tiles(1, 16, 16, 2))  # three down programs a row, the last one ragged
+    norm = _residual_norm(ids.shape[0], 40, dtype, seed=47, skip=True, fp32_copy=False)
+    want_x, want_h, _ = _standalone(norm, moe_gemv.fused_experts(x, w13, w2, ids, weight, config=config))
+    got_x, pending, copy = moe_gemv.fused_experts(x, w13, w2, ids, weight, config=config,
+                                                  norm=replace(norm, h_pending=True))
+    assert copy is None and isinstance(pending, PendingNorm) and pending.x is got_x
+    assert pending.sum_squares.shape == (ids.shape[0], 3)
+    if _exact(dtype):
+        assert torch.equal(got_x, want_x)
+    else:
+        torch.testing.assert_close(got_x, want_x, rtol=1e-6, atol=1e-6 * want_x.abs().max().item())
+    torch.testing.assert_close(pending.sum_squares.sum(1), (got_x * got_x).sum(1), rtol=1e-6, atol=0)
+    _assert_h_close(pending.h(), want_h)
+
+
+def test_ops_linear_finishes_a_pending_norm_where_the_kernel_cannot() -> None:
+    """ops.linear on the reference path (CPU, no kernels) takes a PendingNorm as its h; `takes_pending` says no."""
+    pending = _pending(2, 16, 4, torch.float32, seed=48)
+    w = _randn(8, 16, seed=49, dtype=torch.float32)
+    with mock.patch.object(backends, "use_triton", lambda op, device: False):
+        assert not linear_op.takes_pending(2, w)
+        assert torch.equal(linear_op.linear(pending, w), F.linear(pending.h(), w))
 
 
 # ----------------------------------------------------------------------------------------------------- entry points

@@ -26,7 +26,7 @@ import torch
 
 from tests.ops.conftest import DEVICE, KERNEL_DTYPES, ON_GPU
 from tests.ops.fp8_cases import BLOCK, MANTISSA_BITS, SCHEMES, gemm_config, nan_padded
-from tests.ops.test_decode_gemv_kernel import _assert_same, _exact, _residual_norm, _standalone
+from tests.ops.test_decode_gemv_kernel import _assert_same, _exact, _pending, _residual_norm, _standalone
 from hybridserve.core.quant import FP8_DTYPE, FP8_MAX, WEIGHT_ONLY_MAX_ROWS, Fp8Scales, Fp8Scheme, dequantize
 from hybridserve.ops import backends
 from hybridserve.ops import linear as linear_op
@@ -244,6 +244,20 @@ def test_norm_epilogue_equals_the_norm_kernel(scheme: str, dtype: torch.dtype) -
     norm = _residual_norm(3, 40, dtype, seed=10, skip=True, fp32_copy=True)
     want = _standalone(norm, gemv_linear.linear(x, weight, config=config, fp8=fp8))
     _assert_same(gemv_linear.linear(x, weight, config=config, norm=norm, fp8=fp8), want, _exact(dtype))
+
+
+@pytest.mark.parametrize("scheme", ["channel/token", "block/group"])
+def test_gemv_finishes_a_pending_norm(scheme: str) -> None:
+    """An FP8 projection of a PendingNorm's h, made in the GEMV launch (the word path reads each x lane with its
+    norm weight): what it gives for PendingNorm.h(), up to fp32 sum-order differences."""
+    scheme = SCHEMES[scheme]
+    weight, scale = _weight(40, 256, scheme, seed=12)
+    fp8 = _scales(scheme, scale)
+    pending = _pending(3, 256, 4, torch.float32, seed=13)
+    config = Tiles(4, 8, 128, 2)
+    want = gemv_linear.linear(pending.h(), weight, config=config, fp8=fp8)
+    got = gemv_linear.linear(pending, weight, config=config, fp8=fp8)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 def test_entry_points_switch(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from hybridserve.core.quant import Fp8Scales
 from hybridserve.ops.triton.fp8_quant import JIT_SCALE_BLOCK, SCALE_BLOCK, block_stride, check_scales, check_scheme
+from hybridserve.ops.triton.norm import pending_rstd, rms_normed
 from hybridserve.ops.triton.pdl import prefetch_rows, wait_for_previous
 from hybridserve.ops.triton.sizes import cdiv, next_power_of_2
 
@@ -111,9 +112,22 @@ def e4m3_pairs(words):
 
 
 @triton.jit
-def _shifted(x_ptrs, mask):
-    """x as fp32 times X_SHIFT (exact: a power of two, for |x| < 2^64), the word path's half of 2^120."""
-    return tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32) * X_SHIFT
+def _x_values(x_ptrs, mask, offsets, x_norm, NORM_BLOCK: tl.constexpr):
+    """x at `x_ptrs` as fp32; with NORM_BLOCK, x is a PendingNorm's fp32 residual and this is its h (`x_norm`:
+    (rstd [BT], the norm weight's pointer), `offsets` the K offsets, [1, chunk]), as `norm.residual_norm_rows`
+    rounds it."""
+    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if NORM_BLOCK > 0:
+        rstd, nw_ptr = x_norm
+        w = tl.load(nw_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        x = rms_normed(x, rstd, w, nw_ptr.dtype.element_ty).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _shifted(x_ptrs, mask, offsets, x_norm, NORM_BLOCK: tl.constexpr):
+    """x (`_x_values`) times X_SHIFT (exact: a power of two, for |x| < 2^64), the word path's half of 2^120."""
+    return _x_values(x_ptrs, mask, offsets, x_norm, NORM_BLOCK) * X_SHIFT
 
 
 @triton.jit
@@ -168,25 +182,27 @@ def _weight_chunk(w_rows, w_words, row_ok, k0, K, SUB: tl.constexpr, LANES: tl.c
 
 
 @triton.jit
-def _chunk_products(raw, x_rows, token_ok, k0, K, scale, SUB: tl.constexpr, LANES: tl.constexpr,
-                    WORDS: tl.constexpr, EVEN_K: tl.constexpr, W_SCALES: tl.constexpr, ROW_BLOCKS: tl.constexpr):
-    """[BT, BN, LANES] fp32 products of the tokens' x at K offset k0 with the chunk's raw weights (`_weight_chunk`),
-    times the chunk's block scale where W_SCALES is "block" (`dot_rows`)."""
+def _chunk_products(raw, x_rows, token_ok, k0, K, scale, x_norm, SUB: tl.constexpr, LANES: tl.constexpr,
+                    WORDS: tl.constexpr, EVEN_K: tl.constexpr, W_SCALES: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+                    NORM_BLOCK: tl.constexpr):
+    """[BT, BN, LANES] fp32 products of the tokens' x (`_x_values`) at K offset k0 with the chunk's raw weights
+    (`_weight_chunk`), times the chunk's block scale where W_SCALES is "block" (`dot_rows`)."""
     offsets = _chunk_offsets(k0, SUB, LANES, WORDS)
     if WORDS:
         x_ok = _k_mask(token_ok, offsets, K // 4, EVEN_K)
         lanes = e4m3_pairs(raw)
         x_words = x_rows + 4 * offsets[None, :]
-        piece = _shifted(x_words, x_ok)[:, None, :] * lanes[0][None, :, :]
+        piece = _shifted(x_words, x_ok, 4 * offsets[None, :], x_norm, NORM_BLOCK)[:, None, :] * lanes[0][None, :, :]
         for lane in tl.static_range(1, 4):
-            piece += _shifted(x_words + lane, x_ok)[:, None, :] * lanes[lane][None, :, :]
+            piece += _shifted(x_words + lane, x_ok, 4 * offsets[None, :] + lane, x_norm,
+                              NORM_BLOCK)[:, None, :] * lanes[lane][None, :, :]
         if W_SCALES == "block" and ROW_BLOCKS == 1:
             piece = piece * (scale * SUM_SHIFT)
         elif W_SCALES == "block":
             piece = piece * (scale * SUM_SHIFT)[None, :, :]
     else:
         x_ok = _k_mask(token_ok, offsets, K, EVEN_K)
-        x = tl.load(x_rows + offsets[None, :], mask=x_ok, other=0.0).to(tl.float32)
+        x = _x_values(x_rows + offsets[None, :], x_ok, offsets[None, :], x_norm, NORM_BLOCK)
         w = raw.to(tl.float32)
         if W_SCALES == "block":
             w = w * scale
@@ -197,7 +213,7 @@ def _chunk_products(raw, x_rows, token_ok, k0, K, scale, SUB: tl.constexpr, LANE
 @triton.jit
 def dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, stride_w, rows, row_ok, ws_ptr, stride_ws, K: tl.constexpr,
              BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, W_SCALES: tl.constexpr,
-             ROW_BLOCKS: tl.constexpr = 0, WAIT: tl.constexpr = False):
+             ROW_BLOCKS: tl.constexpr = 0, WAIT: tl.constexpr = False, pending=None, NORM_BLOCK: tl.constexpr = 0):
     """[BT, BN] fp32: sum over k < K of x[tokens, k] * w[rows, k] (rows `stride_x` / `stride_w` apart, unit K
     stride; masked tokens and rows give 0), products in fp32 accumulated per K lane and summed once at the end.
 
@@ -213,7 +229,12 @@ def dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, stride_w, rows, row_ok, w
     WAIT (programmatic dependent launch, ops/triton/pdl.py): x is the kernel before's output, w is no kernel's, so
     the weights' stream starts before `wait_for_previous`: a tile of one chunk and one piece (the common decode
     shape) is loaded into registers, streaming in while the kernel before finishes; a longer one has its first
-    bytes asked of L2 (`pdl.prefetch_rows`)."""
+    bytes asked of L2 (`pdl.prefetch_rows`).
+
+    NORM_BLOCK > 0: x is a PendingNorm's fp32 residual (ops/norm.py) and the product is taken with its h, made here
+    (`norm.rms_normed`): `pending` = (its sums of squares' pointer and row stride, their count a row (at most
+    NORM_BLOCK, a power of two), the norm weight's pointer, the norm's eps); each token's rstd is summed after the
+    wait, its loads issued with the first chunk's."""
     SUB: tl.constexpr = JIT_SCALE_BLOCK if W_SCALES == "block" and BK > JIT_SCALE_BLOCK else BK
     WORDS: tl.constexpr = W_SCALES != "" and K % 4 == 0 and stride_w % 4 == 0 and SUB % 4 == 0
     LANES: tl.constexpr = SUB // 4 if WORDS else SUB
@@ -235,6 +256,10 @@ def dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, stride_w, rows, row_ok, w
     elif WAIT:
         prefetch_rows(w_ptr, rows, row_ok, stride_w, K)
     wait_for_previous(WAIT)
+    x_norm = None
+    if NORM_BLOCK > 0:
+        sums_ptr, sums_s0, parts, nw_ptr, eps = pending
+        x_norm = (pending_rstd(sums_ptr, sums_s0, parts, tokens, token_ok, K, eps, NORM_BLOCK), nw_ptr)
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
         for sub in tl.static_range(0, BK, SUB):
             scale = 1.0
@@ -247,8 +272,8 @@ def dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, stride_w, rows, row_ok, w
                 if W_SCALES == "block":  # (a piece wholly past K has no scale block: its weights are masked zeros)
                     scale = _block_scales(ws_ptr, rows, row_ok, stride_ws, (k0 + sub) // JIT_SCALE_BLOCK,
                                           EVEN_K or k0 + sub < K, ROW_BLOCKS)
-            acc += _chunk_products(raw, x_rows, token_ok, k0 + sub, K, scale, SUB, LANES, WORDS, EVEN_K, W_SCALES,
-                                   ROW_BLOCKS)
+            acc += _chunk_products(raw, x_rows, token_ok, k0 + sub, K, scale, x_norm, SUB, LANES, WORDS, EVEN_K,
+                                   W_SCALES, ROW_BLOCKS, NORM_BLOCK)
     out = tl.sum(acc, axis=2)
     if W_SCALES == "row":
         scale = row_scale

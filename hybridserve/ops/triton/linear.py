@@ -23,12 +23,12 @@ import triton
 import triton.language as tl
 
 from hybridserve.core.quant import Fp8Scales
-from hybridserve.ops.norm import ResidualNorm
+from hybridserve.ops.norm import PendingNorm, ResidualNorm
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.counters import arrival_counters
 from hybridserve.ops.triton.gemv import Tiles, consecutive_row_blocks, dot_rows, fp8_args, min_chunk, tiles
 from hybridserve.ops.triton.norm import epilogue_args, prefetch_row_inputs, residual_norm_row
-from hybridserve.ops.triton.sizes import cdiv
+from hybridserve.ops.triton.sizes import cdiv, next_power_of_2
 
 MAX_TOKENS = 16  # the most tokens the kernel takes (its register tiles)
 # Where ops.linear runs it rather than cuBLAS's tensor-core GEMM (the reference, F.linear), placed from
@@ -41,15 +41,17 @@ FASTER_UP_TO_WEIGHT_BYTES = 64 << 20
 @triton.jit(do_not_specialize=["num_tokens"])  # one variant per token bucket (BT), not per token count
 def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, n, stride_x, stride_o, counter_ptr, ws_ptr, stride_ws,
                    r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0, nw_ptr, x_out_ptr,
-                   h_ptr, h32_ptr, width, eps, K: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
+                   h_ptr, h32_ptr, width, eps, sums_ptr, sums_s0, parts, xn_ptr, x_eps, K: tl.constexpr,
+                   BT: tl.constexpr, BN: tl.constexpr,
                    BK: tl.constexpr, STAGES: tl.constexpr, W_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr,
                    NORM: tl.constexpr, BLOCK: tl.constexpr,
                    HAS_RESIDUAL: tl.constexpr, HAS_UB: tl.constexpr, HAS_US: tl.constexpr, HAS_RB: tl.constexpr,
                    HAS_RS: tl.constexpr, HAS_SKIP: tl.constexpr, FP32_COPY: tl.constexpr, ROW_BLOCKS: tl.constexpr,
-                   USE_PDL: tl.constexpr):
+                   X_NORM_BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """out = x @ w^T (+ b) for this program's BN columns of every token (W_SCALES: w e4m3, `gemv.dot_rows`); with
     NORM, then the residual norm of every row by the last program (module docstring; its arguments are
-    `norm.residual_norm_row`'s)."""
+    `norm.residual_norm_row`'s). X_NORM_BLOCK > 0: x is a PendingNorm's residual, the product taken with its h
+    (`dot_rows`' pending: sums, their row stride and count, the norm weight xn, x_eps)."""
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     row_ok = rows < n
     tokens = tl.arange(0, BT)
@@ -61,7 +63,8 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, n, stride_x, stride
             prefetch_row_inputs(token, tl.program_id(0), r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr,
                                 sx_s0, nw_ptr, width, HAS_RESIDUAL, HAS_UB, HAS_US, HAS_RB, HAS_RS, HAS_SKIP)
     acc = dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, K, rows, row_ok, ws_ptr, stride_ws, K, BT, BN, BK,
-                   STAGES, W_SCALES, ROW_BLOCKS, USE_PDL)  # (the PDL wait, after the weights' loads)
+                   STAGES, W_SCALES, ROW_BLOCKS, USE_PDL, (sums_ptr, sums_s0, parts, xn_ptr, x_eps),
+                   X_NORM_BLOCK)  # (the PDL wait, after the weights' loads)
     if HAS_BIAS:
         acc += bias.to(tl.float32)[None, :]
     tl.store(out_ptr + tokens[:, None] * stride_o + rows[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -76,18 +79,26 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, n, stride_x, stride
             tl.store(counter_ptr, 0)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch.Tensor | None = None,
            config: Tiles | None = None, norm: ResidualNorm | None = None, fp8: Fp8Scales | None = None):
     """x [..., K] (at most MAX_TOKENS rows; unit last stride) @ weight [N, K]^T (+ bias [N]) -> [..., N] in x's
     dtype; with `norm`, x [T, K] and `norm` applied to the [T, N] result in the same launch: -> its (x, h, h32).
+    x may be a PendingNorm (ops/norm.py): the product is then taken with its h, made in this launch (h's dtype).
     `fp8`: the e4m3 weight's scales and scheme (weight-only). `config` overrides `gemv.tiles`' choice (tests,
     tuning)."""
+    pending = x if isinstance(x, PendingNorm) else None
+    if pending is not None:
+        x = pending.x
+        if x.dim() != 2 or x.dtype != torch.float32 or pending.norm_weight.shape != x.shape[1:] \
+                or pending.sum_squares.shape[0] != x.shape[0] or pending.sum_squares.stride(1) != 1:
+            raise ValueError("linear: a pending norm needs x [T, K] fp32, a norm weight [K] and sums [T, P]")
+    dtype = x.dtype if pending is None else pending.norm_weight.dtype
     n, k = weight.shape
     if x.shape[-1] != k or weight.stride(1) != 1 or weight.stride(0) != k:
         raise ValueError(f"linear: x {tuple(x.shape)} and a contiguous weight [N, {x.shape[-1]}] needed; got "
                          f"weight {tuple(weight.shape)} strides {weight.stride()}")
-    if fp8 is None and x.dtype != weight.dtype:  # e4m3 weights: checked with their scales (gemv.fp8_args)
-        raise ValueError(f"linear: x is {x.dtype}, weight {weight.dtype}")
+    if fp8 is None and dtype != weight.dtype:  # e4m3 weights: checked with their scales (gemv.fp8_args)
+        raise ValueError(f"linear: x is {dtype}, weight {weight.dtype}")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"linear: bias {tuple(bias.shape)} does not match {n} outputs")
     flat = x.reshape(-1, k)
@@ -98,8 +109,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"linear: x needs a unit last stride; got strides {x.stride()}")
     if norm is not None and (x.dim() != 2 or norm.norm_weight.shape != (n,)):
         raise ValueError(f"linear: a norm epilogue needs x [T, K] and a norm over the {n} outputs")
-    out = torch.empty(tokens, n, device=x.device, dtype=x.dtype)
+    out = torch.empty(tokens, n, device=x.device, dtype=dtype)
     epilogue, flags, normed = epilogue_args(norm, tokens, n, out)
+    if pending is None:
+        prologue, block = (out, 0, 0, out, 0.0), 0  # placeholders: x is h itself
+    else:
+        sums = pending.sum_squares
+        prologue = (sums, sums.stride(0), sums.shape[1], pending.norm_weight, pending.eps)
+        block = next_power_of_2(sums.shape[1])
     if tokens:
         t = config or tiles(tokens, n, k, min_chunk=min_chunk(fp8))
         if t.BT < tokens:
@@ -108,6 +125,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         counter = arrival_counters("linear_norm", 1, x.device) if norm is not None else out
         _linear_kernel[(cdiv(n, t.BN),)](
             flat, weight, bias if bias is not None else weight, out, tokens, n, flat.stride(0), out.stride(0),
-            counter, *scales, *epilogue, K=k, BT=t.BT, BN=t.BN, BK=t.BK, STAGES=t.STAGES, **kinds,
-            HAS_BIAS=bias is not None, NORM=norm is not None, **flags, num_warps=t.num_warps, **pdl.launch(x.device))
+            counter, *scales, *epilogue, *prologue, K=k, BT=t.BT, BN=t.BN, BK=t.BK, STAGES=t.STAGES, **kinds,
+            HAS_BIAS=bias is not None, NORM=norm is not None, **flags, X_NORM_BLOCK=block, num_warps=t.num_warps,
+            **pdl.launch(x.device))
     return out.view(*x.shape[:-1], n) if norm is None else normed

@@ -38,14 +38,15 @@ import triton
 import triton.language as tl
 
 from hybridserve.core.quant import Fp8Scales
-from hybridserve.ops.norm import ResidualNorm
+from hybridserve.ops.norm import PendingNorm, ResidualNorm
 from hybridserve.ops.reference.zaya_router import DeferredSelection
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.counters import arrival_counters
 from hybridserve.ops.triton.fp8_quant import SCALE_BLOCK
 from hybridserve.ops.triton.gemv import Tiles, consecutive_row_blocks, dot_rows, fp8_args, min_chunk, tiles
 from hybridserve.ops.triton.moe import expert_shapes
-from hybridserve.ops.triton.norm import epilogue_args, prefetch_row_inputs, residual_norm_row
+from hybridserve.ops.triton.norm import (epilogue_args, prefetch_row_inputs, residual_norm_row, residual_terms,
+                                         updated_residual)
 from hybridserve.ops.triton.pdl import prefetch_rows, wait_for_previous
 from hybridserve.ops.triton.sizes import cdiv
 from hybridserve.ops.triton.zaya_router import class_biases, deferred_choice, routed, store_routing
@@ -128,15 +129,16 @@ def _gemv_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, weights_ptr, act_ptr, stride_x
 @triton.jit
 def _down_block(act_ptr, w2_ptr, pairs, out_ptr, hidden, counter_ptr, ws_ptr, stride_se, stride_ws,
                 r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0, nw_ptr, x_out_ptr, h_ptr, h32_ptr,
-                width, eps, row, block, blocks, CHOICES: tl.constexpr, I: tl.constexpr,
+                width, eps, sums_ptr, terms, row, block, blocks, CHOICES: tl.constexpr, I: tl.constexpr,
                 BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, W_SCALES: tl.constexpr,
                 ROW_BLOCKS: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                 HAS_UB: tl.constexpr, HAS_US: tl.constexpr, HAS_RB: tl.constexpr, HAS_RS: tl.constexpr,
-                HAS_SKIP: tl.constexpr, FP32_COPY: tl.constexpr, WAIT: tl.constexpr = False):
+                HAS_SKIP: tl.constexpr, FP32_COPY: tl.constexpr, PENDING: tl.constexpr, WAIT: tl.constexpr = False):
     """out[row, cols] of column block `block` (of `blocks`) = the sum over the row's CHOICES `_pairs`, in order, of
     (act[pair] @ w2[e]^T * weight) rounded to out's dtype, summed in fp32 and rounded once (one pair: its weighted
     row); with NORM, then the row's residual norm by the last of its `blocks` programs (module docstring; the
-    arguments are `norm.residual_norm_row`'s).
+    arguments are `norm.residual_norm_row`'s). PENDING instead: the updated residual x of these columns (from
+    `terms`, their `norm.residual_terms`) and its sum of squares, at sums[row, block]; out is not stored.
 
     WAIT (one choice a row, PDL): the pair's expert was chosen two launches back, so `gemv.dot_rows` loads its
     weights before the wait; a pair that reads nothing (a skip, weight 0) masks its loads off instead of branching
@@ -154,8 +156,15 @@ def _down_block(act_ptr, w2_ptr, pairs, out_ptr, hidden, counter_ptr, ws_ptr, st
         elif live:
             total += _weighted_down(act_ptr, w2_ptr, ws_ptr, stride_se, stride_ws, out_ptr, pair, expert, weight, live,
                                     col, col_ok, hidden, I, BN, BK, STAGES, W_SCALES, ROW_BLOCKS, False)
-    tl.store(out_ptr + tl.cast(row, tl.int64) * hidden + col, total.to(out_ptr.dtype.element_ty), mask=col_ok)
-    if NORM:
+    update = total.to(out_ptr.dtype.element_ty)
+    if PENDING:
+        x = updated_residual(update.to(tl.float32)[None, :], terms, HAS_RESIDUAL, HAS_UB, HAS_US, HAS_SKIP)
+        x = tl.where(col_ok[None, :], x, 0.0)
+        tl.store(x_out_ptr + tl.cast(row, tl.int64) * width + col[None, :], x, mask=col_ok[None, :])
+        tl.store(sums_ptr + tl.cast(row, tl.int64) * blocks + block + tl.arange(0, 1), tl.sum(x * x, axis=1))
+    else:
+        tl.store(out_ptr + tl.cast(row, tl.int64) * hidden + col, update, mask=col_ok)
+    if NORM and not PENDING:
         tl.debug_barrier()  # every thread's stores precede the release below
         if tl.atomic_add(counter_ptr + row, 1, sem="acq_rel") == blocks - 1:
             residual_norm_row(row, out_ptr, hidden, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr,
@@ -181,29 +190,44 @@ def _weighted_down(act_ptr, w2_ptr, ws_ptr, stride_se, stride_ws, out_ptr, pair,
 @triton.jit
 def _gemv_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, counter_ptr, ws_ptr, stride_se,
                       stride_ws, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0, nw_ptr, x_out_ptr,
-                      h_ptr, h32_ptr, width, eps, partials_ptr, balancing_ptr, CHOICES: tl.constexpr,
+                      h_ptr, h32_ptr, width, eps, sums_ptr, partials_ptr, balancing_ptr, CHOICES: tl.constexpr,
                       EXPERTS: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       STAGES: tl.constexpr, W_SCALES: tl.constexpr, ROW_BLOCKS: tl.constexpr, NORM: tl.constexpr,
                       BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_UB: tl.constexpr, HAS_US: tl.constexpr,
                       HAS_RB: tl.constexpr, HAS_RS: tl.constexpr, HAS_SKIP: tl.constexpr, FP32_COPY: tl.constexpr,
-                      PARTS: tl.constexpr, BC: tl.constexpr, USE_PDL: tl.constexpr):
+                      PENDING: tl.constexpr, PARTS: tl.constexpr, BC: tl.constexpr, USE_PDL: tl.constexpr):
     """`_down_block` of output row program_id(0), column block program_id(1). The pairs' experts were chosen two
     launches back, before the gate/up launch could start: their weights' stream starts before the PDL wait
     (ops/triton/pdl.py), loaded whole by `_down_block` for one choice a row, else asked of L2. PARTS > 0: the
     choice is a deferred selection, made here from the partials (also two launches back) as the gate/up launch
-    makes it (`_selected_pair`: the same bits)."""
+    makes it (`_selected_pair`: the same bits). PENDING: each program's columns of x and their sum of squares
+    (`_down_block`); what x adds to the update is loaded before the wait, none of it the kernel before's output (the
+    skip weight of a deferred selection is this program's own, as the gate/up launch stores it)."""
     PRELOAD: tl.constexpr = USE_PDL and CHOICES == 1
-    if NORM and USE_PDL:
+    if NORM and USE_PDL and not PENDING:
         prefetch_row_inputs(tl.program_id(0), tl.program_id(1), r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr,
                             sx_ptr, sx_s0, nw_ptr, width, HAS_RESIDUAL, HAS_UB, HAS_US, HAS_RB, HAS_RS, HAS_SKIP)
     # Before the wait, once: in the choice loop each pair loaded after the choice before's sum (no load crosses it).
     if PARTS > 0:
         tl.static_assert(CHOICES == 1, "a deferred selection chooses one expert a token")
         balancing = class_biases(balancing_ptr, EXPERTS + 1, BC)
-        expert, weight, live, _, _ = _selected_pair(partials_ptr, balancing, tl.program_id(0), PARTS, EXPERTS, BC)
+        expert, weight, live, choice, prob = _selected_pair(partials_ptr, balancing, tl.program_id(0), PARTS,
+                                                            EXPERTS, BC)
         pairs = ((expert, weight, live),)
     else:
         pairs = _pairs(ids_ptr, weights_ptr, tl.program_id(0), CHOICES, EXPERTS)
+    terms = None
+    if PENDING:
+        row = tl.cast(tl.program_id(0), tl.int64) + tl.arange(0, 1)
+        col = tl.program_id(1) * BN + tl.arange(0, BN)
+        if PARTS > 0:
+            skip_weight = routed(choice, prob, EXPERTS + 1)[2] + tl.zeros([1], tl.float32)
+        elif HAS_SKIP:
+            skip_weight = tl.load(sw_ptr + row)
+        else:
+            skip_weight = 0.0
+        terms = residual_terms(row, row == row, col, col < hidden, skip_weight, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr,
+                               rs_ptr, sx_ptr, sx_s0, HAS_RESIDUAL, HAS_UB, HAS_US, HAS_RB, HAS_RS, HAS_SKIP)
     if USE_PDL and not PRELOAD:
         col = tl.program_id(1) * BN + tl.arange(0, BN)
         for choice in tl.static_range(CHOICES):
@@ -213,9 +237,9 @@ def _gemv_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden, co
         wait_for_previous(USE_PDL)
     _down_block(act_ptr, w2_ptr, pairs, out_ptr, hidden, counter_ptr, ws_ptr, stride_se, stride_ws,
                 r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0, nw_ptr, x_out_ptr, h_ptr, h32_ptr,
-                width, eps, tl.program_id(0), tl.program_id(1), tl.num_programs(1), CHOICES, I, BN, BK,
-                STAGES, W_SCALES, ROW_BLOCKS, NORM, BLOCK, HAS_RESIDUAL, HAS_UB, HAS_US, HAS_RB, HAS_RS, HAS_SKIP,
-                FP32_COPY, PRELOAD)
+                width, eps, sums_ptr, terms, tl.program_id(0), tl.program_id(1), tl.num_programs(1), CHOICES, I, BN,
+                BK, STAGES, W_SCALES, ROW_BLOCKS, NORM, BLOCK, HAS_RESIDUAL, HAS_UB, HAS_US, HAS_RB, HAS_RS,
+                HAS_SKIP, FP32_COPY, PENDING, PRELOAD)
 
 
 def _rows_streamed(rows: int, top_k: int, fp8: Fp8Scales | None) -> int:
@@ -297,10 +321,13 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     pairs = tokens * top_k
     out = torch.empty(tokens if reduce else pairs, hidden, dtype=x.dtype, device=x.device)
     epilogue, flags, normed = epilogue_args(norm, tokens, hidden, out)
+    up_fp8, down_fp8 = fp8 if fp8 is not None else (None, None)
+    up_tiles, down = config or (gate_up_tiles(inter, hidden, up_fp8, top_k), down_tiles(hidden, inter, down_fp8, top_k))
+    pending = norm is not None and norm.h_pending
+    if pending:  # x and each down program's sum of squares: the reader of h finishes the norm
+        sums = torch.empty(tokens, cdiv(hidden, down.BN), dtype=torch.float32, device=x.device)
+        normed = (normed[0], PendingNorm(normed[0], sums, norm.norm_weight, norm.eps), None)
     if pairs:
-        up_fp8, down_fp8 = fp8 if fp8 is not None else (None, None)
-        up_tiles, down = config or (gate_up_tiles(inter, hidden, up_fp8, top_k),
-                                    down_tiles(hidden, inter, down_fp8, top_k))
         if up_tiles.BN < 2 or up_tiles.BT != 1 or down.BT != 1:
             raise ValueError(f"GEMV expert tiles need BT = 1 and at least 2 gate/up rows; got {up_tiles}, {down}")
         up_scales, up_kinds = fp8_args(up_fp8, w13, up_tiles, _gate_up_row_blocks(inter, up_tiles.BN))
@@ -318,12 +345,12 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
             x, w13, ids, weights, act, x.stride(0), inter, *_expert_scales(up_scales), *deferred, TOP_K=top_k,
             EXPERTS=experts, H=hidden, BN=up_tiles.BN, BK=up_tiles.BK, STAGES=up_tiles.STAGES, **up_kinds,
             PARTS=parts, BC=bc, num_warps=up_tiles.num_warps, **pdl.launch(x.device))
-        counter = arrival_counters("moe_down_norm", MAX_PAIRS, x.device) if norm is not None else out
+        counter = arrival_counters("moe_down_norm", MAX_PAIRS, x.device) if norm is not None and not pending else out
         _gemv_down_kernel[(out.shape[0], cdiv(hidden, down.BN))](
-            act, w2, ids, weights, out, hidden, counter, *_expert_scales(down_scales), *epilogue, *deferred[:2],
-            CHOICES=top_k if reduce else 1, EXPERTS=experts, I=inter, BN=down.BN, BK=down.BK, STAGES=down.STAGES,
-            **down_kinds, NORM=norm is not None, **flags, PARTS=parts, BC=bc, num_warps=down.num_warps,
-            **pdl.launch(x.device))
+            act, w2, ids, weights, out, hidden, counter, *_expert_scales(down_scales), *epilogue,
+            sums if pending else out, *deferred[:2], CHOICES=top_k if reduce else 1, EXPERTS=experts, I=inter,
+            BN=down.BN, BK=down.BK, STAGES=down.STAGES, **down_kinds, NORM=norm is not None, **flags,
+            PENDING=pending, PARTS=parts, BC=bc, num_warps=down.num_warps, **pdl.launch(x.device))
     if norm is not None:
         return normed
     return out if reduce else out.view(tokens, top_k, hidden)

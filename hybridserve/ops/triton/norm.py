@@ -47,34 +47,83 @@ def residual_norm_rows(rows, row_ok, store, u_ptr, u_s0, r_ptr, r_s0, ub_ptr, us
     # The norm weight is loaded with the update, not after the store of x: the compiler moves no load above a
     # store, so there it would be an L2 round trip of its own on a decode step's critical path.
     w = tl.load(w_ptr + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    u = tl.load(u_ptr + rows[:, None] * u_s0 + col[None, :], mask=ok, other=0.0,
-                cache_modifier=U_CACHE).to(tl.float32)
+    u = tl.load(u_ptr + rows[:, None] * u_s0 + col[None, :], mask=ok, other=0.0, cache_modifier=U_CACHE)
+    skip_weight = 0.0
     if HAS_SKIP:
-        weight = tl.load(sw_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-        u += weight * tl.load(sx_ptr + rows[:, None] * sx_s0 + col[None, :], mask=ok, other=0.0).to(tl.float32)
+        skip_weight = tl.load(sw_ptr + rows, mask=row_ok, other=0.0)
+    terms = residual_terms(rows, row_ok, col, col_ok, skip_weight, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sx_ptr,
+                           sx_s0, HAS_RESIDUAL, HAS_UB, HAS_US, HAS_RB, HAS_RS, HAS_SKIP)
+    x = updated_residual(u.to(tl.float32), terms, HAS_RESIDUAL, HAS_UB, HAS_US, HAS_SKIP)
+    out = rows[:, None] * width + col[None, :]
+    stored = tl.where(store, ok, False)  # tl.where, not &: the interpreter cannot AND a mask with a scalar
+    tl.store(x_out_ptr + out, x, mask=stored)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / width + eps)
+    h = rms_normed(x, rstd, w, h_ptr.dtype.element_ty)
+    tl.store(h_ptr + out, h, mask=stored)
+    if FP32_COPY:
+        tl.store(h32_ptr + out, h.to(tl.float32), mask=stored)
+    return h.to(tl.float32)
+
+
+@triton.jit
+def residual_terms(rows, row_ok, col, col_ok, skip_weight, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sx_ptr, sx_s0,
+                   HAS_RESIDUAL: tl.constexpr, HAS_UB: tl.constexpr, HAS_US: tl.constexpr, HAS_RB: tl.constexpr,
+                   HAS_RS: tl.constexpr, HAS_SKIP: tl.constexpr):
+    """What `updated_residual` combines an update with at rows x columns `col` (int64 rows), loaded apart from it
+    (a kernel may load them before its PDL wait): (skip weight [R, 1] (`skip_weight` [R], given), skip input, update
+    bias, update scale, the biased and scaled residual), each fp32 where present, else 0."""
+    ok = row_ok[:, None] & col_ok[None, :]
+    weight, skip, ub, us, r = 0.0, 0.0, 0.0, 0.0, 0.0
+    if HAS_SKIP:
+        weight = skip_weight.to(tl.float32)[:, None]
+        skip = tl.load(sx_ptr + rows[:, None] * sx_s0 + col[None, :], mask=ok, other=0.0).to(tl.float32)
     if HAS_UB:
-        u += tl.load(ub_ptr + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        ub = tl.load(ub_ptr + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_US:
-        u *= tl.load(us_ptr + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    x = u
+        us = tl.load(us_ptr + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_RESIDUAL:
         r = tl.load(r_ptr + rows[:, None] * r_s0 + col[None, :], mask=ok, other=0.0).to(tl.float32)
         if HAS_RB:
             r += tl.load(rb_ptr + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if HAS_RS:
             r *= tl.load(rs_ptr + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    return weight, skip, ub, us, r
+
+
+@triton.jit
+def updated_residual(u, terms, HAS_RESIDUAL: tl.constexpr, HAS_UB: tl.constexpr, HAS_US: tl.constexpr,
+                     HAS_SKIP: tl.constexpr):
+    """x [R, C] fp32, the updated residual (ops/norm.py's formula) of the update u [R, C] (fp32) and its
+    `residual_terms`."""
+    weight, skip, ub, us, r = terms
+    if HAS_SKIP:
+        u += weight * skip
+    if HAS_UB:
+        u += ub
+    if HAS_US:
+        u *= us
+    x = u
+    if HAS_RESIDUAL:
         x = u + r
-    out = rows[:, None] * width + col[None, :]
-    stored = tl.where(store, ok, False)  # tl.where, not &: the interpreter cannot AND a mask with a scalar
-    tl.store(x_out_ptr + out, x, mask=stored)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / width + eps)[:, None]
-    dtype = h_ptr.dtype.element_ty
-    normed = (x * rstd).to(dtype).to(tl.float32)
-    h = (w * normed).to(dtype)
-    tl.store(h_ptr + out, h, mask=stored)
-    if FP32_COPY:
-        tl.store(h32_ptr + out, h.to(tl.float32), mask=stored)
-    return h.to(tl.float32)
+    return x
+
+
+@triton.jit
+def rms_normed(x, rstd, w, dtype: tl.constexpr):
+    """h = w * to_dtype(x * rstd) in `dtype` (x [R, C] fp32, rstd [R], w [1, C] fp32): the reference's two
+    roundings."""
+    normed = (x * rstd[:, None]).to(dtype).to(tl.float32)
+    return (w * normed).to(dtype)
+
+
+@triton.jit
+def pending_rstd(sums_ptr, sums_s0, parts, rows, row_ok, width, eps, BLOCK_PARTS: tl.constexpr):
+    """[R] fp32: 1 / sqrt(mean(x^2) + eps) of the rows of a PendingNorm (ops/norm.py) from its `parts` (at most
+    BLOCK_PARTS) partial sums of squares a row."""
+    p = tl.arange(0, BLOCK_PARTS)
+    sums = tl.load(sums_ptr + rows.to(tl.int64)[:, None] * sums_s0 + p[None, :],
+                   mask=row_ok[:, None] & (p < parts)[None, :], other=0.0)
+    return tl.rsqrt(tl.sum(sums, axis=1) / width + eps)
 
 
 @triton.jit
@@ -116,13 +165,17 @@ def _residual_rms_norm_kernel(u_ptr, u_s0, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, 
 
 def epilogue_args(norm: ResidualNormArgs | None, rows: int, width: int, like: torch.Tensor):
     """(the arguments of `residual_norm_row` after u_ptr and u_s0, its constexprs, (x, h, h32) outputs) of `norm`
-    over `rows` rows of `width`; `norm` None: placeholders (`like` for every pointer), every flag off, no outputs."""
+    over `rows` rows of `width`; `norm` None: placeholders (`like` for every pointer), every flag off, no outputs.
+    With `h_pending`, the outputs are (x, None, None) and h's pointers placeholders."""
     if norm is None:
         absent = ResidualNormArgs(like, 0.0)  # every optional tensor absent: each flag off, `like` in each pointer
         return _pack(absent, 1, (like, like, None), like), _flags(absent, 1, False), None
     for name, t in (("residual", norm.residual), ("skip_input", norm.skip_input)):
         if t is not None and (t.stride(-1) != 1 or t.shape != (rows, width)):
             raise ValueError(f"{name} must be [{rows}, {width}] with a unit column stride")
+    if norm.h_pending:  # x only: h is left to its reader (the caller stores the sums of squares)
+        x = torch.empty(rows, width, device=like.device, dtype=torch.float32)
+        return _pack(norm, width, (x, like, None), like), _flags(norm, width, False), (x, None, None)
     h = torch.empty(rows, width, device=like.device, dtype=norm.norm_weight.dtype)
     if norm.fp32_copy and norm.norm_weight.dtype != torch.float32:  # the fp32 residual and its copy: one allocation
         x, h32 = torch.empty(2, rows, width, device=like.device, dtype=torch.float32)
