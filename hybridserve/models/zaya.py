@@ -31,10 +31,10 @@ from hybridserve.layers.rotary import RotaryEmbedding
 from hybridserve.layers.weights import check_shape, new_parameter
 from hybridserve.models.zaya_config import ZayaConfig
 from hybridserve.ops import backends
-from hybridserve.ops.attention import paged_attention, takes_pending_qk
+from hybridserve.ops.attention import paged_attention
 from hybridserve.ops.conv import cca_conv_to_cache
 from hybridserve.ops.norm import PendingNorm, ResidualNorm, residual_rms_norm
-from hybridserve.ops.qk_cache import PendingQK, QKCache
+from hybridserve.ops.qk_cache import QKCache
 from hybridserve.ops.zaya_router import Routing, eda_route, fuses_residual_norm, residual_norm_route
 
 
@@ -74,18 +74,16 @@ class CCAProjection(nn.Module):
         self.conv_qk_grouped = ConvWeights(channels, d, config.cca_time1, rows)
 
     def forward(self, h: torch.Tensor | PendingNorm, batch: ForwardBatch, state: dict[str, torch.Tensor],
-                page_state: dict[str, torch.Tensor], cache: QKCache,
-                pending_qk: bool = False) -> torch.Tensor | PendingQK:
+                page_state: dict[str, torch.Tensor], cache: QKCache) -> torch.Tensor:
         """h: the layer's normed input, or the PendingNorm that makes it (finished in the projection's launch);
         `state`: the per-request slots; `page_state`: per-page footers to fill (empty without prefix caching);
-        `cache`: the q/k normalisation and the KV cache that K and V go to. -> q, normalised and rotated, or with
-        `pending_qk` the raw q|k rows whose normalisation and K the attention makes (V in its cache)."""
+        `cache`: the q/k normalisation and the KV cache that K and V go to. -> q, normalised and rotated."""
         bias = self.qkvv_proj.bias
         return cca_conv_to_cache(self.qkvv_proj(h), self.conv_qk_depthwise.weight, self.conv_qk_depthwise.bias,
                                  self.conv_qk_grouped.weight, self.conv_qk_grouped.bias,
                                  None if bias is None else bias[-self.lag_width:], self.q_heads,
                                  tp_rank() * self.k_heads, batch, state["conv"], state["lag"],
-                                 page_state.get("conv"), page_state.get("lag"), cache, pending_qk)
+                                 page_state.get("conv"), page_state.get("lag"), cache)
 
 
 class ConvWeights(nn.Module):
@@ -140,11 +138,8 @@ class CCAAttention(nn.Module):
         its (x, h, h32) (o_proj's kernel may run it)."""
         # A sliding layer's KV lives in the window group (its own pages and table), when the caches have one.
         kv_batch = batch if self.sliding_window is None else batch.window_view()
-        # At decode the q/k normalisation, RoPE and K write run in the attention's launch (the conv's then ends
-        # without its last programs' read-back).
         q = self.qkv_proj(h, batch, self.state, self.page_state, QKCache(
-            self.qk_norm.temp, self.rotary.inv_freq, kv_batch.slot_mapping, self.kv["k"], self.kv["v"], h.dtype),
-            takes_pending_qk(kv_batch, self.kv["k"].device))
+            self.qk_norm.temp, self.rotary.inv_freq, kv_batch.slot_mapping, self.kv["k"], self.kv["v"], h.dtype))
         out = paged_attention(q, self.kv["k"], self.kv["v"], kv_batch, self.scale, self.sliding_window)
         return self.o_proj(out.flatten(1), norm)
 

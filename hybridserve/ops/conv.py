@@ -8,7 +8,7 @@ import torch
 
 from hybridserve.core.batch import ForwardBatch
 from hybridserve.ops import backends
-from hybridserve.ops.qk_cache import PendingQK, QKCache
+from hybridserve.ops.qk_cache import QKCache
 from hybridserve.ops.reference import conv as reference
 from hybridserve.ops.reference import zaya_qk
 
@@ -36,18 +36,14 @@ def cca_conv_to_cache(proj: torch.Tensor, weight0: torch.Tensor, bias0: torch.Te
                       bias1: torch.Tensor, lag_bias: torch.Tensor | None, q_heads: int, kv_head_offset: int,
                       batch: ForwardBatch, conv_state: torch.Tensor, lag_state: torch.Tensor,
                       conv_footer: torch.Tensor | None, lag_footer: torch.Tensor | None,
-                      cache: QKCache, pending_qk: bool = False) -> torch.Tensor | PendingQK:
+                      cache: QKCache) -> torch.Tensor:
     """cca_conv, then qk_norm_rope_cache of its q, k, v at `batch.positions` (K and V into `cache`'s caches)
-    -> q normalised and rotated, [T, Hq, D] in `cache.out_dtype`. `pending_qk`: V into its cache only, -> the raw
-    q|k rows as a PendingQK (for an attention that finishes them: ops.attention.takes_pending_qk)."""
+    -> q normalised and rotated, [T, Hq, D] in `cache.out_dtype`."""
     args = (proj, weight0, bias0, weight1, bias1, lag_bias, q_heads, kv_head_offset, batch, conv_state, lag_state,
             conv_footer, lag_footer)
     if backends.use_triton("conv", proj.device):
         from hybridserve.ops.triton import conv as kernel
-        return kernel.cca_conv(*args, to_cache=cache, pending_qk=pending_qk)
+        return kernel.cca_conv(*args, to_cache=cache)
     q, k, v = reference.cca_conv(*args)
-    if pending_qk:
-        cache.v_cache[cache.slot_mapping] = v
-        return PendingQK(torch.cat((q, k), 1).float(), q_heads, batch.positions, cache)
     return zaya_qk.qk_norm_rope_cache(q, k, v, cache.temp, cache.inv_freq, batch.positions, cache.slot_mapping,
                                       cache.k_cache, cache.v_cache, cache.out_dtype)

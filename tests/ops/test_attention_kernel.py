@@ -17,8 +17,6 @@ import torch
 
 from hybridserve.layers.mla import MultiLatentAttention
 from hybridserve.ops import backends
-from hybridserve.ops.qk_cache import PendingQK, QKCache
-from hybridserve.ops.reference import attention as reference
 from hybridserve.ops.triton import attention as kernel  # conftest already set TRITON_INTERPRET where needed
 from tests.ops import attention_cases
 from tests.ops.attention_cases import Case, reference_output
@@ -265,53 +263,3 @@ def test_mla_picks_the_form_with_fewer_flops_at_flash_widths() -> None:
     assert absorbed < unabsorbed
     absorbed, unabsorbed = flops([(32768, 128)])  # a short chunk after a long prefix
     assert absorbed < unabsorbed
-
-
-# ----------------------------------------------------------------------------------------------------- pending q/k
-
-PENDING_ULP = {torch.float32: 1e-5, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
-
-
-def check_pending(case: Case, q_heads: int, rotary_dim: int, num_splits: int | None = None, seed: int = 0) -> None:
-    """ZAYA1's decode attention given the conv's raw q|k rows (PendingQK): the output and the K rows it writes are
-    what the torch normalisation (PendingQK.finish) then the reference give. This step's K rows are NaN in the
-    kernel's cache before the call: the split that holds a row's last key must use the key it makes, not read the
-    row back (a cos/sin or norm a few ulps apart moves q and K by at most a rounding of their dtype)."""
-    dtype = case.q.dtype
-    tokens, kv_heads, dim = case.q.shape[0], case.k.shape[1], case.q.shape[-1]
-    gen = torch.Generator().manual_seed(seed)
-    qk = (3 * torch.randn(tokens, q_heads + kv_heads, dim, generator=gen)).to(DEVICE)
-    temp = (1 + 0.1 * torch.randn(kv_heads, generator=gen)).to(DEVICE, dtype)
-    inv_freq = (1e4 ** (-torch.arange(0, rotary_dim, 2) / rotary_dim)).float().to(DEVICE)
-    slots, positions = case.batch.slot_mapping, case.batch.positions
-    k_cache = case.k.clone()
-    k_cache[slots] = float("nan")
-    pending = PendingQK(qk, q_heads, positions, QKCache(temp, inv_freq, slots, k_cache, case.v, dtype))
-    got = kernel.paged_attention(pending, k_cache, case.v, case.batch, dim ** -0.5, case.window, num_splits)
-    clean_k = case.clean_k.clone()
-    q = PendingQK(qk, q_heads, positions, QKCache(temp, inv_freq, slots, clean_k, case.clean_v, dtype)).finish()
-    want = reference.paged_attention(q.float(), clean_k.float(), case.clean_v.float(), case.batch, dim ** -0.5,
-                                     case.window)
-    assert got.dtype == dtype and got.shape == want.shape
-    tol = TOLERANCE[dtype]
-    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
-    ulp = PENDING_ULP[dtype]
-    torch.testing.assert_close(k_cache[slots].float(), clean_k[slots].float(), rtol=ulp, atol=ulp * 4)
-
-
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-@pytest.mark.parametrize("num_splits, window", [(None, None), (4, None), (1, None), (3, 9)])
-def test_pending_qk_is_normalised_rotated_and_stored(num_splits, window, dtype) -> None:
-    """Decode rows of 1 to 70 keys (rows whose last key is alone in its split, or with others), the K row stored by
-    the last split with keys; a sliding window; partial RoPE (16 of 32 dims) with ZAYA1's 4:1 head groups."""
-    case = make_case([(36, 1), (4, 1), (69, 1), (0, 1)], 16, (8, 2), 32, 32, dtype, window=window, seed=7)
-    check_pending(case, 8, 16, num_splits, seed=8)
-
-
-def test_pending_qk_needs_a_decode_step() -> None:
-    case = make_case([(5, 2)], 16, (4, 1), 32, 32, torch.float32)
-    qk = torch.zeros(2, 5, 32, device=DEVICE)
-    cache = QKCache(torch.ones(1, device=DEVICE), torch.ones(8, device=DEVICE), case.batch.slot_mapping, case.k,
-                    case.v, torch.float32)
-    with pytest.raises(ValueError, match="decode step"):
-        kernel.paged_attention(PendingQK(qk, 4, case.batch.positions, cache), case.k, case.v, case.batch, 1.0)

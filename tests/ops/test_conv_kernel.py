@@ -17,7 +17,7 @@ import torch
 
 from hybridserve.core.batch import ScheduledChunk, build_forward_batch
 from hybridserve.layers.rotary import RotaryEmbedding
-from hybridserve.ops.qk_cache import PendingQK, QKCache
+from hybridserve.ops.qk_cache import QKCache
 from hybridserve.ops.reference import conv as reference
 from hybridserve.ops.reference import zaya_qk
 from hybridserve.ops.triton import conv as kernel
@@ -51,14 +51,12 @@ def _batch(rows: list[tuple[int, int, bool]], page_size: int, device: torch.devi
 
 
 def run_conv_case(rows, dtype, form, page_size=4, q_heads=4, k_heads=2, d=16, full_k_heads=None, kv_head_offset=0,
-                  bias=True, footers=True, seed=0, verify=(), block_tokens=None, rotary_dim=None, positions=None,
-                  pending_qk=False):
+                  bias=True, footers=True, seed=0, verify=(), block_tokens=None, rotary_dim=None, positions=None):
     """Kernel (in `form`, None: chosen by the token count) vs reference on `rows` (see _batch), with every slot and
     page of the pools not used by a row (and every fresh row's slot) poisoned; returns the batch. With
     `rotary_dim`, the kernel runs with its q/k epilogue (`to_cache`: tests/ops/test_conv_qk_epilogue_kernel.py) against
     the reference conv followed by the reference q/k normalisation, RoPE and cache write; `positions` replaces the
-    batch's (only without footers, which follow the positions); `pending_qk`: the epilogue left to the attention
-    (a PendingQK), finished in torch here."""
+    batch's (only without footers, which follow the positions)."""
     gen = torch.Generator().manual_seed(seed)
     slots = len(rows) + 3 + sum(rows[i][1] - 1 for i in verify)
     pages = sum(-(-(prefix + n) // page_size) for prefix, n, _ in rows) + 3
@@ -99,7 +97,7 @@ def run_conv_case(rows, dtype, form, page_size=4, q_heads=4, k_heads=2, d=16, fu
             assert (have.float().cpu() - want).abs().max().item() <= tol * scale, name
         assert got[2].dtype == dtype and torch.equal(got[2].float().cpu(), ref[2]), "value"
     else:
-        _check_to_cache(args, ref, cpu_batch.positions, form, block_tokens, rotary_dim, dtype, tol, gen, pending_qk)
+        _check_to_cache(args, ref, cpu_batch.positions, form, block_tokens, rotary_dim, dtype, tol, gen)
     for name, want, have in zip(("conv", "lag", "conv footer", "lag footer"), ref_state, dev):
         if want is not None:  # untouched slots and pages keep their (poison / sentinel) contents, NaN included
             assert torch.equal(have.float().cpu().nan_to_num(123.0), want.nan_to_num(123.0)), name
@@ -107,12 +105,10 @@ def run_conv_case(rows, dtype, form, page_size=4, q_heads=4, k_heads=2, d=16, fu
     return batch
 
 
-def _check_to_cache(args, ref, positions, form, block_tokens, rotary_dim, dtype, tol, gen, pending_qk) -> None:
+def _check_to_cache(args, ref, positions, form, block_tokens, rotary_dim, dtype, tol, gen) -> None:
     """The kernel with its q/k epilogue vs ops/reference/zaya_qk.py on the reference conv's fp32 q, k, v: q and
     the K cache within the conv's tolerance of their scale (the normalisation divides by a row's norm, which is of
-    the order of its elements' scale) plus one ulp of the dtype, V bit for bit, other cache rows untouched. With
-    `pending_qk` the kernel leaves the K cache alone and returns the raw rows (the conv's q and k, within its
-    tolerance), whose finish in torch is then checked the same way."""
+    the order of its elements' scale) plus one ulp of the dtype, V bit for bit, other cache rows untouched."""
     (query, key, value), tokens, k_heads = ref, ref[0].shape[0], ref[1].shape[1]
     cache_rows = 3 * tokens + 5
     slots = torch.randperm(cache_rows, generator=gen)[:tokens]
@@ -124,14 +120,7 @@ def _check_to_cache(args, ref, positions, form, block_tokens, rotary_dim, dtype,
                                       dtype)  # V: values of the dtype, exactly
     got_caches = [c.to(DEVICE) for c in caches]
     got = kernel.cca_conv(*args, to_cache=QKCache(temp.to(DEVICE), inv_freq.to(DEVICE), slots.to(DEVICE),
-                                                  *got_caches, dtype), form=form, block_tokens=block_tokens,
-                          pending_qk=pending_qk)
-    if pending_qk:
-        assert isinstance(got, PendingQK) and (got_caches[0] == 9.0).all()  # K not written yet
-        raw = got.qk.cpu()
-        for name, have, want_raw in (("raw q", raw[:, :got.q_heads], query), ("raw k", raw[:, got.q_heads:], key)):
-            assert (have - want_raw).abs().max().item() <= tol * want_raw.abs().max().item(), name
-        got = got.finish()
+                                                  *got_caches, dtype), form=form, block_tokens=block_tokens)
     assert got.dtype == dtype
     ulp = torch.finfo(dtype).eps if dtype != torch.float32 else 0.0
     for name, have, want in (("q", got, want), ("k cache", got_caches[0], want_caches[0])):
@@ -218,14 +207,6 @@ def test_decode_steps(count, form):
     in token blocks of 2), the last to arrive writing the window and the footers; no token blocks overlap."""
     batch = run_conv_case(_decode_rows(count), torch.float32, form)
     assert batch.page_end_tokens.numel() == {1: 1, 3: 1, 16: 6}[count]  # rows 0, 4, 6, 8, 10, 14 complete a page
-
-
-@pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("count", [1, 3])
-def test_decode_steps_leave_the_qk_normalisation_pending(count, form):
-    """pending_qk (ZAYA1's decode steps: the attention's launch finishes q/k): windows, footers, lag and V as
-    always, K untouched, the raw q|k rows the conv's outputs."""
-    run_conv_case(_decode_rows(count), torch.float32, form, rotary_dim=8, pending_qk=True)
 
 
 @pytest.mark.parametrize("form", FORMS)

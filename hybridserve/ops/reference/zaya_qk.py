@@ -16,14 +16,6 @@ from hybridserve.ops.reference.rotary import apply_rotary
 def qk_norm_rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, temp: torch.Tensor,
                        inv_freq: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    v_cache[slot_mapping] = v
-    return qk_norm_rope_k_cache(q, k, temp, inv_freq, positions, slot_mapping, k_cache, out_dtype)
-
-
-def qk_norm_rope_k_cache(q: torch.Tensor, k: torch.Tensor, temp: torch.Tensor, inv_freq: torch.Tensor,
-                         positions: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
-                         out_dtype: torch.dtype) -> torch.Tensor:
-    """`qk_norm_rope_cache` without V (already in its cache)."""
     eps = torch.finfo(torch.float32).eps
     scale = math.sqrt(q.shape[-1])
     q, k = q.float(), k.float()
@@ -31,4 +23,5 @@ def qk_norm_rope_k_cache(q: torch.Tensor, k: torch.Tensor, temp: torch.Tensor, i
     k = k * (scale / k.norm(dim=-1, keepdim=True).clamp_min(eps))
     k = k * temp.float()[None, :, None]
     k_cache[slot_mapping] = apply_rotary(positions, k, inv_freq).to(out_dtype)
+    v_cache[slot_mapping] = v
     return apply_rotary(positions, q, inv_freq).to(out_dtype)

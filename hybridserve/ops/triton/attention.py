@@ -29,7 +29,6 @@ k_cache) the V tile is the K tile already loaded.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
@@ -38,10 +37,8 @@ import triton.language as tl
 
 from hybridserve.core.batch import ForwardBatch
 from hybridserve.ops.triton import pdl
-from hybridserve.ops.qk_cache import PendingQK
 from hybridserve.ops.triton.counters import arrival_counters
 from hybridserve.ops.triton.pdl import prefetch_rows, wait_for_previous
-from hybridserve.ops.triton.zaya_qk import normalized_rotated, partner
 from hybridserve.ops.triton.sizes import cdiv
 
 LOG2E = 1.4426950408889634
@@ -59,12 +56,10 @@ def _attention_kernel(
     query_start_loc_ptr, kv_lens_ptr, page_table_ptr,
     stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_ot, stride_oh, stride_pt,
     scale_log2, window, num_splits, num_q_heads,
-    qk_ptr, qk_heads, temp_ptr, inv_freq_ptr, pos_ptr, slot_ptr, norm_scale, norm_eps,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, D_TAIL_PAD: tl.constexpr,
     DV: tl.constexpr, DV_PAD: tl.constexpr, V_IN_K: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    SPLIT: tl.constexpr, PRECISION: tl.constexpr, PENDING_QK: tl.constexpr, HALF: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Decode loads its first key tile's rows of earlier steps before the wait (module docstring); not MLA's 512-wide
     # latent, whose accumulator and tiles already take all the registers (a held tile spilled: sm_90, 344 bytes).
@@ -126,16 +121,7 @@ def _attention_kernel(
     q_rows = (q_start + tok).to(tl.int64)
     q_base = q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh
     kv_dtype = k_ptr.dtype.element_ty
-    k_new, last_key = None, None
-    if PENDING_QK:  # q is the conv's raw rows: normalised and rotated here, and this step's key too (its cache row
-        # stored by the split that holds it, the last one with keys; in its tile it is the value made here)
-        pending = (qk_ptr, qk_heads, temp_ptr, inv_freq_ptr, pos_ptr, slot_ptr, norm_scale, norm_eps)
-        tl.static_assert(BLOCK_Q == 1 and D_TAIL == 0, "a pending q/k is a decode row's, of a power-of-two dim")
-        q_main, k_new = _pending_qk(pending, q_start, q_rows, head, m_valid, kv_head, num_q_heads, d,
-                                    out_ptr.dtype.element_ty, kv_dtype, D_MAIN, HALF)
-        last_key = kv_len - 1
-    else:
-        q_main = tl.load(q_base + d[None, :], mask=m_valid[:, None], other=0.0).to(kv_dtype)
+    q_main = tl.load(q_base + d[None, :], mask=m_valid[:, None], other=0.0).to(kv_dtype)
     q_tail = None
     if D_TAIL > 0:
         q_tail = tl.load(q_base + D_MAIN + dt[None, :], mask=m_valid[:, None] & (dt[None, :] < D_TAIL),
@@ -148,17 +134,15 @@ def _attention_kernel(
     # its registers would stay taken through the loop's tiles (sm_90: 236 registers against 163).
     if PRELOAD:
         m_i, l_i, acc = _attend_tile(m_i, l_i, acc, q_main, q_tail, q_pos, j0, split_hi, rows0, k_head, v_head,
-                                     stride_kr, stride_vr, scale_log2, window, held0, k0, k0_tail, v0, k_new, last_key,
-                                     D_MAIN, D_TAIL, D_TAIL_PAD, DV, DV_PAD, V_IN_K, HAS_WINDOW, PRECISION)
+                                     stride_kr, stride_vr, scale_log2, window, held0, k0, k0_tail, v0, D_MAIN, D_TAIL,
+                                     D_TAIL_PAD, DV, DV_PAD, V_IN_K, HAS_WINDOW, PRECISION)
     for start in range(split_lo + PRELOAD * BLOCK_N, split_hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         kv_rows = _kv_rows(pages, j, j < split_hi, PAGE_SIZE)
         m_i, l_i, acc = _attend_tile(m_i, l_i, acc, q_main, q_tail, q_pos, j, split_hi, kv_rows, k_head, v_head,
-                                     stride_kr, stride_vr, scale_log2, window, None, None, None, None, k_new, last_key,
-                                     D_MAIN, D_TAIL, D_TAIL_PAD, DV, DV_PAD, V_IN_K, HAS_WINDOW, PRECISION)
+                                     stride_kr, stride_vr, scale_log2, window, None, None, None, None, D_MAIN, D_TAIL,
+                                     D_TAIL_PAD, DV, DV_PAD, V_IN_K, HAS_WINDOW, PRECISION)
 
-    if PENDING_QK:  # after its reads of the cache: the tiles must not depend on the row being stored yet
-        _store_key(pending, q_start, k_new, k_ptr, kv_head, stride_kr, stride_kh, d, split == used - 1)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
     o_mask = m_valid[:, None] & (dv[None, :] < DV)
@@ -179,20 +163,17 @@ def _attention_kernel(
 
 @triton.jit
 def _attend_tile(m_i, l_i, acc, q_main, q_tail, q_pos, j, split_hi, kv_rows, k_head, v_head, stride_kr, stride_vr,
-                 scale_log2, window, held, k_held, k_tail_held, v_held, k_new, last_key, D_MAIN: tl.constexpr,
-                 D_TAIL: tl.constexpr, D_TAIL_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
-                 V_IN_K: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
+                 scale_log2, window, held, k_held, k_tail_held, v_held, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr,
+                 D_TAIL_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, V_IN_K: tl.constexpr,
+                 HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
     """The running (max, sum, output) of the M rows after one more tile, keys j (cache rows kv_rows; those from
-    split_hi on are masked): online softmax. Where `held` (None: nowhere), the K/V rows are the *_held tiles; key
-    `last_key`'s K row is `k_new` [1, D_MAIN] where given (a pending q/k's: its cache row may not be stored yet)."""
+    split_hi on are masked): online softmax. Where `held` (None: nowhere), the K/V rows are the *_held tiles."""
     j_valid = j < split_hi
     d = tl.arange(0, D_MAIN)
     dv = tl.arange(0, DV_PAD)
     v_ptrs = v_head + kv_rows[:, None] * stride_vr + dv[None, :]
     v_mask = j_valid[:, None] & (dv[None, :] < DV)
     k_main = _load_unless_held(k_head + kv_rows[:, None] * stride_kr + d[None, :], j_valid[:, None], held, k_held)
-    if k_new is not None:
-        k_main = tl.where((j == last_key)[:, None], k_new, k_main)
     if held is not None and not V_IN_K:  # with K's rows: this step's V row is not a round trip after the softmax
         v = _load_unless_held(v_ptrs, v_mask, held, v_held)
     s = tl.dot(q_main, tl.trans(k_main), input_precision=PRECISION)
@@ -216,37 +197,6 @@ def _attend_tile(m_i, l_i, acc, q_main, q_tail, q_pos, j, split_hi, kv_rows, k_h
         v = tl.load(v_ptrs, mask=v_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(k_head.dtype.element_ty), v, input_precision=PRECISION)
     return m_new, l_i, acc
-
-
-@triton.jit
-def _pending_qk(pending, q_start, q_rows, head, m_valid, kv_head, num_q_heads, d, q_dtype: tl.constexpr,
-                kv_dtype: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr):
-    """(q of the M rows, this step's key of `kv_head` [1, D]; both in kv_dtype) from a PendingQK's raw rows
-    (ops/qk_cache.py; `pending` = (its qk rows [T, qk_heads, D] fp32, qk_heads, k temperatures, inv_freq, positions,
-    K cache rows, sqrt(D), eps)), as the conv's epilogue makes them (ops/triton/zaya_qk.py): q rounded to q's dtype
-    first, as the conv stores it."""
-    qk_ptr, qk_heads, temp_ptr, inv_freq_ptr, pos_ptr, _, scale, eps = pending
-    mate = partner(d, HALF)
-    q_base = qk_ptr + (q_rows.to(tl.int64)[:, None] * qk_heads + head[:, None]) * D
-    x = tl.load(q_base + d[None, :], mask=m_valid[:, None], other=0.0)
-    x_mate = tl.load(q_base + mate[None, :], mask=m_valid[:, None], other=0.0)
-    pos = tl.load(pos_ptr + q_rows, mask=m_valid, other=0)
-    q = normalized_rotated(x, x_mate, pos, inv_freq_ptr, d, 1.0, scale, eps, HALF).to(q_dtype).to(kv_dtype)
-    one = tl.arange(0, 1)
-    k_base = qk_ptr + ((q_start + one).to(tl.int64)[:, None] * qk_heads + num_q_heads + kv_head) * D
-    k_raw = tl.load(k_base + d[None, :])
-    k_mate = tl.load(k_base + mate[None, :])
-    k_pos = tl.load(pos_ptr + q_start + one)
-    temp = tl.load(temp_ptr + kv_head).to(tl.float32)
-    return q, normalized_rotated(k_raw, k_mate, k_pos, inv_freq_ptr, d, temp, scale, eps, HALF).to(kv_dtype)
-
-
-@triton.jit
-def _store_key(pending, q_start, k_new, k_ptr, kv_head, stride_kr, stride_kh, d, owner):
-    """This step's key [1, D] into its K cache row (the PendingQK's slot of the row's token), by the `owner`."""
-    slot = tl.load(pending[5] + q_start).to(tl.int64)
-    tl.store(k_ptr + slot * stride_kr + kv_head * stride_kh + d[None, :], k_new,
-             mask=tl.where(owner, d[None, :] >= 0, False))  # tl.where: the interpreter cannot AND with a scalar
 
 
 @triton.jit
@@ -349,20 +299,13 @@ def choose_splits(batch: ForwardBatch, num_kv_heads: int, block_q: int, sm_count
     return max(1, min(-(-2 * sm_count // programs), -(-keys // MIN_KEYS_PER_SPLIT), MAX_SPLITS))
 
 
-def paged_attention(q: torch.Tensor | PendingQK, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
                     scale: float, sliding_window: int | None = None, num_splits: int | None = None) -> torch.Tensor:
     """q [T, Hq, D]; k_cache [rows, Hk, D]; v_cache [rows, Hk, Dv] (this step's K/V already written) -> [T, Hq, Dv].
 
     Same contract as `ops.reference.attention.paged_attention`. `num_splits` overrides the split-K heuristic
     (any count >= 1 is correct; splits without keys contribute nothing). Rows with kv_len 0 (padding) give zeros.
-    q may be a PendingQK (decode steps, `takes_pending_qk`): its q/k normalisation and this step's K are made in
-    this launch (V is in its cache), the output in its q's dtype.
     """
-    pending = q if isinstance(q, PendingQK) else None
-    if pending is not None:
-        if not takes_pending_qk(batch) or pending.cache.k_cache is not k_cache:
-            raise ValueError("a pending q/k needs a decode step (one token a row) and its own K cache")
-        q = pending.qk[:, :pending.q_heads]
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, v_dim = k_cache.shape[1], v_cache.shape[-1]
     if k_cache.shape[-1] != head_dim or v_cache.shape[:2] != k_cache.shape[:2] or num_q_heads % num_kv_heads:
@@ -380,16 +323,13 @@ def paged_attention(q: torch.Tensor | PendingQK, k_cache: torch.Tensor, v_cache:
     group = num_q_heads // num_kv_heads
     d_main = 1 << (head_dim.bit_length() - 1)
     d_tail = head_dim - d_main
-    if pending is not None and (d_tail or pending.qk.shape[1] != num_q_heads + num_kv_heads):
-        raise ValueError(f"a pending q/k needs a power-of-two head dim and {num_q_heads} + {num_kv_heads} heads")
     dv_pad = max(16, _pow2(v_dim))
     config = launch_config(batch.is_decode, group, d_main, dv_pad)
     splits = num_splits or choose_splits(batch, num_kv_heads, config.block_q, _sm_count(q.device), sliding_window)
     # V is the K tile already loaded when it is the first channels of the same rows (MLA's latent cache).
     v_in_k = (v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride()
               and v_dim == d_main)
-    out = q.new_empty(num_tokens, num_q_heads, v_dim, dtype=q.dtype if pending is None else pending.cache.out_dtype)
-    norm = _pending_args(pending, q)
+    out = q.new_empty(num_tokens, num_q_heads, v_dim)
     grid = (cdiv(batch.max_query_len, config.block_q), batch.num_seqs, num_kv_heads * splits)
     if splits > 1:
         part_o = torch.empty(num_tokens, num_q_heads, splits, v_dim, dtype=torch.float32, device=q.device)
@@ -405,28 +345,12 @@ def paged_attention(q: torch.Tensor | PendingQK, k_cache: torch.Tensor, v_cache:
         batch.query_start_loc, batch.kv_lens, batch.page_table,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), batch.page_table.stride(0),
-        scale * LOG2E, sliding_window or 0, splits, num_q_heads, *norm,
+        scale * LOG2E, sliding_window or 0, splits, num_q_heads,
         GROUP=group, GROUP_PAD=config.group_pad, BLOCK_Q=config.block_q, BLOCK_N=config.block_n,
         PAGE_SIZE=batch.page_size, D_MAIN=d_main, D_TAIL=d_tail,
         D_TAIL_PAD=max(16, _pow2(d_tail)) if d_tail else 0, DV=v_dim, DV_PAD=dv_pad, V_IN_K=v_in_k,
         HAS_WINDOW=sliding_window is not None, SPLIT=splits > 1,
-        PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32", PENDING_QK=pending is not None,
-        HALF=pending.cache.inv_freq.shape[0] if pending is not None else 0,
+        PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch(q.device),
     )
     return out
-
-
-def takes_pending_qk(batch: ForwardBatch) -> bool:
-    """Whether `paged_attention` takes a PendingQK for this step: a decode step, one token a row (host fields)."""
-    return batch.is_decode and batch.verify is None
-
-
-def _pending_args(pending: PendingQK | None, like: torch.Tensor) -> tuple:
-    """The kernel's PendingQK arguments (qk rows, their heads, k temperatures, inv_freq, positions, K cache rows,
-    sqrt(D), eps); `like` and zeros without one."""
-    if pending is None:
-        return (like, 0, like, like, like, like, 0.0, 0.0)
-    cache = pending.cache
-    return (pending.qk, pending.qk.shape[1], cache.temp, cache.inv_freq, pending.positions, cache.slot_mapping,
-            math.sqrt(pending.qk.shape[2]), torch.finfo(torch.float32).eps)

@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from hybridserve.core.batch import ForwardBatch
-from hybridserve.ops.qk_cache import PendingQK, QKCache
+from hybridserve.ops.qk_cache import QKCache
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.counters import arrival_counters
 from hybridserve.ops.triton.pdl import prefetch_rows, wait_for_previous
@@ -319,8 +319,8 @@ def _conv_head(g, cb, pid, num_tokens, proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr
                P: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_P: tl.constexpr, COLUMNS: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
                STAGES: tl.constexpr, HAS_FOOTER: tl.constexpr, HAS_VERIFY: tl.constexpr, PRECISION: tl.constexpr,
-               NORM_QK: tl.constexpr, HALF: tl.constexpr, USE_PDL: tl.constexpr):
-    """Head g's output columns of column block cb (all of them in the heads form), then its state; with NORM_QK,
+               TO_CACHE: tl.constexpr, HALF: tl.constexpr, USE_PDL: tl.constexpr):
+    """Head g's output columns of column block cb (all of them in the heads form), then its state; with TO_CACHE,
     the head's last program then normalises and rotates the head's whole rows into q_out or the K cache."""
     ONE_CHUNK: tl.constexpr = COLUMNS and BLOCK_K >= D * K1  # the columns form's stage 2 in one chunk
     if COLUMNS:
@@ -362,7 +362,7 @@ def _conv_head(g, cb, pid, num_tokens, proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr
     if last:
         _store_windows(g, windows, mine, starter, out_slot, keep_final, slot, conv_ptr, cs0, cs1, cs2, cfoot_ptr, cf0,
                        cf1, cf2, D, P, BLOCK_D, BLOCK_P, HAS_FOOTER, HAS_VERIFY)
-        if NORM_QK:
+        if TO_CACHE:
             tl.debug_barrier()  # the heads form: every thread's stores of the rows precede their reads below
             kv_row = tl.load(kv_slot_ptr + tok, mask=mine, other=0)
             norm_rope_store(qk_out_ptr, tok, g, mine, pos_ptr, inv_freq_ptr, temp_ptr, q_out_ptr, k_cache_ptr,
@@ -452,7 +452,7 @@ def _cca_conv_kernel(proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr, b1_ptr, lag_bias
                      BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, COLUMNS: tl.constexpr, BLOCK_O: tl.constexpr,
                      BLOCK_K: tl.constexpr, STAGES: tl.constexpr, HAS_LAG_BIAS: tl.constexpr,
                      HAS_FOOTER: tl.constexpr, HAS_VERIFY: tl.constexpr, PRECISION: tl.constexpr,
-                     TO_CACHE: tl.constexpr, NORM_QK: tl.constexpr, HALF: tl.constexpr, USE_PDL: tl.constexpr):
+                     TO_CACHE: tl.constexpr, HALF: tl.constexpr, USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
     item = tl.program_id(1)
     BLOCKS: tl.constexpr = (D + BLOCK_O - 1) // BLOCK_O  # column blocks per head (1 in the heads form)
@@ -462,7 +462,7 @@ def _cca_conv_kernel(proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr, b1_ptr, lag_bias
                    init_ptr, token_slots_ptr, pos_ptr, pt_ptr, pt_s0, page_size, counter_ptr, kv_slot_ptr, temp_ptr,
                    inv_freq_ptr, q_out_ptr, k_cache_ptr, kc_s0, kc_s1, norm_scale, norm_eps, HQ, HK, D, K0, K1, P,
                    OVERLAP, BLOCK_T, BLOCK_D, BLOCK_P, COLUMNS, BLOCK_O, BLOCK_K, STAGES, HAS_FOOTER, HAS_VERIFY,
-                   PRECISION, NORM_QK, HALF, USE_PDL)
+                   PRECISION, TO_CACHE, HALF, USE_PDL)
     else:
         _value_block(item - (HQ + HK) * BLOCKS, pid, num_tokens, proj_ptr, proj_s0, lag_bias_ptr, v_out_ptr, v_s0,
                      v_s1, lag_ptr, lag_s0, lfoot_ptr, lf0, seq_ids_ptr, qsl_ptr, slots_ptr, init_ptr, token_slots_ptr,
@@ -497,11 +497,10 @@ def cca_conv(proj: torch.Tensor, weight0: torch.Tensor, bias0: torch.Tensor, wei
              batch: ForwardBatch, conv_state: torch.Tensor, lag_state: torch.Tensor,
              conv_footer: torch.Tensor | None = None, lag_footer: torch.Tensor | None = None,
              to_cache: QKCache | None = None, form: Literal["heads", "columns"] | None = None,
-             block_tokens: int | None = None, pending_qk: bool = False):
-    """ops.conv.cca_conv on the GPU, or with `to_cache` ops.conv.cca_conv_to_cache (-> q only; with `pending_qk`
-    the raw q|k rows as a PendingQK, V in its cache: the kernel's last programs write the windows only). `form`
-    forces one of the kernel's two forms (tests, benchmarks); by default steps of at most COLUMNS_MAX_TOKENS tokens
-    take the columns form, larger ones the heads form. `block_tokens` forces the heads form's token block (a power of two of
+             block_tokens: int | None = None):
+    """ops.conv.cca_conv on the GPU, or with `to_cache` ops.conv.cca_conv_to_cache (-> q only). `form` forces one
+    of the kernel's two forms (tests, benchmarks); by default steps of at most COLUMNS_MAX_TOKENS tokens take the
+    columns form, larger ones the heads form. `block_tokens` forces the heads form's token block (a power of two of
     at least 16; benchmarks/ops/conv.py sweeps it)."""
     tokens, channels = proj.shape[0], weight0.shape[0]
     d, k0, k1 = weight1.shape[1], weight0.shape[-1], weight1.shape[-1]
@@ -530,11 +529,8 @@ def cca_conv(proj: torch.Tensor, weight0: torch.Tensor, bias0: torch.Tensor, wei
         temp, inv_freq, half = to_cache.temp, to_cache.inv_freq, to_cache.inv_freq.shape[0]
         if k_cache.stride(-1) != 1 or v_dst.stride(-1) != 1 or 2 * half > d:
             raise ValueError("the caches need a unit stride over D, and the rotary dims must fit in D")
-    if pending_qk and to_cache is None:
-        raise ValueError("a pending q/k normalisation needs the caches (to_cache)")
-    result = PendingQK(qk, q_heads, batch.positions, to_cache) if pending_qk else query
     if tokens == 0:
-        return result if to_cache is not None else (qk[:, :q_heads], qk[:, q_heads:], value)
+        return query if to_cache is not None else (qk[:, :q_heads], qk[:, q_heads:], value)
     columns = tokens <= COLUMNS_MAX_TOKENS if form is None else form == "columns"
     block_d = max(16, next_power_of_2(d))
     # A row of one token has no later token reading its carried window, so token blocks need not overlap.
@@ -568,6 +564,6 @@ def cca_conv(proj: torch.Tensor, weight0: torch.Tensor, bias0: torch.Tensor, wei
         k_cache, k_cache.stride(0), k_cache.stride(1), math.sqrt(d), torch.finfo(torch.float32).eps,
         HQ=q_heads, HK=k_heads, D=d, VH=lag_width, K0=k0, K1=k1, P=history, OVERLAP=overlap, BLOCK_T=block_t,
         BLOCK_D=block_d, BLOCK_P=next_power_of_2(max(history, 1)), HAS_LAG_BIAS=lag_bias is not None,
-        HAS_FOOTER=has_footer, HAS_VERIFY=batch.verify is not None, TO_CACHE=to_cache is not None,
-        NORM_QK=to_cache is not None and not pending_qk, HALF=half, **launch, **pdl.launch(proj.device))
-    return result if to_cache is not None else (qk[:, :q_heads], qk[:, q_heads:], value)
+        HAS_FOOTER=has_footer, HAS_VERIFY=batch.verify is not None, TO_CACHE=to_cache is not None, HALF=half,
+        **launch, **pdl.launch(proj.device))
+    return query if to_cache is not None else (qk[:, :q_heads], qk[:, q_heads:], value)

@@ -20,43 +20,30 @@ def _rotate(x, mate, cos, sin, d, HALF: tl.constexpr):
 
 
 @triton.jit
-def normalized_rotated(x, mate, pos, inv_freq_ptr, d, factor_scale, scale, eps, HALF: tl.constexpr):
-    """Rows x [R, BLOCK_D] fp32 (their NeoX partners `mate`) scaled to norm sqrt(D) (`scale`; the norm clamped at
-    eps), times `factor_scale` ([R, 1] or a scalar: a k head's temperature, else 1), rotated at the rows' positions
-    `pos` [R] -> fp32."""
-    factor = scale / tl.maximum(tl.sqrt_rn(tl.sum(x * x, axis=1)), eps)
-    x, mate = x * factor[:, None], mate * factor[:, None]
-    x, mate = x * factor_scale, mate * factor_scale
-    freq = tl.load(inv_freq_ptr + tl.where(d < HALF, d, d - HALF), mask=d < 2 * HALF, other=0.0)
-    angle = pos.to(tl.float32)[:, None] * freq[None, :]
-    return _rotate(x, mate, tl.cos(angle), tl.sin(angle), d, HALF)
-
-
-@triton.jit
-def partner(d, HALF: tl.constexpr):
-    """The NeoX partner of channel d: i <-> i + HALF among the 2 * HALF rotated channels, itself beyond."""
-    return tl.where(d < HALF, d + HALF, tl.where(d < 2 * HALF, d - HALF, d))
-
-
-@triton.jit
 def norm_rope_store(qk_ptr, tok, g, mine, pos_ptr, inv_freq_ptr, temp_ptr, q_out_ptr, k_cache_ptr, kc_s0, kc_s1,
                     kv_row, scale, eps, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
                     BLOCK_D: tl.constexpr, CACHE: tl.constexpr):
     """Head g (q heads first, then k heads) of the `mine` tokens of `tok`, read from qk [T, HQ + HK, D] fp32:
-    `normalized_rotated` (a k head times its temperature); a q head goes to q_out [T, HQ, D], a k head to the K
-    cache row `kv_row` of its token."""
+    scaled to norm sqrt(D) (`scale`; the norm clamped at eps), a k head times its temperature, rotated at the
+    token's position; a q head goes to q_out [T, HQ, D], a k head to the K cache row `kv_row` of its token."""
     d = tl.arange(0, BLOCK_D)
-    ok = mine[:, None] & (d < D)[None, :]
+    d_ok = d < D
+    partner = tl.where(d < HALF, d + HALF, tl.where(d < 2 * HALF, d - HALF, d))
+    ok = mine[:, None] & d_ok[None, :]
     base = qk_ptr + (tok[:, None].to(tl.int64) * (HQ + HK) + g) * D
     x = tl.load(base + d[None, :], mask=ok, other=0.0, cache_modifier=CACHE)
-    mate = tl.load(base + partner(d, HALF)[None, :], mask=ok, other=0.0, cache_modifier=CACHE)
-    pos = tl.load(pos_ptr + tok, mask=mine, other=0)
+    mate = tl.load(base + partner[None, :], mask=ok, other=0.0, cache_modifier=CACHE)
+    factor = scale / tl.maximum(tl.sqrt_rn(tl.sum(x * x, axis=1)), eps)
+    x, mate = x * factor[:, None], mate * factor[:, None]
+    freq = tl.load(inv_freq_ptr + tl.where(d < HALF, d, d - HALF), mask=d < 2 * HALF, other=0.0)
+    angle = tl.load(pos_ptr + tok, mask=mine, other=0).to(tl.float32)[:, None] * freq[None, :]
+    cos, sin = tl.cos(angle), tl.sin(angle)
     if g < HQ:
-        q = normalized_rotated(x, mate, pos, inv_freq_ptr, d, 1.0, scale, eps, HALF)
+        q = _rotate(x, mate, cos, sin, d, HALF)
         tl.store(q_out_ptr + (tok[:, None].to(tl.int64) * HQ + g) * D + d[None, :],
                  q.to(q_out_ptr.dtype.element_ty), mask=ok)
     else:
         temp = tl.load(temp_ptr + g - HQ).to(tl.float32)
-        k = normalized_rotated(x, mate, pos, inv_freq_ptr, d, temp, scale, eps, HALF)
+        k = _rotate(x * temp, mate * temp, cos, sin, d, HALF)
         tl.store(k_cache_ptr + kv_row[:, None] * kc_s0 + (g - HQ) * kc_s1 + d[None, :],
                  k.to(k_cache_ptr.dtype.element_ty), mask=ok)
