@@ -406,7 +406,9 @@ def test_linear_rejects_a_bad_pending_norm() -> None:
 ])
 def test_experts_leave_a_pending_norm(table, weights, dtype) -> None:
     """With `h_pending` the down launch stores x (each program its columns) and each program's sum of squares:
-    x is the standalone norm kernel's, and the PendingNorm's h its h up to a rounding moved by the sum's order."""
+    x is the standalone norm kernel's (bit for bit in the interpreter; compiled, x's fp32 terms may be contracted
+    into other FMAs than the norm kernel's, in any dtype: 1e-6 relative), and the PendingNorm's h its h up to a
+    rounding moved by the sum's order."""
     ids = _ids(table)
     w13, w2 = _experts(4, 40, 24, dtype, seed=45)
     x = _randn(ids.shape[0], 40, seed=46, dtype=dtype)
@@ -418,7 +420,7 @@ def test_experts_leave_a_pending_norm(table, weights, dtype) -> None:
                                                   norm=replace(norm, h_pending=True))
     assert copy is None and isinstance(pending, PendingNorm) and pending.x is got_x
     assert pending.sum_squares.shape == (ids.shape[0], 3)
-    if _exact(dtype):
+    if not ON_GPU:  # the same arithmetic; compiled, the two kernels may contract x's terms into other FMAs
         assert torch.equal(got_x, want_x)
     else:
         torch.testing.assert_close(got_x, want_x, rtol=1e-6, atol=1e-6 * want_x.abs().max().item())
