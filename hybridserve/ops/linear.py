@@ -6,7 +6,8 @@ to `FASTER_UP_TO_WEIGHT_BYTES` run the GEMV kernel, where it beats cuBLAS (measu
 Ling-2.6's router logits, which cuBLAS ran in 7.7 us a layer outside the PDL chain, not yet timed in the kernel);
 everything else, and the reference the kernel is tested against, is torch's F.linear (cuBLAS on CUDA).
 `linear_residual_norm` hands the GEMV kernel the residual norm that follows the projection, so that it runs in the
-same launch.
+same launch; `linear` of an `ops.norm.PendingNorm` (the norm before the projection, left by the launch that made its
+input) finishes that norm in the GEMV kernel's launch (`takes_pending`).
 
 FP8 weights (`fp8` given: e4m3 weight, its scales and scheme) run as `ops.reference.fp8.fp8_linear` defines
 (backend op "fp8_linear"): weight-only up to `core.quant.WEIGHT_ONLY_MAX_ROWS` rows, W8A8 beyond. On CUDA

@@ -57,7 +57,8 @@ def _fp8_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids:
 def fused_experts_residual_norm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                                 topk_weights: torch.Tensor, norm: ResidualNorm, fp8: ExpertScales | None = None,
                                 selection: DeferredSelection | None = None):
-    """`norm`(fused_experts(...)): in the GEMV form's down launch where that form runs. -> `norm`'s (x, h, h32).
+    """`norm`(fused_experts(...)): in the GEMV form's down launch where that form runs. -> `norm`'s (x, h, h32); h
+    an `ops.norm.PendingNorm` (h32 None) where `norm.h_pending` and that form runs.
     `selection`: ZAYA1's routing with its class selection deferred to these launches (`Routing.selection`; they
     then write topk_ids and topk_weights): only where `takes_deferred_selection`."""
     if _gemv_backend(x.device, topk_ids.numel(), fp8):

@@ -29,7 +29,9 @@ after its wait, the down launch before it, the logits being two launches back th
 With a `ResidualNorm` (ZAYA1: the post-MoE residual update and the next layer's input norm) the down launch also
 runs the norm, row by row: a program bumps its row's arrival counter after storing its columns (acq_rel), and the
 last of the row's programs normalises it, read back through L2, and puts the counter back to zero
-(ops/triton/counters.py): the norm's own launch saved.
+(ops/triton/counters.py): the norm's own launch saved. Where the norm's reader takes it (`h_pending`: the next
+layer's q|k|v|v GEMV), there is no last program: each stores its columns of x and their sum of squares, and the
+launch returns an `ops.norm.PendingNorm` in h's place, which the reader's launch finishes.
 """
 from __future__ import annotations
 
