@@ -74,8 +74,8 @@ class StackedExperts(nn.Module):
                               norm: ResidualNorm, selection: DeferredSelection | None = None):
         """`norm` (the residual norm consuming the output) on the weighted sum, reduced over ranks first: -> its
         (x, h, h32), h possibly a PendingNorm where `norm.h_pending` allows it. On one rank the decode kernels run
-        the norm in their own launch. `selection`: the routing's
-        class selection deferred to those launches (only where `takes_deferred_selection`)."""
+        the norm in their own launch. `selection`: the routing's class selection deferred to those launches (only
+        where `takes_deferred_selection`)."""
         if tp_size() == 1:
             return fused_experts_residual_norm(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, norm,
                                                self._fp8(), selection)
