@@ -267,9 +267,9 @@ def _window_values(g, tok, local, start, seq, mine, starter, end, out_slot, slot
                    HAS_VERIFY: tl.constexpr):
     """What `_store_windows` stores for head g, loaded: (page footers: the window after each page's last token,
     the window after each token of a verify row, the new window of every row whose first token is in this block,
-    the footer tokens and their pages); the window itself where a kind is off. Every program of the columns form loads them
-    before its arrival (any of them may be the last): after it they would be an L2 round trip of their own on a
-    decode step's critical path. The old window is only overwritten after every program has arrived."""
+    the footer tokens and their pages); the window itself where a kind is off. Every program of the columns form
+    loads them before its arrival (any of them may be the last): after it they would be an L2 round trip of their
+    own on a decode step's critical path. The old window is only overwritten after every program has arrived."""
     p, p_ok, ch3, ok3 = _window_lanes(g, D, P, BLOCK_D, BLOCK_P)
     start3, slot3, init3 = start[:, None, None], slot[:, None, None], init[:, None, None]
     # The row's new window: raw rows S - P .. S - 1 of the chunk (older ones from the old window).
