@@ -1,10 +1,11 @@
 """A tiny ZAYA1 model with its kernels (conv with the q/k norm + RoPE + KV write, norm, zaya_router, moe, the decode
 GEMV linear; through the interpreter) equals the same model on its torch references over fresh, chunked, mixed and
-decode steps: logits, state slots and page footers. Both are fp32; the kernels sum in other orders, hence 1e-4 on logits of unit scale. The decode
-steps of more than 8 tokens run the router's decode form and the experts' grouped form, the decode step (three
-tokens) the experts' GEMV form with the post-MoE residual norm in its down launch (and, with the post-attention
-norm in the router's first launch, the class selection deferred to the experts' launches), and the first layer's
-experts leave the second layer's input norm pending, finished in its q|k|v|v launch; MOD skips included."""
+decode steps: logits, state slots and page footers. Both are fp32; the kernels sum in other orders, hence 1e-4 on
+logits of unit scale. The decode steps of more than 8 tokens run the router's decode form and the experts' grouped
+form, the decode step (three tokens) the experts' GEMV form with the post-MoE residual norm in its down launch (and,
+with the post-attention norm in the router's first launch, the class selection deferred to the experts' launches),
+and the first layer's experts leave the second layer's input norm pending, finished in its q|k|v|v launch; MOD skips
+included."""
 from __future__ import annotations
 
 import contextlib
