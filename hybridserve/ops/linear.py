@@ -25,16 +25,26 @@ from hybridserve.ops.norm import PendingNorm, ResidualNorm
 from hybridserve.ops.reference import fp8 as fp8_reference
 
 
-def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the GEMV kernel runs this product (decode-sized x, a 16-bit or fp32 weight it streams faster than
-    cuBLAS)."""
+def _gemv_runs(rows: int, weight: torch.Tensor, fp8: Fp8Scales | None = None) -> bool:
+    """Whether the GEMV kernel runs a product of `rows` decode-sized rows with this weight: a 16-bit or fp32 weight
+    it streams faster than cuBLAS, or an e4m3 one at weight-only sizes (host sizes only)."""
+    if fp8 is not None:
+        return backends.use_triton("fp8_linear", weight.device) and rows <= WEIGHT_ONLY_MAX_ROWS
     if (weight.dtype not in (torch.float16, torch.bfloat16, torch.float32)
-            or not backends.use_triton("linear", x.device)):
+            or not backends.use_triton("linear", weight.device)):
         return False
     from hybridserve.ops.triton import linear as kernel
-    return x.numel() <= kernel.FASTER_UP_TO_TOKENS * x.shape[-1] and x.dtype == weight.dtype \
-        and x.stride(-1) == 1 and weight.is_contiguous() \
+    return rows <= kernel.FASTER_UP_TO_TOKENS and weight.is_contiguous() \
         and weight.numel() * weight.element_size() <= kernel.FASTER_UP_TO_WEIGHT_BYTES
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // max(x.shape[-1], 1)
+
+
+def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the GEMV kernel runs this 16-bit or fp32 product (`_gemv_runs`, x of the weight's dtype)."""
+    return x.dtype == weight.dtype and x.stride(-1) == 1 and _gemv_runs(_rows(x), weight)
 
 
 def linear(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -58,14 +68,7 @@ def linear(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch.Tens
 def takes_pending(tokens: int, weight: torch.Tensor, fp8: Fp8Scales | None = None) -> bool:
     """Whether `linear` of a PendingNorm of `tokens` rows finishes its norm in the GEMV kernel's launch (where that
     kernel runs the product): a producer should leave h pending only then. Host-known sizes only."""
-    if weight.dim() != 2 or not weight.is_contiguous() or not 0 < tokens:
-        return False
-    if fp8 is not None:
-        return backends.use_triton("fp8_linear", weight.device) and tokens <= WEIGHT_ONLY_MAX_ROWS
-    from hybridserve.ops.triton import linear as kernel
-    return (weight.dtype in (torch.float16, torch.bfloat16, torch.float32)
-            and backends.use_triton("linear", weight.device) and tokens <= kernel.FASTER_UP_TO_TOKENS
-            and weight.numel() * weight.element_size() <= kernel.FASTER_UP_TO_WEIGHT_BYTES)
+    return 0 < tokens and weight.dim() == 2 and weight.is_contiguous() and _gemv_runs(tokens, weight, fp8)
 
 
 def _fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: Fp8Scales) -> torch.Tensor:
@@ -75,16 +78,16 @@ def _fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return fp8_reference.fp8_linear(x, weight, fp8.scale, fp8.scheme, bias, fp8.input_scale, linear_weight_only(x))
 
 
-def _fp8_takes_gemv(x: torch.Tensor) -> bool:
+def _fp8_takes_gemv(x: torch.Tensor, weight: torch.Tensor, fp8: Fp8Scales) -> bool:
     """Whether the GEMV kernel runs this FP8 product (on CUDA, decode-sized x of unit last stride)."""
-    return backends.use_triton("fp8_linear", x.device) and linear_weight_only(x) and x.stride(-1) == 1
+    return x.stride(-1) == 1 and _gemv_runs(_rows(x), weight, fp8)
 
 
 def linear_residual_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: ResidualNorm,
                          fp8: Fp8Scales | None = None):
     """`norm`(linear(x, weight, bias)) for x [T, K]: in the GEMV kernel's launch where that kernel runs.
     -> `norm`'s (x, h, h32)."""
-    if x.dim() == 2 and (_takes_gemv(x, weight) if fp8 is None else _fp8_takes_gemv(x)):
+    if x.dim() == 2 and (_takes_gemv(x, weight) if fp8 is None else _fp8_takes_gemv(x, weight, fp8)):
         from hybridserve.ops.triton import linear as kernel
         return kernel.linear(x, weight, bias, norm=norm, fp8=fp8)
     return norm(linear(x, weight, bias, fp8))

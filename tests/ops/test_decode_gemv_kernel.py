@@ -310,6 +310,19 @@ def test_linear_norm_epilogue_equals_the_norm_kernel(tokens, width, k, config, d
         for _ in range(2):  # the counter is back at zero: a second call runs its epilogue too
             _assert_same(linear_kernel.linear(x, w, None, config, norm=norm), want, _exact(dtype))
             assert not arrival_counters("linear_norm", 1, DEVICE).any()
+    # h_pending only allows a PendingNorm: this epilogue makes h all the same
+    _assert_same(linear_kernel.linear(x, w, None, config, norm=replace(norm, h_pending=True)), want, _exact(dtype))
+
+
+def _experts_norm_case(table, weights, dtype: torch.dtype, seed: int):
+    """(x, w13, w2, ids, weights, tiles, ZAYA1's post-MoE norm) of a few-pair experts case: 4 experts of 40 -> 24,
+    three down programs a row, the last one ragged."""
+    ids = _ids(table)
+    w13, w2 = _experts(4, 40, 24, dtype, seed=seed)
+    x = _randn(ids.shape[0], 40, seed=seed + 1, dtype=dtype)
+    config = (Tiles(1, 16, 16, 2), Tiles(1, 16, 16, 2))
+    norm = _residual_norm(ids.shape[0], 40, dtype, seed=seed + 2, skip=True, fp32_copy=False)
+    return x, w13, w2, ids, torch.tensor(weights, device=DEVICE), config, norm
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
@@ -320,12 +333,7 @@ def test_linear_norm_epilogue_equals_the_norm_kernel(tokens, width, k, config, d
 ])
 def test_experts_norm_epilogue_equals_the_norm_kernel(table, weights, dtype) -> None:
     """Each row normalised by the last of its down programs (per-row counters), the skip term included."""
-    ids = _ids(table)
-    w13, w2 = _experts(4, 40, 24, dtype, seed=23)
-    x = _randn(ids.shape[0], 40, seed=24, dtype=dtype)
-    weight = torch.tensor(weights, device=DEVICE)
-    config = (Tiles(1, 16, 16, 2), Tiles(1, 16, 16, 2))  # three down programs a row, the last one ragged
-    norm = _residual_norm(ids.shape[0], 40, dtype, seed=25, skip=True, fp32_copy=False)
+    x, w13, w2, ids, weight, config, norm = _experts_norm_case(table, weights, dtype, seed=23)
     want = _standalone(norm, moe_gemv.fused_experts(x, w13, w2, ids, weight, config=config))
     for _ in range(2):
         _assert_same(moe_gemv.fused_experts(x, w13, w2, ids, weight, config=config, norm=norm), want, _exact(dtype))
@@ -409,12 +417,7 @@ def test_experts_leave_a_pending_norm(table, weights, dtype) -> None:
     x is the standalone norm kernel's (bit for bit in the interpreter; compiled, x's fp32 terms may be contracted
     into other FMAs than the norm kernel's, in any dtype: 1e-6 relative), and the PendingNorm's h its h up to a
     rounding moved by the sum's order."""
-    ids = _ids(table)
-    w13, w2 = _experts(4, 40, 24, dtype, seed=45)
-    x = _randn(ids.shape[0], 40, seed=46, dtype=dtype)
-    weight = torch.tensor(weights, device=DEVICE)
-    config = (Tiles(1, 16, 16, 2), Tiles(1, 16, 16, 2))  # three down programs a row, the last one ragged
-    norm = _residual_norm(ids.shape[0], 40, dtype, seed=47, skip=True, fp32_copy=False)
+    x, w13, w2, ids, weight, config, norm = _experts_norm_case(table, weights, dtype, seed=45)
     want_x, want_h, _ = _standalone(norm, moe_gemv.fused_experts(x, w13, w2, ids, weight, config=config))
     got_x, pending, copy = moe_gemv.fused_experts(x, w13, w2, ids, weight, config=config,
                                                   norm=replace(norm, h_pending=True))

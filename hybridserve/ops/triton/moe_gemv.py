@@ -322,10 +322,10 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
                          f"over the {hidden} outputs")
     pairs = tokens * top_k
     out = torch.empty(tokens if reduce else pairs, hidden, dtype=x.dtype, device=x.device)
-    epilogue, flags, normed = epilogue_args(norm, tokens, hidden, out)
+    pending = norm is not None and norm.h_pending
+    epilogue, flags, normed = epilogue_args(norm, tokens, hidden, out, pending)
     up_fp8, down_fp8 = fp8 if fp8 is not None else (None, None)
     up_tiles, down = config or (gate_up_tiles(inter, hidden, up_fp8, top_k), down_tiles(hidden, inter, down_fp8, top_k))
-    pending = norm is not None and norm.h_pending
     if pending:  # x and each down program's sum of squares: the reader of h finishes the norm
         sums = torch.empty(tokens, cdiv(hidden, down.BN), dtype=torch.float32, device=x.device)
         normed = (normed[0], PendingNorm(normed[0], sums, norm.norm_weight, norm.eps), None)

@@ -163,17 +163,18 @@ def _residual_rms_norm_kernel(u_ptr, u_s0, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, 
                       HAS_RB, HAS_RS, HAS_SKIP, FP32_COPY, "")
 
 
-def epilogue_args(norm: ResidualNormArgs | None, rows: int, width: int, like: torch.Tensor):
+def epilogue_args(norm: ResidualNormArgs | None, rows: int, width: int, like: torch.Tensor, pending: bool = False):
     """(the arguments of `residual_norm_row` after u_ptr and u_s0, its constexprs, (x, h, h32) outputs) of `norm`
     over `rows` rows of `width`; `norm` None: placeholders (`like` for every pointer), every flag off, no outputs.
-    With `h_pending`, the outputs are (x, None, None) and h's pointers placeholders."""
+    `pending` (a kernel that leaves h to its reader, where `norm.h_pending` allows it): the outputs are (x, None,
+    None) and h's pointers placeholders; every other kernel makes h whatever `h_pending` allows."""
     if norm is None:
         absent = ResidualNormArgs(like, 0.0)  # every optional tensor absent: each flag off, `like` in each pointer
         return _pack(absent, 1, (like, like, None), like), _flags(absent, 1, False), None
     for name, t in (("residual", norm.residual), ("skip_input", norm.skip_input)):
         if t is not None and (t.stride(-1) != 1 or t.shape != (rows, width)):
             raise ValueError(f"{name} must be [{rows}, {width}] with a unit column stride")
-    if norm.h_pending:  # x only: h is left to its reader (the caller stores the sums of squares)
+    if pending:  # x only: h is left to its reader (the caller stores the sums of squares)
         x = torch.empty(rows, width, device=like.device, dtype=torch.float32)
         return _pack(norm, width, (x, like, None), like), _flags(norm, width, False), (x, None, None)
     h = torch.empty(rows, width, device=like.device, dtype=norm.norm_weight.dtype)
