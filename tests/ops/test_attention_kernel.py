@@ -121,6 +121,16 @@ def test_fixed_split_counts_larger_than_needed() -> None:
     check(make_case([(0, 5), (3, 1), (40, 30)], 4, (8, 2), 32, 32, torch.float32, seed=13), num_splits=3)
 
 
+def test_split_merge_in_chunks_of_splits() -> None:
+    """The merge loads its splits in chunks (`merge_chunk`: 16 for ZAYA1's 4 query heads of 128 channels): 40
+    splits of 64 keys (three chunks, the last partial) and 10 (one partial chunk, batch 1's few hundred keys); a
+    prefill block of 128 rows x 128 channels holds one split a chunk (the unrolled loop)."""
+    assert kernel.merge_chunk(4, 128) == 16 and kernel.merge_chunk(128, 32) == 2 and kernel.merge_chunk(128, 128) == 1
+    check(make_case([(2499, 1), (639, 1), (30, 1)], 16, (8, 2), 128, 128, torch.float32, seed=14), num_splits=40)
+    check(make_case([(639, 1)], 16, (8, 2), 128, 128, torch.float32, seed=15), num_splits=64)
+    check(make_case([(0, 5), (3, 1), (40, 30)], 4, (8, 2), 128, 128, torch.float32, seed=16), num_splits=3)
+
+
 def test_padding_rows_without_keys_give_zeros() -> None:
     """CUDA-graph padding: a decode row with kv_len 0 reads nothing and outputs zeros, split or not."""
     case = make_case([(4, 1), (0, 1)], 4, (8, 2), 32, 32, torch.float32, seed=14)

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # variants that matter differ in the constexprs the shapes and schemes pick).
 TESTS = [
     "tests/ops/test_attention_kernel.py::test_decode",
+    "tests/ops/test_attention_kernel.py::test_split_merge_in_chunks_of_splits",
     "tests/ops/test_decode_gemv_kernel.py::test_experts_match_reference",
     "tests/ops/test_decode_gemv_kernel.py::test_ling_router_logits_in_one_preloaded_chunk",
     "tests/ops/test_decode_gemv_kernel.py::test_linear_norm_epilogue_equals_the_norm_kernel",

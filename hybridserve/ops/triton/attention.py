@@ -45,7 +45,8 @@ LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
 MIN_KEYS_PER_SPLIT = 128  # below this a split's loads no longer hide the extra partial write and merge
 COUNTERS = 1 << 14  # arrival counters per device: (query block, row, KV head) groups of one split launch
-MERGE_UNROLL = tl.constexpr(8)  # splits whose partial loads the merge issues together (`_merge`)
+MERGE_TILE = 8192  # fp32 elements of the merge's [rows, splits, DV] load: 64 registers a thread at 4 warps
+MERGE_UNROLL = tl.constexpr(8)  # splits whose loads the merge issues together where its tile holds one split (MLA)
 
 
 # Integers that change from step to step are not specialised on (Triton would compile a variant per class: 1,
@@ -59,7 +60,8 @@ def _attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, D_TAIL_PAD: tl.constexpr,
     DV: tl.constexpr, DV_PAD: tl.constexpr, V_IN_K: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    SPLIT: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr, GROUP_P2: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
 ):
     # Decode loads its first key tile's rows of earlier steps before the wait (module docstring); not MLA's 512-wide
     # latent, whose accumulator and tiles already take all the registers (a held tile spilled: sm_90, 344 bytes).
@@ -154,8 +156,8 @@ def _attention_kernel(
         tl.debug_barrier()  # every thread's stores precede the release below
         group = (q_block * tl.num_programs(1) + row) * (tl.num_programs(2) // num_splits) + kv_head
         if tl.atomic_add(counter_ptr + group, 1, sem="acq_rel") == used - 1:
-            o = _merge(part_o_ptr, part_lse_ptr, part, used, o_mask, m_valid, dv, DV)
-            tl.store(out, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+            _merge(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, q_start, q_block, q_len, kv_head, used,
+                   num_q_heads, num_splits, GROUP, GROUP_P2, BLOCK_Q, DV, DV_PAD, MERGE_CHUNK)
             tl.store(counter_ptr + group, 0)
     else:
         tl.store(out, o.to(out_ptr.dtype.element_ty), mask=o_mask)
@@ -232,28 +234,44 @@ def _prefetch_keys(k_ptr, v_ptr, pages_ptr, kv_head, lo, hi, stride_kr, stride_k
 
 
 @triton.jit
-def _merge(part_o_ptr, part_lse_ptr, part, used, o_mask, m_valid, dv, DV: tl.constexpr):
-    """The output of the M rows whose split pairs start at `part`: their first `used` splits' outputs weighted by
-    2^lse, rescaled to the running maximum as it grows (read through L2: other programs wrote them). No split's
-    loads depend on the splits before it, but a plain loop issues each split's only after the previous split's
-    arithmetic has consumed its own: one L2 round trip a split, on the critical path of a decode step (8-10 splits
-    at batch 1 with a few hundred keys). Unrolled by MERGE_UNROLL, the loads of that many splits are in flight
-    together; the arithmetic, hence every bit, is the plain loop's."""
-    top = tl.full(part.shape, float("-inf"), tl.float32)
-    total = tl.zeros(part.shape, tl.float32)
-    merged = tl.zeros(o_mask.shape, tl.float32)
-    for split in tl.range(0, used, loop_unroll_factor=MERGE_UNROLL):
-        lse = tl.load(part_lse_ptr + part + split, mask=m_valid, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(part_o_ptr + (part + split)[:, None] * DV + dv[None, :], mask=o_mask, other=0.0,
-                    cache_modifier=".cg")
-        new_top = tl.maximum(top, lse)
+def _merge(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, q_start, q_block, q_len, kv_head, used,
+           num_q_heads, num_splits, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr,
+           DV: tl.constexpr, DV_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Store the output of this program's query rows (the BLOCK_Q tokens x GROUP query heads of KV head `kv_head`;
+    no tl.dot padding here): their first `used` splits' outputs weighted by 2^lse, rescaled to the running maximum
+    as it grows (read through L2: other programs wrote them). The splits come in chunks of as many as a
+    [rows, splits, DV] tile of MERGE_TILE holds (16 for ZAYA1's four query heads of 128 channels), each chunk's
+    loads issued together: at batch 1 a few hundred keys make 8-10 splits, one L2 round trip on a decode step's
+    critical path where a loop over the splits (unrolled by 8, its remainder one split at a time) took three. A
+    tile of one split (MLA's 512-wide latent) keeps that loop, unrolled by MERGE_UNROLL."""
+    UNROLL: tl.constexpr = MERGE_UNROLL if CHUNK == 1 else 1
+    m = tl.arange(0, BLOCK_Q * GROUP_P2)
+    tok = q_block * BLOCK_Q + m // GROUP_P2
+    head = kv_head * GROUP + m % GROUP_P2
+    valid = (m % GROUP_P2 < GROUP) & (tok < q_len)
+    q_rows = (q_start + tok).to(tl.int64)
+    part = (q_rows * num_q_heads + head) * num_splits
+    dv = tl.arange(0, DV_PAD)
+    s = tl.arange(0, CHUNK)
+    top = tl.full([BLOCK_Q * GROUP_P2], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_Q * GROUP_P2], tl.float32)
+    merged = tl.zeros([BLOCK_Q * GROUP_P2, DV_PAD], tl.float32)
+    for first in tl.range(0, used, CHUNK, loop_unroll_factor=UNROLL):
+        pair = part[:, None] + first + s[None, :]
+        ok = valid[:, None] & (first + s < used)[None, :]
+        lse = tl.load(part_lse_ptr + pair, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(part_o_ptr + pair[:, :, None] * DV + dv[None, None, :], mask=ok[:, :, None] &
+                    (dv < DV)[None, None, :], other=0.0, cache_modifier=".cg")
+        new_top = tl.maximum(top, tl.max(lse, axis=1))
         safe = tl.where(new_top == float("-inf"), 0.0, new_top)  # no keys so far: weights stay zero
-        old, weight = tl.exp2(top - safe), tl.exp2(lse - safe)
-        merged = merged * old[:, None] + o * weight[:, None]
-        total = total * old + weight
+        old, weight = tl.exp2(top - safe), tl.exp2(lse - safe[:, None])
+        merged = merged * old[:, None] + tl.sum(o * weight[:, :, None], axis=1)
+        total = total * old + tl.sum(weight, axis=1)
         top = new_top
     # A row without keys (kv_len 0: CUDA-graph padding) has only empty splits and gets zeros, as unsplit.
-    return merged / tl.maximum(total, 1.0)[:, None]
+    o = merged / tl.maximum(total, 1.0)[:, None]
+    out = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :]
+    tl.store(out, o.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (dv < DV)[None, :])
 
 
 @dataclass(frozen=True)
@@ -278,6 +296,13 @@ def launch_config(decode: bool, group: int, d_main: int, dv_pad: int) -> LaunchC
     group_pad = max(group_pad, 16 // block_q)
     return LaunchConfig(block_q, group_pad, block_n=32 if wide else 64,
                         num_warps=4 if decode and not wide else 8, num_stages=2 if wide else 3)
+
+
+def merge_chunk(rows: int, dv_pad: int) -> int:
+    """Splits a merge chunk loads together (`_merge`): the most, a power of two, whose [rows, splits, dv_pad] fp32
+    tile is at most MERGE_TILE elements; at least 1."""
+    fits = MERGE_TILE // (rows * dv_pad)
+    return 1 << (fits.bit_length() - 1) if fits else 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -349,7 +374,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         GROUP=group, GROUP_PAD=config.group_pad, BLOCK_Q=config.block_q, BLOCK_N=config.block_n,
         PAGE_SIZE=batch.page_size, D_MAIN=d_main, D_TAIL=d_tail,
         D_TAIL_PAD=max(16, _pow2(d_tail)) if d_tail else 0, DV=v_dim, DV_PAD=dv_pad, V_IN_K=v_in_k,
-        HAS_WINDOW=sliding_window is not None, SPLIT=splits > 1,
+        HAS_WINDOW=sliding_window is not None, SPLIT=splits > 1, GROUP_P2=_pow2(group),
+        MERGE_CHUNK=merge_chunk(config.block_q * _pow2(group), dv_pad),
         PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch(q.device),
     )
