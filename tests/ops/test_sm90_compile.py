@@ -26,6 +26,7 @@ TESTS = [
     "tests/ops/test_decode_gemv_kernel.py::test_linear_norm_epilogue_equals_the_norm_kernel",
     "tests/ops/test_decode_gemv_kernel.py::test_experts_norm_epilogue_equals_the_norm_kernel",
     "tests/ops/test_fp8_linear_kernel.py::test_forms_match_reference",
+    "tests/ops/test_ling_norm_kernel.py::test_add_rms_norm",
     "tests/ops/test_fp8_moe_kernel.py::test_forms_match_reference",
     "tests/ops/test_conv_qk_epilogue_kernel.py::test_decode_steps",
     "tests/ops/test_zaya_router_kernel.py::test_fused_form_repeats_bitwise",
@@ -34,7 +35,7 @@ TESTS = [
 ]
 SELECTION = "not dtype1 and not float16 and not gemm and not grouped"
 KERNELS = {"_linear_kernel", "_gemv_gate_up_kernel", "_gemv_down_kernel", "_attention_kernel", "_cca_conv_kernel",
-           "_dense_kernel", "_normed_down_kernel"}
+           "_dense_kernel", "_normed_down_kernel", "_add_rms_norm_kernel"}
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU every kernel test compiles its kernels for the GPU itself")

@@ -11,17 +11,19 @@ from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.pdl import wait_for_previous
 from hybridserve.ops.triton.sizes import cdiv, next_power_of_2
 
-# Parts (a token's routed expert rows) whose loads `_add_rms_norm_kernel` issues together: a plain loop issues a
-# part's load only after the previous part's add consumed its own, one memory round trip a part (Ling's 8 experts a
-# token at batch 1); unrolled, the adds and so the bits stay the plain loop's.
-PART_UNROLL = tl.constexpr(8)
 
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, addend_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, out32_ptr, rows,
-                         width, parts, stride_x, stride_xp, stride_a, stride_r, stride_o, stride_ro, eps,
-                         HAS_ADDEND: tl.constexpr, HAS_RESIDUAL: tl.constexpr, FP32_COPY: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr):
+                         width, stride_x, stride_xp, stride_a, stride_r, stride_o, stride_ro, eps,
+                         PARTS: tl.constexpr, HAS_ADDEND: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                         FP32_COPY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    """x's PARTS rows a row (a token's routed expert rows; 1: x itself) summed in fp32 in part order and rounded
+    once to x's dtype, plus the addend (rounded to x's dtype, as `x + addend` is), plus the residual, then the norm.
+    Every input is loaded at once after the wait, before the first add: in a loop (even one unrolled by 8, whose
+    remainder loop took Ling's 7 parts after the first) each part's load went out only after the add before it,
+    one memory round trip a part, and the addend's and residual's after all of them."""
     col = tl.arange(0, BLOCK_C)[None, :]
     # A weight: before the wait (after the residual store it would be an L2 round trip of its own: no load moves
     # above a store).
@@ -30,19 +32,24 @@ def _add_rms_norm_kernel(x_ptr, addend_ptr, residual_ptr, weight_ptr, out_ptr, r
     row = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
     mask = (row < rows) & (col < width)
     h = tl.load(x_ptr + row * stride_x + col, mask=mask, other=0.0)
+    parts = ()
+    for part in tl.static_range(1, PARTS):
+        parts = parts + (tl.load(x_ptr + row * stride_x + part * stride_xp + col, mask=mask, other=0.0),)
+    if HAS_ADDEND:
+        addend = tl.load(addend_ptr + row * stride_a + col, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + col, mask=mask, other=0.0)
     stream = h.dtype
-    if parts > 1:  # x's parts summed in fp32, rounded once to x's dtype
+    if PARTS > 1:
         h = h.to(tl.float32)
-        for part in tl.range(1, parts, loop_unroll_factor=PART_UNROLL):  # the parts' loads in flight together
-            h += tl.load(x_ptr + row * stride_x + part * stride_xp + col, mask=mask, other=0.0).to(tl.float32)
+        for part in tl.static_range(PARTS - 1):
+            h += parts[part].to(tl.float32)
         h = h.to(stream)
-    if HAS_ADDEND:  # rounded to x's dtype, as `x + addend` is
-        h = (h.to(tl.float32) + tl.load(addend_ptr + row * stride_a + col, mask=mask, other=0.0).to(tl.float32))
-        h = h.to(stream)
+    if HAS_ADDEND:
+        h = (h.to(tl.float32) + addend.to(tl.float32)).to(stream)
     if HAS_RESIDUAL:
         stream = residual_out_ptr.dtype.element_ty  # the residual stream keeps its dtype
-        r = tl.load(residual_ptr + row * stride_r + col, mask=mask, other=0.0).to(tl.float32)
-        h = (h.to(tl.float32) + r).to(stream)
+        h = (h.to(tl.float32) + r.to(tl.float32)).to(stream)
         tl.store(residual_out_ptr + row * stride_ro + col, h, mask=mask)
     h = h.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(h * h, axis=1) / width + eps)[:, None]
@@ -204,10 +211,10 @@ def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, 
     block_r, block_c, warps = _tile(width)
     _add_rms_norm_kernel[(cdiv(rows, block_r),)](
         x, x if addend is None else addend, x if residual is None else residual, weight.contiguous(), out,
-        out if residual_out is None else residual_out, out if out32 is None else out32, rows, width, parts,
+        out if residual_out is None else residual_out, out if out32 is None else out32, rows, width,
         x.stride(0), x.stride(1) if parts > 1 else 0, 0 if addend is None else addend.stride(0),
         0 if residual is None else residual.stride(0), out.stride(0),
-        0 if residual_out is None else residual_out.stride(0), eps, HAS_ADDEND=addend is not None,
+        0 if residual_out is None else residual_out.stride(0), eps, PARTS=parts, HAS_ADDEND=addend is not None,
         HAS_RESIDUAL=residual is not None, FP32_COPY=out32 is not None and out32 is not out, BLOCK_R=block_r,
         BLOCK_C=block_c, num_warps=warps, **pdl.launch(x.device))
     return out, residual_out, out32
