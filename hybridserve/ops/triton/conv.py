@@ -60,7 +60,7 @@ from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.counters import arrival_counters
 from hybridserve.ops.triton.pdl import prefetch_rows, wait_for_previous
 from hybridserve.ops.triton.sizes import cdiv, next_power_of_2
-from hybridserve.ops.triton.zaya_qk import norm_rope_store
+from hybridserve.ops.triton.zaya_qk import norm_rope_store, rotation
 
 # Launch constants of the columns form, sized for an H200 (132 SMs); benchmarks/ops/conv.py times both forms.
 # Steps of at most this many tokens run the columns form (H200, 40-layer graphs: 1.8x at 1 token, 1.3x at 8,
@@ -338,6 +338,9 @@ def _conv_head(g, cb, pid, num_tokens, proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr
     if ONE_CHUNK:  # stage 2's inputs other than the projection: weights, carried window
         first = (_chunk_weights(g, 0, cols, w0_ptr, b0_ptr, w1_ptr, D, K0, K1, BLOCK_K),
                  _chunk_old(g, 0, local, slot2, init2, mine2, conv_ptr, cs0, cs1, cs2, D, K0, K1, P, BLOCK_K))
+    if TO_CACHE:  # the epilogue's K cache rows and rotation: metadata and weights (any program may be the last)
+        kv_row = tl.load(kv_slot_ptr + tok, mask=mine, other=0)
+        rope = rotation(tok, g, mine, pos_ptr, inv_freq_ptr, temp_ptr, HQ, HALF, BLOCK_D)
     wait_for_previous(USE_PDL)
     ok2 = mine2 & col_ok[None, :]
     mix = _head_mix(proj_ptr, proj_s0, tok, g, cols, ok2, HQ, HK, D)  # loaded with stage 2's rows, not after its sum
@@ -364,9 +367,8 @@ def _conv_head(g, cb, pid, num_tokens, proj_ptr, proj_s0, w0_ptr, b0_ptr, w1_ptr
                        cf1, cf2, D, P, BLOCK_D, BLOCK_P, HAS_FOOTER, HAS_VERIFY)
         if TO_CACHE:
             tl.debug_barrier()  # the heads form: every thread's stores of the rows precede their reads below
-            kv_row = tl.load(kv_slot_ptr + tok, mask=mine, other=0)
-            norm_rope_store(qk_out_ptr, tok, g, mine, pos_ptr, inv_freq_ptr, temp_ptr, q_out_ptr, k_cache_ptr,
-                            kc_s0, kc_s1, kv_row, norm_scale, norm_eps, HQ, HK, D, HALF, BLOCK_D,
+            norm_rope_store(qk_out_ptr, tok, g, mine, rope, q_out_ptr, k_cache_ptr, kc_s0, kc_s1, kv_row,
+                            norm_scale, norm_eps, HQ, HK, D, HALF, BLOCK_D,
                             ".cg" if COLUMNS else "")  # .cg: the other column blocks' outputs, from L2
         if COLUMNS:
             tl.store(counter, 0)

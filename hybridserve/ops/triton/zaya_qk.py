@@ -20,12 +20,27 @@ def _rotate(x, mate, cos, sin, d, HALF: tl.constexpr):
 
 
 @triton.jit
-def norm_rope_store(qk_ptr, tok, g, mine, pos_ptr, inv_freq_ptr, temp_ptr, q_out_ptr, k_cache_ptr, kc_s0, kc_s1,
-                    kv_row, scale, eps, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                    BLOCK_D: tl.constexpr, CACHE: tl.constexpr):
+def rotation(tok, g, mine, pos_ptr, inv_freq_ptr, temp_ptr, HQ: tl.constexpr, HALF: tl.constexpr,
+             BLOCK_D: tl.constexpr):
+    """(cos, sin [tokens, BLOCK_D], temperature) of head g at the `mine` tokens' positions (the temperature 1 for a
+    q head), for `norm_rope_store`. The positions are step metadata the host copied, the frequencies and
+    temperatures weights: the caller makes this before its PDL wait. Made after the norm's sum, their loads were a
+    round trip of their own (no load moves across a reduction's barrier) on a decode step's critical path."""
+    d = tl.arange(0, BLOCK_D)
+    freq = tl.load(inv_freq_ptr + tl.where(d < HALF, d, d - HALF), mask=d < 2 * HALF, other=0.0)
+    angle = tl.load(pos_ptr + tok, mask=mine, other=0).to(tl.float32)[:, None] * freq[None, :]
+    temp = tl.load(temp_ptr + (g - HQ), mask=g >= HQ, other=1.0).to(tl.float32)
+    return tl.cos(angle), tl.sin(angle), temp
+
+
+@triton.jit
+def norm_rope_store(qk_ptr, tok, g, mine, rope, q_out_ptr, k_cache_ptr, kc_s0, kc_s1, kv_row, scale, eps,
+                    HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+                    CACHE: tl.constexpr):
     """Head g (q heads first, then k heads) of the `mine` tokens of `tok`, read from qk [T, HQ + HK, D] fp32:
     scaled to norm sqrt(D) (`scale`; the norm clamped at eps), a k head times its temperature, rotated at the
-    token's position; a q head goes to q_out [T, HQ, D], a k head to the K cache row `kv_row` of its token."""
+    token's position (`rope`: `rotation`'s); a q head goes to q_out [T, HQ, D], a k head to the K cache row
+    `kv_row` of its token."""
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
     partner = tl.where(d < HALF, d + HALF, tl.where(d < 2 * HALF, d - HALF, d))
@@ -35,15 +50,12 @@ def norm_rope_store(qk_ptr, tok, g, mine, pos_ptr, inv_freq_ptr, temp_ptr, q_out
     mate = tl.load(base + partner[None, :], mask=ok, other=0.0, cache_modifier=CACHE)
     factor = scale / tl.maximum(tl.sqrt_rn(tl.sum(x * x, axis=1)), eps)
     x, mate = x * factor[:, None], mate * factor[:, None]
-    freq = tl.load(inv_freq_ptr + tl.where(d < HALF, d, d - HALF), mask=d < 2 * HALF, other=0.0)
-    angle = tl.load(pos_ptr + tok, mask=mine, other=0).to(tl.float32)[:, None] * freq[None, :]
-    cos, sin = tl.cos(angle), tl.sin(angle)
+    cos, sin, temp = rope
     if g < HQ:
         q = _rotate(x, mate, cos, sin, d, HALF)
         tl.store(q_out_ptr + (tok[:, None].to(tl.int64) * HQ + g) * D + d[None, :],
                  q.to(q_out_ptr.dtype.element_ty), mask=ok)
     else:
-        temp = tl.load(temp_ptr + g - HQ).to(tl.float32)
         k = _rotate(x * temp, mate * temp, cos, sin, d, HALF)
         tl.store(k_cache_ptr + kv_row[:, None] * kc_s0 + (g - HQ) * kc_s1 + d[None, :],
                  k.to(k_cache_ptr.dtype.element_ty), mask=ok)
