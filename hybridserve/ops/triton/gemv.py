@@ -27,7 +27,7 @@ import triton.language as tl
 
 from hybridserve.core.quant import Fp8Scales
 from hybridserve.ops.triton.fp8_quant import JIT_SCALE_BLOCK, SCALE_BLOCK, block_stride, check_scales, check_scheme
-from hybridserve.ops.triton.norm import pending_rstd, rms_normed
+from hybridserve.ops.triton.norm import pending_rstd, pending_sums, rms_normed
 from hybridserve.ops.triton.pdl import prefetch_rows, wait_for_previous
 from hybridserve.ops.triton.sizes import cdiv, next_power_of_2
 
@@ -112,22 +112,25 @@ def e4m3_pairs(words):
 
 
 @triton.jit
-def _x_values(x_ptrs, mask, offsets, x_norm, NORM_BLOCK: tl.constexpr):
-    """x at `x_ptrs` as fp32; with NORM_BLOCK, x is a PendingNorm's fp32 residual and this is its h (`x_norm`:
-    (rstd [BT], the norm weight's pointer), `offsets` the K offsets, [1, chunk]), as `norm.residual_norm_rows`
-    rounds it."""
+def _x_loads(x_ptrs, mask, offsets, x_norm, NORM_BLOCK: tl.constexpr):
+    """(x at `x_ptrs` as fp32, with NORM_BLOCK the norm weight at `offsets` (the K offsets, [1, chunk]) as fp32):
+    the loads `_x_made` takes."""
     x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    w = 1.0
     if NORM_BLOCK > 0:
-        rstd, nw_ptr = x_norm
-        w = tl.load(nw_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        x = rms_normed(x, rstd, w, nw_ptr.dtype.element_ty).to(tl.float32)
-    return x
+        w = tl.load(x_norm[1] + offsets, mask=mask, other=0.0).to(tl.float32)
+    return x, w
 
 
 @triton.jit
-def _shifted(x_ptrs, mask, offsets, x_norm, NORM_BLOCK: tl.constexpr):
-    """x (`_x_values`) times X_SHIFT (exact: a power of two, for |x| < 2^64), the word path's half of 2^120."""
-    return _x_values(x_ptrs, mask, offsets, x_norm, NORM_BLOCK) * X_SHIFT
+def _x_made(loaded, rstd, x_norm, NORM_BLOCK: tl.constexpr):
+    """x of `_x_loads` as the products take it; with NORM_BLOCK, x is a PendingNorm's fp32 residual and this is its
+    h (rstd [BT]; `x_norm`: (the partial sums, the norm weight's pointer, eps)), as `norm.residual_norm_rows`
+    rounds it."""
+    x, w = loaded
+    if NORM_BLOCK > 0:
+        x = rms_normed(x, rstd, w, x_norm[1].dtype.element_ty).to(tl.float32)
+    return x
 
 
 @triton.jit
@@ -185,24 +188,35 @@ def _weight_chunk(w_rows, w_words, row_ok, k0, K, SUB: tl.constexpr, LANES: tl.c
 def _chunk_products(raw, x_rows, token_ok, k0, K, scale, x_norm, SUB: tl.constexpr, LANES: tl.constexpr,
                     WORDS: tl.constexpr, EVEN_K: tl.constexpr, W_SCALES: tl.constexpr, ROW_BLOCKS: tl.constexpr,
                     NORM_BLOCK: tl.constexpr):
-    """[BT, BN, LANES] fp32 products of the tokens' x (`_x_values`) at K offset k0 with the chunk's raw weights
-    (`_weight_chunk`), times the chunk's block scale where W_SCALES is "block" (`dot_rows`)."""
+    """[BT, BN, LANES] fp32 products of the tokens' x (`_x_loads`, `_x_made`) at K offset k0 with the chunk's raw
+    weights (`_weight_chunk`), times the chunk's block scale where W_SCALES is "block" (`dot_rows`). With
+    NORM_BLOCK the rows' rstd is summed from their partial sums after the chunk's x loads are issued: before them,
+    its reduction's barrier would hold them back a round trip (no load moves across it)."""
     offsets = _chunk_offsets(k0, SUB, LANES, WORDS)
+    rstd = 1.0
     if WORDS:
         x_ok = _k_mask(token_ok, offsets, K // 4, EVEN_K)
-        lanes = e4m3_pairs(raw)
         x_words = x_rows + 4 * offsets[None, :]
-        piece = _shifted(x_words, x_ok, 4 * offsets[None, :], x_norm, NORM_BLOCK)[:, None, :] * lanes[0][None, :, :]
+        loaded = ()
+        for lane in tl.static_range(4):
+            loaded = loaded + (_x_loads(x_words + lane, x_ok, 4 * offsets[None, :] + lane, x_norm, NORM_BLOCK),)
+        if NORM_BLOCK > 0:
+            rstd = pending_rstd(x_norm[0], K, x_norm[2])
+        lanes = e4m3_pairs(raw)
+        # x times X_SHIFT (exact: a power of two, for |x| < 2^64), the word path's half of 2^120
+        piece = (_x_made(loaded[0], rstd, x_norm, NORM_BLOCK) * X_SHIFT)[:, None, :] * lanes[0][None, :, :]
         for lane in tl.static_range(1, 4):
-            piece += _shifted(x_words + lane, x_ok, 4 * offsets[None, :] + lane, x_norm,
-                              NORM_BLOCK)[:, None, :] * lanes[lane][None, :, :]
+            piece += (_x_made(loaded[lane], rstd, x_norm, NORM_BLOCK) * X_SHIFT)[:, None, :] * lanes[lane][None, :, :]
         if W_SCALES == "block" and ROW_BLOCKS == 1:
             piece = piece * (scale * SUM_SHIFT)
         elif W_SCALES == "block":
             piece = piece * (scale * SUM_SHIFT)[None, :, :]
     else:
         x_ok = _k_mask(token_ok, offsets, K, EVEN_K)
-        x = _x_values(x_rows + offsets[None, :], x_ok, offsets[None, :], x_norm, NORM_BLOCK)
+        loaded = _x_loads(x_rows + offsets[None, :], x_ok, offsets[None, :], x_norm, NORM_BLOCK)
+        if NORM_BLOCK > 0:
+            rstd = pending_rstd(x_norm[0], K, x_norm[2])
+        x = _x_made(loaded, rstd, x_norm, NORM_BLOCK)
         w = raw.to(tl.float32)
         if W_SCALES == "block":
             w = w * scale
@@ -233,8 +247,9 @@ def dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, stride_w, rows, row_ok, w
 
     NORM_BLOCK > 0: x is a PendingNorm's fp32 residual (ops/norm.py) and the product is taken with its h, made here
     (`norm.rms_normed`): `pending` = (its sums of squares' pointer and row stride, their count a row (at most
-    NORM_BLOCK, a power of two), the norm weight's pointer, the norm's eps); each token's rstd is summed after the
-    wait, its loads issued with the first chunk's."""
+    NORM_BLOCK, a power of two), the norm weight's pointer, the norm's eps); the partial sums are loaded after the
+    wait and each chunk sums them into the tokens' rstd after issuing its x loads (`_chunk_products`): one round
+    trip after the wait for the one-chunk tile, where the sum before the loop took two."""
     SUB: tl.constexpr = JIT_SCALE_BLOCK if W_SCALES == "block" and BK > JIT_SCALE_BLOCK else BK
     WORDS: tl.constexpr = W_SCALES != "" and K % 4 == 0 and stride_w % 4 == 0 and SUB % 4 == 0
     LANES: tl.constexpr = SUB // 4 if WORDS else SUB
@@ -259,7 +274,7 @@ def dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, stride_w, rows, row_ok, w
     x_norm = None
     if NORM_BLOCK > 0:
         sums_ptr, sums_s0, parts, nw_ptr, eps = pending
-        x_norm = (pending_rstd(sums_ptr, sums_s0, parts, tokens, token_ok, K, eps, NORM_BLOCK), nw_ptr)
+        x_norm = (pending_sums(sums_ptr, sums_s0, parts, tokens, token_ok, NORM_BLOCK), nw_ptr, eps)
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
         for sub in tl.static_range(0, BK, SUB):
             scale = 1.0

@@ -117,12 +117,17 @@ def rms_normed(x, rstd, w, dtype: tl.constexpr):
 
 
 @triton.jit
-def pending_rstd(sums_ptr, sums_s0, parts, rows, row_ok, width, eps, BLOCK_PARTS: tl.constexpr):
-    """[R] fp32: 1 / sqrt(mean(x^2) + eps) of the rows of a PendingNorm (ops/norm.py) from its `parts` (at most
-    BLOCK_PARTS) partial sums of squares a row."""
+def pending_sums(sums_ptr, sums_s0, parts, rows, row_ok, BLOCK_PARTS: tl.constexpr):
+    """[R, BLOCK_PARTS] fp32: the `parts` (at most BLOCK_PARTS) partial sums of squares a row of a PendingNorm
+    (ops/norm.py), zero past them; `pending_rstd` of them is the rows' rstd."""
     p = tl.arange(0, BLOCK_PARTS)
-    sums = tl.load(sums_ptr + rows.to(tl.int64)[:, None] * sums_s0 + p[None, :],
+    return tl.load(sums_ptr + rows.to(tl.int64)[:, None] * sums_s0 + p[None, :],
                    mask=row_ok[:, None] & (p < parts)[None, :], other=0.0)
+
+
+@triton.jit
+def pending_rstd(sums, width, eps):
+    """[R] fp32: 1 / sqrt(mean(x^2) + eps) of rows of `width` from their `pending_sums`."""
     return tl.rsqrt(tl.sum(sums, axis=1) / width + eps)
 
 
