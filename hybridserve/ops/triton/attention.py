@@ -114,13 +114,8 @@ def _attention_kernel(
                        BLOCK_N, PAGE_SIZE, D_MAIN + D_TAIL, DV, V_IN_K)
     wait_for_previous(USE_PDL)  # the wait (this step's own key is the kernel before's output; L2 keeps it coherent)
 
-    # M rows: token-major, query heads of this KV head minor (GROUP_PAD >= GROUP; padding rows are masked).
-    m = tl.arange(0, BLOCK_Q * GROUP_PAD)
-    tok = q_block * BLOCK_Q + m // GROUP_PAD
-    head = kv_head * GROUP + m % GROUP_PAD
-    m_valid = (m % GROUP_PAD < GROUP) & (tok < q_len)
+    tok, head, m_valid, q_rows = _query_rows(q_block, kv_head, q_start, q_len, GROUP, GROUP_PAD, BLOCK_Q)
     q_pos = kv_len - q_len + tok
-    q_rows = (q_start + tok).to(tl.int64)
     q_base = q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh
     kv_dtype = k_ptr.dtype.element_ty
     q_main = tl.load(q_base + d[None, :], mask=m_valid[:, None], other=0.0).to(kv_dtype)
@@ -161,6 +156,16 @@ def _attention_kernel(
             tl.store(counter_ptr + group, 0)
     else:
         tl.store(out, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _query_rows(q_block, kv_head, q_start, q_len, GROUP: tl.constexpr, PAD: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """A program's BLOCK_Q * PAD query rows, token-major, the query heads of KV head `kv_head` minor (PAD >= GROUP;
+    padding rows are masked): (token in the row, query head, valid, row of q / out)."""
+    m = tl.arange(0, BLOCK_Q * PAD)
+    tok = q_block * BLOCK_Q + m // PAD
+    valid = (m % PAD < GROUP) & (tok < q_len)
+    return tok, kv_head * GROUP + m % PAD, valid, (q_start + tok).to(tl.int64)
 
 
 @triton.jit
@@ -245,11 +250,7 @@ def _merge(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, q_start, q_b
     critical path where a loop over the splits (unrolled by 8, its remainder one split at a time) took three. A
     tile of one split (MLA's 512-wide latent) keeps that loop, unrolled by MERGE_UNROLL."""
     UNROLL: tl.constexpr = MERGE_UNROLL if CHUNK == 1 else 1
-    m = tl.arange(0, BLOCK_Q * GROUP_P2)
-    tok = q_block * BLOCK_Q + m // GROUP_P2
-    head = kv_head * GROUP + m % GROUP_P2
-    valid = (m % GROUP_P2 < GROUP) & (tok < q_len)
-    q_rows = (q_start + tok).to(tl.int64)
+    _, head, valid, q_rows = _query_rows(q_block, kv_head, q_start, q_len, GROUP, GROUP_P2, BLOCK_Q)
     part = (q_rows * num_q_heads + head) * num_splits
     dv = tl.arange(0, DV_PAD)
     s = tl.arange(0, CHUNK)

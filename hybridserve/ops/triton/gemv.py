@@ -123,10 +123,24 @@ def _x_loads(x_ptrs, mask, offsets, x_norm, NORM_BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _x_rstd(x_norm, K, SUB: tl.constexpr, NORM_BLOCK: tl.constexpr):
+    """The tokens' rstd [BT] of a PendingNorm x (`x_norm`: (the partial sums, the norm weight's pointer, eps, rstd
+    summed before the loop)): where the product is one piece (SUB >= K) summed here, after the piece's x loads were
+    issued (before them, the sum's barrier would hold them back a round trip: no load moves across it); a loop of
+    pieces sums it once, before the loop. 1.0 (unused) without NORM_BLOCK."""
+    rstd = 1.0
+    if NORM_BLOCK > 0:
+        if SUB >= K:
+            rstd = pending_rstd(x_norm[0], K, x_norm[2])
+        else:
+            rstd = x_norm[3]
+    return rstd
+
+
+@triton.jit
 def _x_made(loaded, rstd, x_norm, NORM_BLOCK: tl.constexpr):
     """x of `_x_loads` as the products take it; with NORM_BLOCK, x is a PendingNorm's fp32 residual and this is its
-    h (rstd [BT]; `x_norm`: (the partial sums, the norm weight's pointer, eps)), as `norm.residual_norm_rows`
-    rounds it."""
+    h (rstd [BT], `_x_rstd`; `x_norm` as there), as `norm.residual_norm_rows` rounds it."""
     x, w = loaded
     if NORM_BLOCK > 0:
         x = rms_normed(x, rstd, w, x_norm[1].dtype.element_ty).to(tl.float32)
@@ -189,19 +203,16 @@ def _chunk_products(raw, x_rows, token_ok, k0, K, scale, x_norm, SUB: tl.constex
                     WORDS: tl.constexpr, EVEN_K: tl.constexpr, W_SCALES: tl.constexpr, ROW_BLOCKS: tl.constexpr,
                     NORM_BLOCK: tl.constexpr):
     """[BT, BN, LANES] fp32 products of the tokens' x (`_x_loads`, `_x_made`) at K offset k0 with the chunk's raw
-    weights (`_weight_chunk`), times the chunk's block scale where W_SCALES is "block" (`dot_rows`). With
-    NORM_BLOCK the rows' rstd is summed from their partial sums after the chunk's x loads are issued: before them,
-    its reduction's barrier would hold them back a round trip (no load moves across it)."""
+    weights (`_weight_chunk`), times the chunk's block scale where W_SCALES is "block" (`dot_rows`); a PendingNorm
+    x's rstd comes after the x loads (`_x_rstd`)."""
     offsets = _chunk_offsets(k0, SUB, LANES, WORDS)
-    rstd = 1.0
     if WORDS:
         x_ok = _k_mask(token_ok, offsets, K // 4, EVEN_K)
         x_words = x_rows + 4 * offsets[None, :]
         loaded = ()
         for lane in tl.static_range(4):
             loaded = loaded + (_x_loads(x_words + lane, x_ok, 4 * offsets[None, :] + lane, x_norm, NORM_BLOCK),)
-        if NORM_BLOCK > 0:
-            rstd = pending_rstd(x_norm[0], K, x_norm[2])
+        rstd = _x_rstd(x_norm, K, SUB, NORM_BLOCK)
         lanes = e4m3_pairs(raw)
         # x times X_SHIFT (exact: a power of two, for |x| < 2^64), the word path's half of 2^120
         piece = (_x_made(loaded[0], rstd, x_norm, NORM_BLOCK) * X_SHIFT)[:, None, :] * lanes[0][None, :, :]
@@ -214,9 +225,7 @@ def _chunk_products(raw, x_rows, token_ok, k0, K, scale, x_norm, SUB: tl.constex
     else:
         x_ok = _k_mask(token_ok, offsets, K, EVEN_K)
         loaded = _x_loads(x_rows + offsets[None, :], x_ok, offsets[None, :], x_norm, NORM_BLOCK)
-        if NORM_BLOCK > 0:
-            rstd = pending_rstd(x_norm[0], K, x_norm[2])
-        x = _x_made(loaded, rstd, x_norm, NORM_BLOCK)
+        x = _x_made(loaded, _x_rstd(x_norm, K, SUB, NORM_BLOCK), x_norm, NORM_BLOCK)
         w = raw.to(tl.float32)
         if W_SCALES == "block":
             w = w * scale
@@ -248,8 +257,8 @@ def dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, stride_w, rows, row_ok, w
     NORM_BLOCK > 0: x is a PendingNorm's fp32 residual (ops/norm.py) and the product is taken with its h, made here
     (`norm.rms_normed`): `pending` = (its sums of squares' pointer and row stride, their count a row (at most
     NORM_BLOCK, a power of two), the norm weight's pointer, the norm's eps); the partial sums are loaded after the
-    wait and each chunk sums them into the tokens' rstd after issuing its x loads (`_chunk_products`): one round
-    trip after the wait for the one-chunk tile, where the sum before the loop took two."""
+    wait, and summed into the tokens' rstd after the x loads where the product is one piece (one round trip after
+    the wait, not two), else once before the loop (`_x_rstd`)."""
     SUB: tl.constexpr = JIT_SCALE_BLOCK if W_SCALES == "block" and BK > JIT_SCALE_BLOCK else BK
     WORDS: tl.constexpr = W_SCALES != "" and K % 4 == 0 and stride_w % 4 == 0 and SUB % 4 == 0
     LANES: tl.constexpr = SUB // 4 if WORDS else SUB
@@ -274,7 +283,11 @@ def dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, stride_w, rows, row_ok, w
     x_norm = None
     if NORM_BLOCK > 0:
         sums_ptr, sums_s0, parts, nw_ptr, eps = pending
-        x_norm = (pending_sums(sums_ptr, sums_s0, parts, tokens, token_ok, NORM_BLOCK), nw_ptr, eps)
+        sums = pending_sums(sums_ptr, sums_s0, parts, tokens, token_ok, NORM_BLOCK)
+        rstd = 1.0  # (a one-piece product sums it after its x loads: `_x_rstd`)
+        if SUB < K:
+            rstd = pending_rstd(sums, K, eps)
+        x_norm = (sums, nw_ptr, eps, rstd)
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
         for sub in tl.static_range(0, BK, SUB):
             scale = 1.0
