@@ -31,6 +31,11 @@ model's config.json with the quantization_config of a compressed-tensors per-cha
 (load format dummy: Ling-2.6-flash FP8 at full size without its 108 GB). The floors then count one byte per FP8
 weight. `--compare-bf16` runs our engine on the 16-bit weights too, in the same run, and reports FP8 / bf16.
 
+The floors count the routed experts a step would read if its tokens chose uniformly (what a load-balanced model
+approaches); random weights route less evenly and read fewer. `--count-experts` runs each batched decode scenario
+once more, eagerly, counts the distinct experts each MoE layer reads (benchmarks/offline/expert_spread.py) and
+reports the floor at that count beside the uniform one: the fraction of the bytes this run really moved.
+
 Speculative decoding (`--speculative-algorithm NGRAM|NEXTN --speculative-num-draft-tokens K`, K defaults to 4; NEXTN
 gives the random Ling model its MTP layer): every decode scenario runs three engines on the same prompts, plain
 (overlap and CUDA graphs as usual), speculative (its acceptance rate and accepted length from the same run) and
@@ -64,12 +69,13 @@ from pathlib import Path
 import torch
 
 from benchmarks.cli import add_model_options
+from benchmarks.offline.expert_spread import count_experts
 from benchmarks.offline.hf_baseline import run_hf
 from benchmarks.offline.scenarios import BENCH_GRAMMAR, SCENARIOS, counted_tokens, unit, workload
 from benchmarks.offline.timing import GCPauses, copy_rate, gpu_state, sync
 from hybridserve import LLM, SamplingParams
 from hybridserve.demo import make_random_model
-from hybridserve.models.bandwidth_floor import HBM_BYTES_PER_S, decode_floor
+from hybridserve.models.bandwidth_floor import HBM_BYTES_PER_S, decode_floor, expected_experts
 from hybridserve.models.released import FP8_CHECKPOINTS
 from hybridserve.engine.drafts import ReplayDrafts
 
@@ -82,18 +88,14 @@ def run_ours(model_dir: str, workloads: dict, args, speculative: dict | None = N
     and with `speculative` the acceptance measured on the timed run. `forced` (per scenario, the outputs of a plain
     run): drafts replayed from them, keyed by prompt, and every one accepted. `quantization`: the engine's option
     (online FP8)."""
-    llm = LLM(model_dir, use_tqdm=False, dtype=args.dtype, device=args.device, load_format=args.load_format,
-              quantization=quantization,
-              max_running_requests=args.max_running_requests, enforce_eager=args.enforce_eager, seed=args.seed,
-              prefill_graph_max_tokens=args.prefill_graph_max_tokens,
-              tensor_parallel_size=args.tp, speculative_config=speculative,
-              enable_prefix_caching=False)  # the repeats and the warm-up reuse the prompts: no cached prefill
+    llm = LLM(model_dir, **_engine_options(args, quantization), max_running_requests=args.max_running_requests,
+              enforce_eager=args.enforce_eager, prefill_graph_max_tokens=args.prefill_graph_max_tokens,
+              speculative_config=speculative)
     kind = "" if speculative is None else " speculative" + (" forced" if forced else "")
     results = {}
     for name, (prompts, outputs) in workloads.items():
         for grammar in (None, BENCH_GRAMMAR) if args.json_grammar and speculative is None else (None,):
-            params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True, seed=i,
-                                     structured_output=grammar) for i, n in enumerate(outputs)]
+            params = _sampling_params(outputs, args, grammar)
             label = name if grammar is None else f"{name}+json"
             if forced is not None:
                 llm.engine.set_draft_source(ReplayDrafts({tuple(p): t for p, t in zip(prompts, forced[name])},
@@ -110,6 +112,18 @@ def run_ours(model_dir: str, workloads: dict, args, speculative: dict | None = N
     gc.collect()
     torch.cuda.empty_cache() if args.device.startswith("cuda") else None
     return results
+
+
+def _engine_options(args, quantization: str | None) -> dict:
+    """The LLM options every engine of a run shares."""
+    return dict(use_tqdm=False, dtype=args.dtype, device=args.device, load_format=args.load_format,
+                quantization=quantization, seed=args.seed, tensor_parallel_size=args.tp,
+                enable_prefix_caching=False)  # the repeats and the warm-up reuse the prompts: no cached prefill
+
+
+def _sampling_params(outputs: list[int], args, grammar=None) -> list[SamplingParams]:
+    return [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True, seed=i,
+                           structured_output=grammar) for i, n in enumerate(outputs)]
 
 
 def _timed_run(llm: LLM, name: str, prompts: list[list[int]], outputs: list[int], params: list[SamplingParams],
@@ -194,6 +208,9 @@ def _parse_args() -> argparse.Namespace:
                         help="the random model is an FP8 checkpoint of this layout (needs --load-format dummy)")
     parser.add_argument("--compare-bf16", action="store_true",
                         help="with FP8: also run our engine on the 16-bit weights and report FP8 / bf16")
+    parser.add_argument("--count-experts", action="store_true",
+                        help="count the experts each batched decode scenario's MoE layers read (an eager run more) "
+                             "and report the floor at that count beside the uniform-routing one")
     parser.add_argument("--out", default=None, help="write the results here as JSON")
     args = parser.parse_args()
     args.load_format = args.load_format or ("dummy" if args.model_type == "ling" else "auto")
@@ -274,8 +291,16 @@ def main() -> None:
             if not sc.prefill:
                 context = (sc.min_input + sc.max_input) // 2 + (sc.min_output + sc.max_output) // 4
                 # Each of the --tp GPUs streams its shard: the bytes per step are split, the bandwidth multiplied.
-                entry["floor_tok_s"] = args.tp * decode_floor(config, min(sc.requests, args.max_running_requests),
-                                                              context, fp8, bandwidth)
+                batch = min(sc.requests, args.max_running_requests)
+                entry["floor_tok_s"] = args.tp * decode_floor(config, batch, context, fp8, bandwidth)
+                if args.count_experts and batch > 1 and batch == sc.requests:
+                    prompts, outputs = workloads[name]
+                    touched = count_experts(model_dir, prompts, _sampling_params(outputs, args),
+                                            _engine_options(args, args.quantization))
+                    entry["experts_touched"], entry["experts_expected"] = touched, expected_experts(config, batch)
+                    if touched is not None:
+                        entry["floor_tok_s_at_touched"] = args.tp * decode_floor(config, batch, context, fp8,
+                                                                                 bandwidth, touched)
         if not zaya:
             for entry in result["scenarios"].values():
                 entry["hf_tok_s"] = "n/a"  # no Ling-2.6 model class in transformers here
@@ -302,6 +327,10 @@ def _print_report(result: dict) -> None:
         floor = f"{e['floor_tok_s']:>12.0f} {e['ours_tok_s'] / e['floor_tok_s']:>8.1%}" if "floor_tok_s" in e \
             else f"{'-':>12} {'-':>9}"
         print(f"{name:<9} {e['ours_tok_s']:>11.1f} {hf_text} {floor}  ({e['unit']})")
+        if e.get("floor_tok_s_at_touched"):
+            print(f"{name:<9} {e['experts_touched']:.1f} experts a MoE layer read (the floor counts "
+                  f"{e['experts_expected']:.1f}): floor {e['floor_tok_s_at_touched']:.0f} tok/s, ours "
+                  f"{e['ours_tok_s'] / e['floor_tok_s_at_touched']:.1%} of it")
         if "bf16_tok_s" in e:
             print(f"{name + ' bf16':<9} {e['bf16_tok_s']:>11.1f}  (FP8 / bf16: {e['fp8_over_bf16']:.2f}x)")
         if "ours_json_tok_s" in e:

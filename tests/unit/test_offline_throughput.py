@@ -1,6 +1,8 @@
 """`python -m benchmarks.offline throughput`: runs end to end on CPU for both model types (tiny widths, config-only
-directory, dummy weights) and refuses draft tokens without an algorithm; the Ling bandwidth floor counts the model's
-weights. The benchmark runs as a command: the tests import nothing from benchmarks/."""
+directory, dummy weights), counts the experts its batched steps read, and refuses draft tokens without an
+algorithm; the Ling bandwidth floor counts the model's weights, and a floor at a counted expert spread differs from
+the uniform one by those experts' bytes alone. The benchmark runs as a command: the tests import nothing from
+benchmarks/."""
 from __future__ import annotations
 
 import json
@@ -12,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridserve.models.bandwidth_floor import ling_decode_bytes
+from hybridserve.models.bandwidth_floor import decode_floor, expected_experts, ling_decode_bytes
 from hybridserve.models.registry import model_family
-from hybridserve.models.released import ling_flash_config
+from hybridserve.models.released import ling_flash_config, zaya1_8b_config
 
 ROOT = Path(__file__).resolve().parents[2]
 THROUGHPUT = [sys.executable, "-m", "benchmarks.offline", "throughput"]
@@ -25,12 +27,19 @@ def test_smoke_run_on_cpu_writes_the_results(tmp_path, model_type):
     out = tmp_path / "result.json"
     subprocess.run([*THROUGHPUT, "--device", "cpu", "--width", "demo", "--layers", "2", "--model-type", model_type,
                     "--load-format", "dummy", "--scenarios", "smoke", "--skip-hf", "--temperature", "0", "--dtype",
-                    "float32", "--out", str(out), *(["--json-grammar"] if model_type == "zaya" else [])],
+                    "float32", "--count-experts", "--out", str(out),
+                    *(["--json-grammar"] if model_type == "zaya" else [])],
                    check=True, timeout=120, capture_output=True, cwd=ROOT)
     result = json.loads(out.read_text())
     smoke = result["scenarios"]["smoke"]
     assert result["layers"] == 2 and result["load_format"] == "dummy"
     assert smoke["output_tokens"] == 8 and smoke["ours_tok_s"] > 0 and smoke["floor_tok_s"] > 0
+    # two requests: at most 2 (ZAYA1, top-1 of 4) or 4 (Ling, top-2 of 8) distinct experts a layer
+    experts, per_token = (4, 1) if model_type == "zaya" else (8, 2)
+    assert 0 < smoke["experts_touched"] <= 2 * per_token
+    assert smoke["experts_expected"] == pytest.approx(experts * (1 - (1 - per_token / experts) ** 2))
+    fewer = smoke["experts_touched"] < smoke["experts_expected"]
+    assert (smoke["floor_tok_s_at_touched"] > smoke["floor_tok_s"]) == fewer
     assert (smoke["ours_json_tok_s"] > 0) if model_type == "zaya" else "ours_json_tok_s" not in smoke
     assert ("hf_tok_s" not in smoke) if model_type == "zaya" else smoke["hf_tok_s"] == "n/a"
 
@@ -72,3 +81,22 @@ def test_ling_floor_weights_are_the_model_parameters_when_every_expert_is_touche
     assert model.model.layers[7].attention.__class__.__name__ == "MultiLatentAttention"  # groups of 8
     weights = ling_decode_bytes(config, batch=10**6, context=0)["weights"] / 2  # in bf16 units
     assert weights == pytest.approx(counted, rel=1e-6)
+
+
+@pytest.mark.parametrize("config, moe_layers", [(zaya1_8b_config(40), 40), (ling_flash_config(16), 15)])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_floor_at_counted_experts_differs_by_their_bytes_alone(config, moe_layers, fp8):
+    """Three experts a MoE layer fewer than the uniform expectation: the step's bytes (batch / floor at 1 byte/s)
+    drop by three experts' gate, up and down weights in every MoE layer (Ling's layer 0 is dense), nothing else;
+    at the expected count the floor is the default one."""
+    batch, context = 64, 434
+    expected = expected_experts(config, batch)
+    assert expected == pytest.approx(config["num_experts"] * (1 - (1 - config["num_experts_per_tok"]
+                                                                     / config["num_experts"]) ** batch))
+    assert decode_floor(config, batch, context, fp8, experts_touched=expected) == \
+        pytest.approx(decode_floor(config, batch, context, fp8), rel=1e-12)
+
+    def step_bytes(touched):
+        return batch / decode_floor(config, batch, context, fp8, bandwidth=1.0, experts_touched=touched)
+    expert_bytes = 3 * config["hidden_size"] * config["moe_intermediate_size"] * (1 if fp8 else 2)
+    assert step_bytes(expected) - step_bytes(expected - 3) == pytest.approx(3 * expert_bytes * moe_layers, rel=1e-9)
