@@ -1,11 +1,11 @@
 """The routed experts a decode step reads, counted. The bandwidth floor (hybridserve/models/bandwidth_floor.py)
 counts the distinct experts a batch's independent, uniform choices would touch, what a load-balanced model
-approaches. Random (dummy) weights route less evenly: ZAYA1-8B's random model at 64 tokens reads 10-14 of its 16
-experts a layer (its first four layers on CPU), where the floor counts 15.9. Such a step moves fewer expert bytes
-than the floor says, and its fraction of the floor overstates. `count_experts` runs a scenario once more, eagerly,
-with every MoE layer's expert call watched (a host read of its choices: untimed), and returns the mean number of
-distinct experts a layer read in the steps that held the whole batch; the throughput benchmark's
-`--count-experts` reports the floor at that count beside the uniform one."""
+approaches. Random (dummy) weights route less evenly: ZAYA1-8B's random model at 64 tokens reads 12.8 of its 16
+experts a layer (its first four layers on CPU, the b64 scenario), where the floor counts 15.7. Such a step moves
+fewer expert bytes than the floor says, and its fraction of the floor overstates. `count_experts` runs a scenario
+once more, eagerly, with every MoE layer's expert call watched (a host read of its choices: untimed), and returns
+the mean number of distinct experts a layer read in the steps that held the whole batch; the throughput
+benchmark's `--count-experts` reports the floor at that count beside the uniform one."""
 from __future__ import annotations
 
 import gc
