@@ -217,6 +217,8 @@ def _parse_args() -> argparse.Namespace:
     fp8 = args.quantization is not None or args.fp8_checkpoint is not None
     if args.fp8_checkpoint is not None and (args.load_format != "dummy" or args.model is not None):
         parser.error("--fp8-checkpoint describes the random model's dummy weights: it needs --load-format dummy")
+    if args.count_experts and args.tp > 1:
+        parser.error("--count-experts watches the experts' calls in this process: it needs --tp 1")
     if args.compare_bf16 and (not fp8 or args.fp8_checkpoint is not None):
         parser.error("--compare-bf16 compares --quantization fp8 with the same 16-bit weights")
     if args.mtp_layer and (args.model_type != "ling" or args.model is not None):

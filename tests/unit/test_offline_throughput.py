@@ -71,6 +71,16 @@ def test_draft_tokens_without_an_algorithm_are_refused(tmp_path, flag):
     assert list(tmp_path.iterdir()) == []  # no random model, no result
 
 
+def test_counting_experts_under_tensor_parallelism_is_refused(tmp_path):
+    """The count watches the experts' calls in the benchmark's process, which TP ranks do not all run in: refused
+    before any model is written, not reported as no count."""
+    run = subprocess.run([*THROUGHPUT, "--device", "cpu", "--tp", "2", "--count-experts", "--out",
+                          str(tmp_path / "result.json")], timeout=120, capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert run.returncode == 2 and "--count-experts" in run.stderr and "--tp 1" in run.stderr, run.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_ling_floor_weights_are_the_model_parameters_when_every_expert_is_touched():
     config = ling_flash_config(16)
     family = model_family(config)
