@@ -12,7 +12,6 @@ from hybridserve.ops.triton.pdl import wait_for_previous
 from hybridserve.ops.triton.sizes import cdiv, next_power_of_2
 
 
-
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, addend_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, out32_ptr, rows,
                          width, stride_x, stride_xp, stride_a, stride_r, stride_o, stride_ro, eps,
