@@ -29,9 +29,9 @@ GQA = [(8, 2), (4, 1)]  # ZAYA1's 8 q / 2 kv heads, and one KV head for a group 
 make_case = functools.partial(attention_cases.make_case, device=DEVICE)
 
 
-def check(case: Case, num_splits: int | None = None) -> None:
+def check(case: Case, num_splits: int | None = None, group_split: int | None = None) -> None:
     got = kernel.paged_attention(case.q, case.k, case.v, case.batch, case.q.shape[-1] ** -0.5, case.window,
-                                 num_splits)
+                                 num_splits, group_split)
     want = reference_output(case)
     assert got.dtype == case.q.dtype and got.shape == want.shape
     tol = TOLERANCE[case.q.dtype]
@@ -102,6 +102,33 @@ def test_mla_dims_with_v_a_strided_view_of_k(page_size: int, dtype: torch.dtype)
     check(decode, num_splits=5)
     check(make_case([(0, 9), (page_size, page_size + 1), (30, 1)], page_size, (8, 1), 72, 64, dtype, v_in_k=True,
                     seed=8))
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_query_group_cut_over_programs(dtype: torch.dtype) -> None:
+    """A KV head's query heads cut over 2, 4 or 8 programs that each read its keys (MLA's 32 heads over one latent
+    at batch 1: 4 programs of 8), with key splits beside; a wide latent (V 256: MLA's tiles) whose splits take two
+    32-key tiles at least, so a count fixed for long rows leaves a short row fewer, longer splits."""
+    lengths = [1, 33, 70, 130]
+    narrow = make_case([(n - 1, 1) for n in lengths], 4, (16, 1), 40, 32, dtype, v_in_k=True, seed=20)
+    for cut in (1, 2, 4, 8):
+        check(narrow, num_splits=5, group_split=cut)
+    check(narrow)  # the heuristic's cut: 2 programs of 8 heads
+    check(make_case([(n - 1, 1) for n in lengths], 16, (8, 2), 32, 32, dtype, seed=21), num_splits=3, group_split=2)
+    wide = make_case([(n - 1, 1) for n in lengths], 16, (16, 1), 272, 256, dtype, v_in_k=True, seed=22)
+    assert kernel.launch_config(True, 8, 256, 256).min_split_keys == 64
+    for splits in (1, 16):  # 16 splits of a 130-key row: 3 of 64 keys (two tiles), not 5 of one
+        check(wide, num_splits=splits)
+
+
+def test_group_split_heuristic() -> None:
+    assert kernel.choose_group_split(True, 32, 1, 132) == 4  # MLA at batch 1: 4 programs of 8 heads
+    assert kernel.choose_group_split(True, 32, 64, 132) == 4  # ... and at 64 rows, still fewer than the SMs
+    assert kernel.choose_group_split(True, 32, 256, 132) == 1  # rows enough to fill the GPU
+    assert kernel.choose_group_split(False, 32, 1, 132) == 1  # prefill: query blocks give the programs
+    assert kernel.choose_group_split(True, 4, 2, 132) == 1  # ZAYA1's 4 heads a KV head: one program
+    assert kernel.choose_group_split(True, 24, 1, 132) == 4  # 6 heads a program: a power of two dividing 24
+    assert kernel.launch_config(True, 4, 128, 128).min_split_keys == kernel.launch_config(True, 4, 128, 128).block_n
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
@@ -177,6 +204,8 @@ def test_bad_input_is_refused() -> None:
         kernel.paged_attention(case.q, case.k, case.v, case.batch, 1.0, sliding_window=0)
     with pytest.raises(ValueError, match="num_splits"):
         kernel.paged_attention(case.q, case.k, case.v, case.batch, 1.0, num_splits=kernel.MAX_SPLITS + 1)
+    with pytest.raises(ValueError, match="group_split"):
+        kernel.paged_attention(case.q, case.k, case.v, case.batch, 1.0, group_split=3)
     with pytest.raises(ValueError, match="unit stride"):
         kernel.paged_attention(case.q, case.k.transpose(1, 2).contiguous().transpose(1, 2), case.v, case.batch, 1.0)
 

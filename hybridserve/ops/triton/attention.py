@@ -2,7 +2,9 @@
 
 One kernel serves decode, prefill and mixed batches. Programs run over (query block, row, KV head x split); a
 program's M rows are BLOCK_Q tokens x the G query heads that share one KV head, so each K/V tile is loaded once
-for the whole query group (GQA; MLA's absorbed form is G = all heads over one latent head). A row's queries sit at
+for the whole query group (GQA; MLA's absorbed form is G = all heads over one latent head); at decode, where
+there are too few (row, KV head) programs to fill the GPU, a group of more than MAX_DECODE_GROUP heads is cut over
+programs that each read the KV head (`choose_group_split`: MLA's 32 heads in 4 programs). A row's queries sit at
 positions kv_len - query_len .. kv_len - 1 and see keys causally (and, with a window W, only keys j > i - W), so a
 program reads only the keys its queries can see: pages entirely before the window are never touched (their page
 table entries may be the dummy page). Decode rows are 1-token rows with BLOCK_Q = 1; when there are too few
@@ -46,6 +48,7 @@ MAX_SPLITS = 64
 MIN_KEYS_PER_SPLIT = 128  # below this a split's loads no longer hide the extra partial write and merge
 COUNTERS = 1 << 14  # arrival counters per device: (query block, row, KV head) groups of one split launch
 MERGE_TILE = 8192  # fp32 elements of the merge's [rows, splits, DV] load: 64 registers a thread at 4 warps
+MAX_DECODE_GROUP = 8  # query heads a decode program takes at most, where `choose_group_split` cuts a group
 MERGE_UNROLL = tl.constexpr(8)  # splits whose loads the merge issues together where its tile holds one split (MLA)
 
 
@@ -61,14 +64,15 @@ def _attention_kernel(
     PAGE_SIZE: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, D_TAIL_PAD: tl.constexpr,
     DV: tl.constexpr, DV_PAD: tl.constexpr, V_IN_K: tl.constexpr, HAS_WINDOW: tl.constexpr,
     SPLIT: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr, GROUP_P2: tl.constexpr,
-    MERGE_CHUNK: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr, HEAD_SPLIT: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr,
 ):
     # Decode loads its first key tile's rows of earlier steps before the wait (module docstring); not MLA's 512-wide
     # latent, whose accumulator and tiles already take all the registers (a held tile spilled: sm_90, 344 bytes).
     PRELOAD: tl.constexpr = BLOCK_Q == 1 and D_MAIN <= 128 and DV_PAD <= 128
     q_block = tl.program_id(0)
     row = tl.program_id(1)
-    kv_head = tl.program_id(2) // num_splits
+    heads = tl.program_id(2) // num_splits  # this program's GROUP query heads: a KV head's share of HEAD_SPLIT
+    kv_head = heads // HEAD_SPLIT
     split = tl.program_id(2) % num_splits
     q_start = tl.load(query_start_loc_ptr + row)
     q_len = tl.load(query_start_loc_ptr + row + 1) - q_start
@@ -84,6 +88,8 @@ def _attention_kernel(
     if HAS_WINDOW:
         lo = tl.maximum(first_pos - window + 1, 0)
     per_split = ((hi - lo + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    if MIN_SPLIT_KEYS > BLOCK_N:  # (the count is the longest context's: a short one's splits are fewer, longer)
+        per_split = tl.maximum(per_split, MIN_SPLIT_KEYS)
     split_lo = lo + split * per_split
     split_hi = tl.minimum(split_lo + per_split, hi)
     # The splits that get keys (at least split 0, which gives a row without keys its zeros) are the only ones that
@@ -114,7 +120,7 @@ def _attention_kernel(
                        BLOCK_N, PAGE_SIZE, D_MAIN + D_TAIL, DV, V_IN_K)
     wait_for_previous(USE_PDL)  # the wait (this step's own key is the kernel before's output; L2 keeps it coherent)
 
-    tok, head, m_valid, q_rows = _query_rows(q_block, kv_head, q_start, q_len, GROUP, GROUP_PAD, BLOCK_Q)
+    tok, head, m_valid, q_rows = _query_rows(q_block, heads, q_start, q_len, GROUP, GROUP_PAD, BLOCK_Q)
     q_pos = kv_len - q_len + tok
     q_base = q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh
     kv_dtype = k_ptr.dtype.element_ty
@@ -149,9 +155,9 @@ def _attention_kernel(
         tl.store(part_o_ptr + (part + split)[:, None] * DV + dv[None, :], o, mask=o_mask)
         tl.store(part_lse_ptr + part + split, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=m_valid)
         tl.debug_barrier()  # every thread's stores precede the release below
-        group = (q_block * tl.num_programs(1) + row) * (tl.num_programs(2) // num_splits) + kv_head
+        group = (q_block * tl.num_programs(1) + row) * (tl.num_programs(2) // num_splits) + heads
         if tl.atomic_add(counter_ptr + group, 1, sem="acq_rel") == used - 1:
-            _merge(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, q_start, q_block, q_len, kv_head, used,
+            _merge(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, q_start, q_block, q_len, heads, used,
                    num_q_heads, num_splits, GROUP, GROUP_P2, BLOCK_Q, DV, DV_PAD, MERGE_CHUNK)
             tl.store(counter_ptr + group, 0)
     else:
@@ -159,13 +165,13 @@ def _attention_kernel(
 
 
 @triton.jit
-def _query_rows(q_block, kv_head, q_start, q_len, GROUP: tl.constexpr, PAD: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """A program's BLOCK_Q * PAD query rows, token-major, the query heads of KV head `kv_head` minor (PAD >= GROUP;
-    padding rows are masked): (token in the row, query head, valid, row of q / out)."""
+def _query_rows(q_block, heads, q_start, q_len, GROUP: tl.constexpr, PAD: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """A program's BLOCK_Q * PAD query rows, token-major, the GROUP query heads of head group `heads` minor (PAD >=
+    GROUP; padding rows are masked): (token in the row, query head, valid, row of q / out)."""
     m = tl.arange(0, BLOCK_Q * PAD)
     tok = q_block * BLOCK_Q + m // PAD
     valid = (m % PAD < GROUP) & (tok < q_len)
-    return tok, kv_head * GROUP + m % PAD, valid, (q_start + tok).to(tl.int64)
+    return tok, heads * GROUP + m % PAD, valid, (q_start + tok).to(tl.int64)
 
 
 @triton.jit
@@ -239,10 +245,10 @@ def _prefetch_keys(k_ptr, v_ptr, pages_ptr, kv_head, lo, hi, stride_kr, stride_k
 
 
 @triton.jit
-def _merge(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, q_start, q_block, q_len, kv_head, used,
+def _merge(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, q_start, q_block, q_len, heads, used,
            num_q_heads, num_splits, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr,
            DV: tl.constexpr, DV_PAD: tl.constexpr, CHUNK: tl.constexpr):
-    """Store the output of this program's query rows (the BLOCK_Q tokens x GROUP query heads of KV head `kv_head`;
+    """Store the output of this program's query rows (the BLOCK_Q tokens x GROUP query heads of head group `heads`;
     no tl.dot padding here): their first `used` splits' outputs weighted by 2^lse, rescaled to the running maximum
     as it grows (read through L2: other programs wrote them). The splits come in chunks of as many as a
     [rows, splits, DV] tile of MERGE_TILE holds (16 for ZAYA1's four query heads of 128 channels), each chunk's
@@ -250,7 +256,7 @@ def _merge(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, q_start, q_b
     critical path where a loop over the splits (unrolled by 8, its remainder one split at a time) took three. A
     tile of one split (MLA's 512-wide latent) keeps that loop, unrolled by MERGE_UNROLL."""
     UNROLL: tl.constexpr = MERGE_UNROLL if CHUNK == 1 else 1
-    _, head, valid, q_rows = _query_rows(q_block, kv_head, q_start, q_len, GROUP, GROUP_P2, BLOCK_Q)
+    _, head, valid, q_rows = _query_rows(q_block, heads, q_start, q_len, GROUP, GROUP_P2, BLOCK_Q)
     part = (q_rows * num_q_heads + head) * num_splits
     dv = tl.arange(0, DV_PAD)
     s = tl.arange(0, CHUNK)
@@ -282,6 +288,7 @@ class LaunchConfig:
     block_n: int  # keys per tile
     num_warps: int
     num_stages: int
+    min_split_keys: int  # keys a split gets at least (a multiple of block_n)
 
 
 def _pow2(n: int) -> int:
@@ -295,8 +302,23 @@ def launch_config(decode: bool, group: int, d_main: int, dv_pad: int) -> LaunchC
     rows = 16 if decode else (32 if wide else 128)
     block_q = 1 if decode else max(1, rows // group_pad)
     group_pad = max(group_pad, 16 // block_q)
-    return LaunchConfig(block_q, group_pad, block_n=32 if wide else 64,
-                        num_warps=4 if decode and not wide else 8, num_stages=2 if wide else 3)
+    block_n = 32 if wide else 64
+    # A split's partial output is merged by one program: MLA's [heads, 512] fp32 a split is 16x ZAYA1's, so its
+    # splits take two tiles at least (fewer to merge; an H100 micro of 640 keys: 13 us a call against 18 at one).
+    return LaunchConfig(block_q, group_pad, block_n, num_warps=4 if decode and not wide else 8,
+                        num_stages=2 if wide else 3, min_split_keys=2 * block_n if wide else block_n)
+
+
+def choose_group_split(decode: bool, group: int, programs: int, sm_count: int) -> int:
+    """Programs a KV head's query group is cut over at decode (a power of two dividing `group`), each taking at most
+    MAX_DECODE_GROUP of its heads, where the (row, KV head) `programs` are too few to fill the GPU: MLA's 32 heads
+    over one latent head at batch 1 would otherwise leave the GPU to key splits alone, whose merge of [32, 512]
+    fp32 a split runs in one program (an H100 micro of 640 keys: 43 us a call, 18 cut over 4 programs)."""
+    split = 1
+    if decode and programs < sm_count:
+        while group % (2 * split) == 0 and group // split > MAX_DECODE_GROUP:
+            split *= 2
+    return split
 
 
 def merge_chunk(rows: int, dv_pad: int) -> int:
@@ -326,11 +348,13 @@ def choose_splits(batch: ForwardBatch, num_kv_heads: int, block_q: int, sm_count
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
-                    scale: float, sliding_window: int | None = None, num_splits: int | None = None) -> torch.Tensor:
+                    scale: float, sliding_window: int | None = None, num_splits: int | None = None,
+                    group_split: int | None = None) -> torch.Tensor:
     """q [T, Hq, D]; k_cache [rows, Hk, D]; v_cache [rows, Hk, Dv] (this step's K/V already written) -> [T, Hq, Dv].
 
     Same contract as `ops.reference.attention.paged_attention`. `num_splits` overrides the split-K heuristic
-    (any count >= 1 is correct; splits without keys contribute nothing). Rows with kv_len 0 (padding) give zeros.
+    (any count >= 1 is correct; splits without keys contribute nothing), `group_split` `choose_group_split`'s (any
+    power of two dividing the query group). Rows with kv_len 0 (padding) give zeros.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, v_dim = k_cache.shape[1], v_cache.shape[-1]
@@ -346,22 +370,28 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}]; got {num_splits}")
     q = q if q.stride(-1) == 1 else q.contiguous()
+    sm_count = _sm_count(q.device)
     group = num_q_heads // num_kv_heads
+    cut = group_split or choose_group_split(batch.is_decode, group, num_kv_heads * batch.num_seqs, sm_count)
+    if group % cut or cut & (cut - 1):
+        raise ValueError(f"group_split must be a power of two dividing the {group} query heads a KV head; got {cut}")
+    group //= cut  # a program's query heads
+    head_groups = num_kv_heads * cut
     d_main = 1 << (head_dim.bit_length() - 1)
     d_tail = head_dim - d_main
     dv_pad = max(16, _pow2(v_dim))
     config = launch_config(batch.is_decode, group, d_main, dv_pad)
-    splits = num_splits or choose_splits(batch, num_kv_heads, config.block_q, _sm_count(q.device), sliding_window)
+    splits = num_splits or choose_splits(batch, head_groups, config.block_q, sm_count, sliding_window)
     # V is the K tile already loaded when it is the first channels of the same rows (MLA's latent cache).
     v_in_k = (v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride()
               and v_dim == d_main)
     out = q.new_empty(num_tokens, num_q_heads, v_dim)
-    grid = (cdiv(batch.max_query_len, config.block_q), batch.num_seqs, num_kv_heads * splits)
+    grid = (cdiv(batch.max_query_len, config.block_q), batch.num_seqs, head_groups * splits)
     if splits > 1:
         part_o = torch.empty(num_tokens, num_q_heads, splits, v_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(num_tokens, num_q_heads, splits, dtype=torch.float32, device=q.device)
-        if grid[0] * grid[1] * num_kv_heads > COUNTERS:
-            raise ValueError(f"{grid[0] * grid[1] * num_kv_heads} split groups exceed the {COUNTERS} arrival "
+        if grid[0] * grid[1] * head_groups > COUNTERS:
+            raise ValueError(f"{grid[0] * grid[1] * head_groups} split groups exceed the {COUNTERS} arrival "
                              "counters: use fewer splits")
         counters = arrival_counters("attention_splits", COUNTERS, q.device)
     else:
@@ -376,8 +406,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         PAGE_SIZE=batch.page_size, D_MAIN=d_main, D_TAIL=d_tail,
         D_TAIL_PAD=max(16, _pow2(d_tail)) if d_tail else 0, DV=v_dim, DV_PAD=dv_pad, V_IN_K=v_in_k,
         HAS_WINDOW=sliding_window is not None, SPLIT=splits > 1, GROUP_P2=_pow2(group),
-        MERGE_CHUNK=merge_chunk(config.block_q * _pow2(group), dv_pad),
-        PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        MERGE_CHUNK=merge_chunk(config.block_q * _pow2(group), dv_pad), HEAD_SPLIT=cut,
+        MIN_SPLIT_KEYS=config.min_split_keys, PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch(q.device),
     )
     return out
