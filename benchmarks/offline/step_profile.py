@@ -148,23 +148,37 @@ def _table(trace, key: str, limit: int) -> list[tuple[str, int, float]]:
     return [(e.key[:100], e.count, getattr(e, key) / 1e3) for e in rows]
 
 
-def _exposed(trace, limit: int) -> list[tuple[str, int, float]]:
-    """Kernels by the time each adds to the device's timeline: its end minus the latest end before it (0 when it
-    ends inside an earlier kernel). With PDL a kernel starts while the one before runs, so its own duration
-    includes the wait; what it adds to the step is this."""
+def _kernel_gains(trace) -> list[tuple[object, float]]:
+    """The device events in start order, each with the time it adds to the device's timeline (us): its end minus
+    the latest end before it (0 when it ends inside an earlier kernel). With PDL a kernel starts while the one
+    before runs, so its own duration includes the wait; what it adds to the step is this."""
     kernels = sorted((e for e in trace.events() if e.device_type == DeviceType.CUDA),
                      key=lambda e: e.time_range.start)
-    added: dict[str, list] = {}
-    latest = None
+    gains, latest = [], None
     for event in kernels:
         start, end = event.time_range.start, event.time_range.end
-        gain = end - max(latest if latest is not None else start, start)
+        gains.append((event, max(end - max(latest if latest is not None else start, start), 0.0)))
         latest = end if latest is None else max(latest, end)
+    return gains
+
+
+def _exposed(trace, limit: int) -> list[tuple[str, int, float]]:
+    """Kernels by the time each adds to the device's timeline (`_kernel_gains`), summed by name."""
+    added: dict[str, list] = {}
+    for event, gain in _kernel_gains(trace):
         entry = added.setdefault(event.name[:100], [0, 0.0])
         entry[0] += 1
-        entry[1] += max(gain, 0.0)
+        entry[1] += gain
     rows = sorted(added.items(), key=lambda item: item[1][1], reverse=True)[:limit]
     return [(name, count, us / 1e3) for name, (count, us) in rows]
+
+
+def _timeline(trace) -> list[tuple[str, float, float, float]]:
+    """Every profiled device event in start order: (name, start us from the first, own us, us added)."""
+    gains = _kernel_gains(trace)
+    first = gains[0][0].time_range.start if gains else 0.0
+    return [(event.name[:80], round(event.time_range.start - first, 2),
+             round(event.time_range.end - event.time_range.start, 2), round(gain, 2)) for event, gain in gains]
 
 
 def main() -> None:
@@ -184,6 +198,8 @@ def main() -> None:
                         "(an eager prefill step), timed like --host-steps, then under cProfile")
     parser.add_argument("--json-grammar", action="store_true", help="every request under the offline benchmark's "
                         "JSON grammar")
+    parser.add_argument("--timeline", action="store_true", help="write every profiled kernel in order (start, own "
+                        "and added time) into the JSON too")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     grammar = BENCH_GRAMMAR if args.json_grammar else None
@@ -256,7 +272,9 @@ def main() -> None:
         for name, count, ms in exposed:
             print(f"  {ms:9.2f}  {count:6d}  {name}")
         if args.out:
-            Path(args.out).write_text(json.dumps({"summary": summary, "host": host, "device": device,
-                                                  "device_added": exposed}, indent=1))
+            tables = {"summary": summary, "host": host, "device": device, "device_added": exposed}
+            if args.timeline:
+                tables["timeline"] = _timeline(trace)
+            Path(args.out).write_text(json.dumps(tables, indent=1))
     finally:
         shutil.rmtree(directory, ignore_errors=True)
