@@ -64,15 +64,15 @@ def _attention_kernel(
     PAGE_SIZE: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, D_TAIL_PAD: tl.constexpr,
     DV: tl.constexpr, DV_PAD: tl.constexpr, V_IN_K: tl.constexpr, HAS_WINDOW: tl.constexpr,
     SPLIT: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr, GROUP_P2: tl.constexpr,
-    MERGE_CHUNK: tl.constexpr, HEAD_SPLIT: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr, GROUP_SPLIT: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr,
 ):
     # Decode loads its first key tile's rows of earlier steps before the wait (module docstring); not MLA's 512-wide
     # latent, whose accumulator and tiles already take all the registers (a held tile spilled: sm_90, 344 bytes).
     PRELOAD: tl.constexpr = BLOCK_Q == 1 and D_MAIN <= 128 and DV_PAD <= 128
     q_block = tl.program_id(0)
     row = tl.program_id(1)
-    heads = tl.program_id(2) // num_splits  # this program's GROUP query heads: a KV head's share of HEAD_SPLIT
-    kv_head = heads // HEAD_SPLIT
+    heads = tl.program_id(2) // num_splits  # this program's GROUP query heads: a KV head's share of GROUP_SPLIT
+    kv_head = heads // GROUP_SPLIT
     split = tl.program_id(2) % num_splits
     q_start = tl.load(query_start_loc_ptr + row)
     q_len = tl.load(query_start_loc_ptr + row + 1) - q_start
@@ -406,7 +406,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         PAGE_SIZE=batch.page_size, D_MAIN=d_main, D_TAIL=d_tail,
         D_TAIL_PAD=max(16, _pow2(d_tail)) if d_tail else 0, DV=v_dim, DV_PAD=dv_pad, V_IN_K=v_in_k,
         HAS_WINDOW=sliding_window is not None, SPLIT=splits > 1, GROUP_P2=_pow2(group),
-        MERGE_CHUNK=merge_chunk(config.block_q * _pow2(group), dv_pad), HEAD_SPLIT=cut,
+        MERGE_CHUNK=merge_chunk(config.block_q * _pow2(group), dv_pad), GROUP_SPLIT=cut,
         MIN_SPLIT_KEYS=config.min_split_keys, PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch(q.device),
     )
