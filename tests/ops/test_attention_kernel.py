@@ -123,8 +123,8 @@ def test_query_group_cut_over_programs(dtype: torch.dtype) -> None:
 
 def test_group_split_heuristic() -> None:
     assert kernel.choose_group_split(True, 32, 1, 132) == 4  # MLA at batch 1: 4 programs of 8 heads
-    assert kernel.choose_group_split(True, 32, 64, 132) == 4  # ... and at 64 rows, still fewer than the SMs
-    assert kernel.choose_group_split(True, 32, 256, 132) == 1  # rows enough to fill the GPU
+    assert kernel.choose_group_split(True, 32, 16, 132) == 4  # ... up to 16 rows (an eighth of the SMs)
+    assert kernel.choose_group_split(True, 32, 17, 132) == 1  # more rows: key splits alone (64: the cut is slower)
     assert kernel.choose_group_split(False, 32, 1, 132) == 1  # prefill: query blocks give the programs
     assert kernel.choose_group_split(True, 4, 2, 132) == 1  # ZAYA1's 4 heads a KV head: one program
     assert kernel.choose_group_split(True, 24, 1, 132) == 4  # 6 heads a program: a power of two dividing 24

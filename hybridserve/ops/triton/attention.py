@@ -3,8 +3,8 @@
 One kernel serves decode, prefill and mixed batches. Programs run over (query block, row, KV head x split); a
 program's M rows are BLOCK_Q tokens x the G query heads that share one KV head, so each K/V tile is loaded once
 for the whole query group (GQA; MLA's absorbed form is G = all heads over one latent head); at decode, where
-there are too few (row, KV head) programs to fill the GPU, a group of more than MAX_DECODE_GROUP heads is cut over
-programs that each read the KV head (`choose_group_split`: MLA's 32 heads in 4 programs). A row's queries sit at
+there are very few (row, KV head) programs, a group of more than MAX_DECODE_GROUP heads is cut over programs
+that each read the KV head (`choose_group_split`: MLA's 32 heads at batch 1 in 4 programs). A row's queries sit at
 positions kv_len - query_len .. kv_len - 1 and see keys causally (and, with a window W, only keys j > i - W), so a
 program reads only the keys its queries can see: pages entirely before the window are never touched (their page
 table entries may be the dummy page). Decode rows are 1-token rows with BLOCK_Q = 1; when there are too few
@@ -49,6 +49,7 @@ MIN_KEYS_PER_SPLIT = 128  # below this a split's loads no longer hide the extra 
 COUNTERS = 1 << 14  # arrival counters per device: (query block, row, KV head) groups of one split launch
 MERGE_TILE = 8192  # fp32 elements of the merge's [rows, splits, DV] load: 64 registers a thread at 4 warps
 MAX_DECODE_GROUP = 8  # query heads a decode program takes at most, where `choose_group_split` cuts a group
+FEW_PROGRAMS_SHARE = 8  # ... which it does where the (row, KV head) programs are at most sm_count / this
 MERGE_UNROLL = tl.constexpr(8)  # splits whose loads the merge issues together where its tile holds one split (MLA)
 
 
@@ -311,11 +312,14 @@ def launch_config(decode: bool, group: int, d_main: int, dv_pad: int) -> LaunchC
 
 def choose_group_split(decode: bool, group: int, programs: int, sm_count: int) -> int:
     """Programs a KV head's query group is cut over at decode (a power of two dividing `group`), each taking at most
-    MAX_DECODE_GROUP of its heads, where the (row, KV head) `programs` are too few to fill the GPU: MLA's 32 heads
-    over one latent head at batch 1 would otherwise leave the GPU to key splits alone, whose merge of [32, 512]
-    fp32 a split runs in one program (an H100 micro of 640 keys: 43 us a call, 18 cut over 4 programs)."""
+    MAX_DECODE_GROUP of its heads, where the (row, KV head) `programs` are very few: MLA's 32 heads over one latent
+    head at batch 1 would otherwise leave the GPU to key splits alone, whose merge of [32, 512] fp32 a split runs
+    in one program (an H100 micro, the decode graph's 64 splits: 34 -> 21 us a call at 640 keys, 76 -> 33 at 2048).
+    At 64 rows the cut is slower (182 -> 245 us at 2048 keys: its 256 programs leave no key splits, and each
+    streams the row's keys alone), so it stops at sm_count / FEW_PROGRAMS_SHARE programs (16 rows of 132 SMs;
+    between 1 and 64 rows untimed)."""
     split = 1
-    if decode and programs < sm_count:
+    if decode and programs * FEW_PROGRAMS_SHARE <= sm_count:
         while group % (2 * split) == 0 and group // split > MAX_DECODE_GROUP:
             split *= 2
     return split
