@@ -1,8 +1,8 @@
 """Paged attention cases: ZAYA1-8B decode (8 q / 2 kv heads x 128, page 16) at batch 1, 64, 256 and contexts 512 and
 4096, its prefill of 8 x 1024 fresh tokens, and Ling-2.6-flash MLA absorbed decode (32 heads over one 576-wide
 latent head, V = its first 512 channels) at batch 64 and context 2048, and at batch 1 and contexts 640 and 2048 with
-the 64 key splits of the decode graph, each with its 32 heads in one program and cut as the kernel's heuristic
-cuts them (`choose_group_split`). bf16. A lone 512-token prompt's prefill
+the 64 key splits of the decode graph; each MLA case with its 32 heads in one program, and as the kernel's heuristic
+cuts them over programs (`choose_group_split`: at batch 64 it does not). bf16. A lone 512-token prompt's prefill
 (the first token of batch 1, whose attention took 53 us a layer in a step profile) is timed from a CUDA graph, so
 that the device's time is measured rather than the launch, with the split-K heuristic's count and with 1, 2 and 9
 splits (9: what the prefill graphs, sized for max_model_len keys, choose).
@@ -63,7 +63,7 @@ def cases(device: torch.device) -> list[OpCase]:
                      num_splits=splits, graph=True) for splits in (None, 1, 2, 9))
     mla = dict(heads=(32, 1), head_dim=576, v_dim=512, device=device, v_in_k=True, graph=True)
     for cut in (1, None):  # one program for the 32 heads (as before the group split), and the heuristic's cut
-        label = "one program a row" if cut == 1 else "heuristic's head cut"
+        label = "one program a row" if cut == 1 else "as the heuristic cuts"
         out.append(_case(f"ling mla absorbed decode B=64 ctx=2048 graphed, {label}", [(2047, 1)] * 64, **mla,
                          group_split=cut))
         for ctx in (640, 2048):  # 64 splits: the count the batch-1 decode graph plans for max_model_len keys
