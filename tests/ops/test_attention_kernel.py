@@ -128,7 +128,7 @@ def test_group_split_heuristic() -> None:
     assert kernel.choose_group_split(False, 32, 1, 132) == 1  # prefill: query blocks give the programs
     assert kernel.choose_group_split(True, 4, 2, 132) == 1  # ZAYA1's 4 heads a KV head: one program
     assert kernel.choose_group_split(True, 24, 1, 132) == 4  # 6 heads a program: a power of two dividing 24
-    assert kernel.launch_config(True, 4, 128, 128).min_split_keys == kernel.launch_config(True, 4, 128, 128).block_n
+    assert kernel.launch_config(True, 4, 128, 128).min_split_keys == 64  # ZAYA1's tiles: one 64-key tile, as before
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
