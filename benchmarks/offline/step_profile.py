@@ -199,7 +199,7 @@ def main() -> None:
     parser.add_argument("--json-grammar", action="store_true", help="every request under the offline benchmark's "
                         "JSON grammar")
     parser.add_argument("--timeline", action="store_true", help="write every profiled kernel in order (start, own "
-                        "and added time) into the JSON too")
+                        "and added time) into the JSON too: the decode steps' and the first token's")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     grammar = BENCH_GRAMMAR if args.json_grammar else None
@@ -247,9 +247,14 @@ def main() -> None:
             with profile(activities=[ProfilerActivity.CUDA]) as first:
                 alone()
             summary["first_token"]["device"] = _table(first, "self_device_time_total", 30)
-            print("device self time of that first token (ms):")
+            summary["first_token"]["device_added"] = _exposed(first, 30)
+            print("device self time of that first token (ms), and the time each adds to its timeline:")
             for name, count, ms in summary["first_token"]["device"]:
                 print(f"  {ms:9.2f}  {count:6d}  {name}")
+            for name, count, ms in summary["first_token"]["device_added"]:
+                print(f"  {ms:9.2f}  {count:6d}  {name}  (added)")
+            if args.timeline:
+                summary["first_token"]["timeline"] = _timeline(first)
         else:  # the whole scenario, unsynchronised: is the overlapped loop bound by the host or the device?
             summary["host"] = _host_share(_prompts_alone(engine, prompts, args.temperature, grammar),
                                           args.first_token_runs)
