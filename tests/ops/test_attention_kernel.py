@@ -146,6 +146,10 @@ def test_fixed_split_counts_larger_than_needed() -> None:
     decode = make_case([(0, 1), (2, 1), (5, 1)], 4, (8, 2), 32, 32, torch.float32, seed=12)
     check(decode, num_splits=16)
     check(make_case([(0, 5), (3, 1), (40, 30)], 4, (8, 2), 32, 32, torch.float32, seed=13), num_splits=3)
+    # A prefill row's splits take MIN_KEYS_PER_SPLIT keys at least: 9 splits (a lone 512-token prompt's prefill
+    # graph) of a 300-token row leave 3 of 128 keys, not 5 of one 64-key tile.
+    assert kernel.launch_config(False, 4, 32, 32).min_split_keys == kernel.MIN_KEYS_PER_SPLIT == 128
+    check(make_case([(0, 300), (20, 3)], 16, (8, 2), 32, 32, torch.float32, seed=17), num_splits=9)
 
 
 def test_split_merge_in_chunks_of_splits() -> None:

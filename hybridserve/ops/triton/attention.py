@@ -306,8 +306,15 @@ def launch_config(decode: bool, group: int, d_main: int, dv_pad: int) -> LaunchC
     block_n = 32 if wide else 64
     # A split's partial output is merged by one program: MLA's [heads, 512] fp32 a split is 16x ZAYA1's, so its
     # splits take two tiles at least (fewer to merge; an H100 micro of 640 keys: 13 us a call against 18 at one).
+    # Prefill splits take MIN_KEYS_PER_SPLIT keys at least, as `choose_splits` gives them when it knows the keys:
+    # the prefill graphs fix the count for max_model_len keys, 9 for a lone 512-token row, which would cut its
+    # keys into one-tile splits (an H200 micro of that row: 37.9 us at 9 splits, 23.6 at the 4 the floor leaves).
+    # Decode keeps one tile: the decode graph's short splits measured faster than two-tile ones in the engine.
+    min_split_keys = 2 * block_n if wide else block_n
+    if not decode:
+        min_split_keys = max(min_split_keys, -(-MIN_KEYS_PER_SPLIT // block_n) * block_n)
     return LaunchConfig(block_q, group_pad, block_n, num_warps=4 if decode and not wide else 8,
-                        num_stages=2 if wide else 3, min_split_keys=2 * block_n if wide else block_n)
+                        num_stages=2 if wide else 3, min_split_keys=min_split_keys)
 
 
 def choose_group_split(decode: bool, group: int, programs: int, sm_count: int) -> int:
