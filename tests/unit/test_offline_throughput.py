@@ -1,5 +1,6 @@
 """`python -m benchmarks.offline throughput`: runs end to end on CPU for both model types (tiny widths, config-only
-directory, dummy weights), counts the experts its batched steps read, and refuses draft tokens without an
+directory, dummy weights), counts the experts its batched steps read, splits a lone request's rate at its first
+token, and refuses draft tokens without an
 algorithm; the Ling bandwidth floor counts the model's weights, and a floor at a counted expert spread differs from
 the uniform one by those experts' bytes alone. The benchmark runs as a command: the tests import nothing from
 benchmarks/."""
@@ -42,6 +43,18 @@ def test_smoke_run_on_cpu_writes_the_results(tmp_path, model_type):
     assert (smoke["floor_tok_s_at_touched"] > smoke["floor_tok_s"]) == fewer
     assert (smoke["ours_json_tok_s"] > 0) if model_type == "zaya" else "ours_json_tok_s" not in smoke
     assert ("hf_tok_s" not in smoke) if model_type == "zaya" else smoke["hf_tok_s"] == "n/a"
+
+
+def test_a_lone_request_reports_its_first_token_and_the_rate_after_it(tmp_path):
+    """b1 (one request, 128 tokens): its first token timed alone, and the rate of the 127 after it beside the
+    floor; scenarios of several requests report neither."""
+    out = tmp_path / "result.json"
+    subprocess.run([*THROUGHPUT, "--device", "cpu", "--width", "demo", "--layers", "2", "--load-format", "dummy",
+                    "--scenarios", "b1", "smoke", "--skip-hf", "--repeats", "1", "--dtype", "float32", "--out",
+                    str(out)], check=True, timeout=240, capture_output=True, cwd=ROOT)
+    b1, smoke = (json.loads(out.read_text())["scenarios"][name] for name in ("b1", "smoke"))
+    assert b1["ours_first_token_ms"] > 0 and b1["ours_decode_tok_s"] > 0 and b1["floor_tok_s"] > 0
+    assert "ours_decode_tok_s" not in smoke and "ours_first_token_ms" not in smoke
 
 
 def test_speculative_smoke_run_reports_plain_speculative_and_forced_acceptance(tmp_path):
