@@ -1,9 +1,8 @@
 """`python -m benchmarks.offline throughput`: runs end to end on CPU for both model types (tiny widths, config-only
 directory, dummy weights), counts the experts its batched steps read, splits a lone request's rate at its first
-token, and refuses draft tokens without an
-algorithm; the Ling bandwidth floor counts the model's weights, and a floor at a counted expert spread differs from
-the uniform one by those experts' bytes alone. The benchmark runs as a command: the tests import nothing from
-benchmarks/."""
+token, and refuses draft tokens without an algorithm; the Ling bandwidth floor counts the model's weights, and a
+floor at a counted expert spread differs from the uniform one by those experts' bytes alone. The benchmark runs as
+a command: the tests import nothing from benchmarks/."""
 from __future__ import annotations
 
 import json
