@@ -3,8 +3,8 @@
 Scenarios (`--scenarios`, run in order on the same model; throughput = requested output tokens / wall time of one
 generate() call, prefill included, after a warm-up; ours: the median of `--repeats` such calls (default 5; a 128-step
 batch-1 run varied by +-7% from call to call on the H200), every call's rate in the JSON; temperature 0.6,
-ignore_eos; a one-request scenario also times its first token alone, `--repeats` times, and reports the rate of
-the tokens after it, which is what the decode floor bounds):
+ignore_eos; a decode scenario whose requests all ask for the same number of tokens also times their first tokens
+alone, `--repeats` times, and reports the rate of the tokens after them, which is what the decode floor bounds):
   b1       1 request, prompt 512, 128 new tokens (batch-1 decode)
   b16      16 requests, prompts uniform in [100, 512], 128 new tokens
   b64      64 requests, prompts uniform in [100, 512], 128 new tokens
@@ -148,8 +148,8 @@ def _timed_run(llm: LLM, name: str, prompts: list[list[int]], outputs: list[int]
         tokens = [r.outputs[0].token_ids for r in generated]
         assert [len(t) for t in tokens] == outputs
     entry = {"tok_s": statistics.median(rates), "tok_s_runs": rates, "tokens": tokens, "gc_runs": collections}
-    if len(prompts) == 1 and not SCENARIOS[name].prefill and outputs[0] > 1:
-        entry.update(_first_token_split(llm, prompts[0], params[0], outputs[0] / entry["tok_s"], args))
+    if not SCENARIOS[name].prefill and min(outputs) == max(outputs) > 1:
+        entry.update(_first_token_split(llm, prompts, params, sum(outputs) / entry["tok_s"], args))
     if any(gpu):
         entry["gpu_after_runs"] = gpu
     if speculative:
@@ -161,21 +161,24 @@ def _timed_run(llm: LLM, name: str, prompts: list[list[int]], outputs: list[int]
     return entry
 
 
-def _first_token_split(llm: LLM, prompt: list[int], params: SamplingParams, seconds: float, args) -> dict:
-    """A lone request's rate split at its first token: the median of `--repeats` generates of that token alone
-    (the prefill of the prompt, its sampling and the host's work around them), and the rate of the tokens after
-    it, (n - 1) / (`seconds`, the median full call, minus that). The decode floor bounds the second only: the
-    first token reads every expert's weights once."""
-    one = [dataclasses.replace(params, max_tokens=1)]
+def _first_token_split(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], seconds: float,
+                       args) -> dict:
+    """A scenario's rate split at its first tokens, where every request asks for the same n tokens: the median of
+    `--repeats` generates of the first tokens alone (the prompts' prefill, their sampling and the host's work around
+    them), and the rate of the tokens after them, requests * (n - 1) / (`seconds`, the median full call, minus
+    that). The decode floor bounds the second only: a prefill reads every expert's weights. (With more requests than
+    run at once, later prompts' prefills overlap earlier requests' decode steps, and the split is approximate.)"""
+    first_only = [dataclasses.replace(p, max_tokens=1) for p in params]
     times = []
     for _ in range(args.repeats):
         sync(args.device)
         start = time.perf_counter()
-        llm.generate([{"prompt_token_ids": prompt}], one)
+        llm.generate([{"prompt_token_ids": p} for p in prompts], first_only)
         sync(args.device)
         times.append(time.perf_counter() - start)
     first = statistics.median(times)
-    return {"first_token_ms": 1e3 * first, "decode_tok_s": (params.max_tokens - 1) / (seconds - first)}
+    after = sum(p.max_tokens - 1 for p in params)
+    return {"first_token_ms": 1e3 * first, "decode_tok_s": after / (seconds - first)}
 
 
 def _ratio(value: float | None, width: int = 0) -> str:
@@ -358,7 +361,7 @@ def _print_report(result: dict) -> None:
                   f"{e['ours_tok_s'] / e['floor_tok_s_at_touched']:.1%} of it")
         if "ours_decode_tok_s" in e:
             share = f", {e['ours_decode_tok_s'] / e['floor_tok_s']:.1%} of the floor" if "floor_tok_s" in e else ""
-            print(f"{name:<9} first token alone {e['ours_first_token_ms']:.1f} ms; the tokens after it "
+            print(f"{name:<9} first tokens alone {e['ours_first_token_ms']:.1f} ms; the tokens after them "
                   f"{e['ours_decode_tok_s']:.1f} tok/s{share}")
         if "bf16_tok_s" in e:
             print(f"{name + ' bf16':<9} {e['bf16_tok_s']:>11.1f}  (FP8 / bf16: {e['fp8_over_bf16']:.2f}x)")

@@ -1,6 +1,6 @@
 """`python -m benchmarks.offline throughput`: runs end to end on CPU for both model types (tiny widths, config-only
-directory, dummy weights), counts the experts its batched steps read, splits a lone request's rate at its first
-token, and refuses draft tokens without an algorithm; the Ling bandwidth floor counts the model's weights, and a
+directory, dummy weights), counts the experts its batched steps read, splits a decode scenario's rate at its first
+tokens, and refuses draft tokens without an algorithm; the Ling bandwidth floor counts the model's weights, and a
 floor at a counted expert spread differs from the uniform one by those experts' bytes alone. The benchmark runs as
 a command: the tests import nothing from benchmarks/."""
 from __future__ import annotations
@@ -44,16 +44,18 @@ def test_smoke_run_on_cpu_writes_the_results(tmp_path, model_type):
     assert ("hf_tok_s" not in smoke) if model_type == "zaya" else smoke["hf_tok_s"] == "n/a"
 
 
-def test_a_lone_request_reports_its_first_token_and_the_rate_after_it(tmp_path):
-    """b1 (one request, 128 tokens): its first token timed alone, and the rate of the 127 after it beside the
-    floor; scenarios of several requests report neither."""
+def test_decode_scenarios_report_their_first_tokens_and_the_rate_after_them(tmp_path):
+    """b1 (one request, 128 tokens) and smoke (two of 4): their first tokens timed alone, and the rate of the
+    tokens after them beside the floor; the prefill scenario (one token a request) reports neither."""
     out = tmp_path / "result.json"
     subprocess.run([*THROUGHPUT, "--device", "cpu", "--width", "demo", "--layers", "2", "--load-format", "dummy",
-                    "--scenarios", "b1", "smoke", "--skip-hf", "--repeats", "1", "--dtype", "float32", "--out",
-                    str(out)], check=True, timeout=240, capture_output=True, cwd=ROOT)
-    b1, smoke = (json.loads(out.read_text())["scenarios"][name] for name in ("b1", "smoke"))
-    assert b1["ours_first_token_ms"] > 0 and b1["ours_decode_tok_s"] > 0 and b1["floor_tok_s"] > 0
-    assert "ours_decode_tok_s" not in smoke and "ours_first_token_ms" not in smoke
+                    "--scenarios", "b1", "smoke", "prefill", "--skip-hf", "--repeats", "1", "--dtype", "float32",
+                    "--out", str(out)], check=True, timeout=240, capture_output=True, cwd=ROOT)
+    scenarios = json.loads(out.read_text())["scenarios"]
+    for name in ("b1", "smoke"):
+        entry = scenarios[name]
+        assert entry["ours_first_token_ms"] > 0 and entry["ours_decode_tok_s"] > 0 and entry["floor_tok_s"] > 0
+    assert "ours_decode_tok_s" not in scenarios["prefill"] and "ours_first_token_ms" not in scenarios["prefill"]
 
 
 def test_speculative_smoke_run_reports_plain_speculative_and_forced_acceptance(tmp_path):
