@@ -148,7 +148,10 @@ def _timed_run(llm: LLM, name: str, prompts: list[list[int]], outputs: list[int]
         tokens = [r.outputs[0].token_ids for r in generated]
         assert [len(t) for t in tokens] == outputs
     entry = {"tok_s": statistics.median(rates), "tok_s_runs": rates, "tokens": tokens, "gc_runs": collections}
-    if not SCENARIOS[name].prefill and min(outputs) == max(outputs) > 1:
+    # The split is reported for plain runs only; after a speculative run's timed calls it would also add its own
+    # steps to the acceptance counts read below.
+    plain = not speculative and all(p.structured_output is None for p in params)
+    if plain and not SCENARIOS[name].prefill and min(outputs) == max(outputs) > 1:
         entry.update(_first_token_split(llm, prompts, params, sum(outputs) / entry["tok_s"], args))
     if any(gpu):
         entry["gpu_after_runs"] = gpu
