@@ -46,6 +46,11 @@ class ParallelLMHead(nn.Module):
         self.weight = None if tied_to is not None else new_parameter(local, hidden_size, loader=_load_vocab_shard)
         self.bias = new_parameter(local, loader=_load_vocab_shard) if bias else None
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`out` [N, V] fp32: the logits are written there, the conversion to fp32 being the copy (a graph's
+        logits land in a buffer its sizes share: one kernel fewer than a conversion, then a copy)."""
         weight = self.tied_to.weight if self.tied_to is not None else self.weight
-        return all_gather_last_dim(F.linear(hidden, weight, self.bias).float())
+        logits = F.linear(hidden, weight, self.bias)
+        if tp_size() > 1:  # gathered in fp32
+            logits = all_gather_last_dim(logits.float())
+        return logits.float() if out is None else out.copy_(logits)

@@ -38,8 +38,8 @@ class CausalLM(Protocol):
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         """The module's forward: the final hidden states [T, H] of the batch's tokens."""
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, H] hidden states -> [N, V] logits."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, H] hidden states -> [N, V] fp32 logits (written into `out` when given)."""
 
     def checkpoint_target(self, name: str) -> tuple[str, Hashable | None] | None:
         """The parameter (and shard) a checkpoint tensor fills; None for tensors deliberately not loaded."""

@@ -380,8 +380,8 @@ class ZayaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model(batch)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lm_head(hidden, out)
 
     # --- checkpoint names --------------------------------------------------------------------------------
     def checkpoint_target(self, name: str) -> tuple[str, Hashable | None] | None:

@@ -61,19 +61,16 @@ _TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping", "window_slot_mapping"
 _ROW_FIELDS = ("kv_lens", "table_rows", "draft_base", "reach")
 
 
-def capture_logits(forward: Callable[[], torch.Tensor], pool, shared: torch.Tensor | None
-                   ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """A CUDA graph of `forward` (-> logits [rows, vocab]) in `pool`, and the tensor its logits land in: the first
-    rows of `shared`, the logits of the largest size, captured first (None then: its own logits become `shared`).
-    A graph's output outlives its capture, so the sizes share one logits tensor rather than keep one each."""
+def capture_logits(forward: Callable[[torch.Tensor | None], torch.Tensor], rows: int, pool,
+                   shared: torch.Tensor | None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """A CUDA graph of `forward` (out -> logits [rows, vocab], written into `out` when given) in `pool`, and the
+    tensor its logits land in: the first `rows` rows of `shared`, the logits of the largest size, captured first
+    (None then: its own logits become `shared`). A graph's output outlives its capture, so the sizes share one
+    logits tensor rather than keep one each."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
-        logits = forward()
-        if shared is None:
-            shared = logits
-        else:
-            shared[:logits.shape[0]].copy_(logits)
-    return graph, shared
+        logits = forward(None if shared is None else shared[:rows])
+    return graph, logits if shared is None else shared
 
 
 def capture_sizes(max_size: int) -> list[int]:
@@ -181,11 +178,11 @@ class DecodeGraphs:
         return DraftInputs(field["draft_ids"], field["draft_base"], self._row_index[:size], field["reach"],
                            batch.page_table, self.max_model_len + 2 * k)
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _forward(self, size: int, out: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.model(self._batch(size))
         if self.drafter is not None:  # the draft graph's input: kept alive (its blocks stay out of the pool)
             self._hidden[size] = hidden
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden, out)
 
     def _draft(self, size: int) -> torch.Tensor:
         batch = self._batch(size)
@@ -204,8 +201,9 @@ class DecodeGraphs:
         before = torch.cuda.memory_reserved(self.device)
         shared = None
         for size in reversed(self.sizes):
-            self._graphs[size], shared = capture_logits(functools.partial(self._forward, size), pool, shared)
-            self._logits[size] = shared[:size * self.row_tokens]
+            rows = size * self.row_tokens
+            self._graphs[size], shared = capture_logits(functools.partial(self._forward, size), rows, pool, shared)
+            self._logits[size] = shared[:rows]
             if self.drafter is not None:  # reads the forward graph's hidden states, kept alive in self._hidden
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):

@@ -187,10 +187,10 @@ class PrefillGraphs:
             window_page_table=window.pages.index_select(0, rows) if window is not None else None,
             window_slot_mapping=inputs["window_slot_mapping"][:size] if window is not None else None)
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _forward(self, size: int, out: torch.Tensor | None = None) -> torch.Tensor:
         batch = self._batch(size)
         hidden = self.model(batch)
-        return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+        return self.model.compute_logits(hidden.index_select(0, batch.logits_indices), out)
 
     def _capture(self, pool) -> None:
         page = self.page_size
@@ -205,7 +205,8 @@ class PrefillGraphs:
         before = torch.cuda.memory_reserved(self.device)
         shared = None
         for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its blocks
-            self._graphs[size], shared = capture_logits(functools.partial(self._forward, size), pool, shared)
+            self._graphs[size], shared = capture_logits(functools.partial(self._forward, size), self.max_rows, pool,
+                                                        shared)
             self._logits[size] = shared  # max_rows rows at every size
         torch.cuda.synchronize(self.device)
         self.memory_bytes = torch.cuda.memory_reserved(self.device) - before
