@@ -15,6 +15,7 @@ from itertools import accumulate, chain
 import torch
 
 from hybridserve.core.chunk import ScheduledChunk
+from hybridserve.core.upload import upload
 
 
 @dataclass
@@ -346,13 +347,28 @@ def future_inputs(chunks: list[ScheduledChunk], starts: list[int]) -> tuple[list
     return rows, sources
 
 
-def resolve_future_inputs(input_ids: torch.Tensor, rows: torch.Tensor, sources: torch.Tensor,
-                          previous: torch.Tensor | None) -> None:
-    """Write the previous step's drawn tokens into the input rows that wait for them (device to device)."""
-    if rows.numel():
-        if previous is None:
-            raise RuntimeError("a chunk waits for a token of a step that drew nothing")
-        input_ids.index_copy_(0, rows, previous.index_select(0, sources))
+def resolve_future_inputs(input_ids: torch.Tensor, rows: list[int], sources: list[int],
+                          previous: torch.Tensor | None,
+                          index: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Write the previous step's drawn tokens into the input rows that wait for them (device to device): one copy
+    where the rows and their sources are both runs of consecutive indices (a decode step whose rows drew in the same
+    order the step before: the steady state), else a gather through `index`, (rows, sources) on the device (uploaded
+    here when None)."""
+    if not rows:
+        return
+    if previous is None:
+        raise RuntimeError("a chunk waits for a token of a step that drew nothing")
+    count = len(rows)
+    if _consecutive(rows) and _consecutive(sources):
+        input_ids[rows[0]:rows[0] + count].copy_(previous[sources[0]:sources[0] + count])
+        return
+    if index is None:
+        index = upload([rows, sources], input_ids.device, torch.long)
+    input_ids.index_copy_(0, index[0], previous.index_select(0, index[1]))
+
+
+def _consecutive(values: list[int]) -> bool:
+    return values == list(range(values[0], values[0] + len(values)))
 
 
 def build_forward_batch(chunks: list[ScheduledChunk], page_size: int, device: torch.device,
@@ -430,7 +446,8 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_size: int, device: to
         pack.add("final_index", final_index)
     t = pack.upload(device)
     if future_rows:
-        resolve_future_inputs(t["input_ids"], t["future_rows"], t["future_sources"], previous_draws)
+        resolve_future_inputs(t["input_ids"], future_rows, future_sources, previous_draws,
+                              (t["future_rows"], t["future_sources"]))
     if tables is not None:
         tables.apply(t)
         page_table = tables.full.pages[:, :width].index_select(0, t["table_rows"])

@@ -47,7 +47,6 @@ from hybridserve.core.batch import (
 )
 from hybridserve.core.chunk import ScheduledChunk
 from hybridserve.core.staging import StagingBuffers
-from hybridserve.core.upload import upload
 from hybridserve.models.base import CausalLM
 from hybridserve.runtime.warmup import DUMMY_PAGE, DUMMY_SLOT
 from hybridserve.spec.mtp import DraftInputs, MtpDrafter
@@ -264,9 +263,7 @@ class DecodeGraphs:
         self._fill(chunks, size)
         self._size = size
         rows, sources = future_inputs(chunks, list(range(0, len(chunks) * self.row_tokens, self.row_tokens)))
-        if rows:
-            index = upload([rows, sources], self.device, torch.long)
-            resolve_future_inputs(self._token_values[0], index[0], index[1], previous_draws)
+        resolve_future_inputs(self._token_values[0], rows, sources, previous_draws)
         used = len(chunks) * self.row_tokens
         if not self._graphs:
             return self._forward(size)[:used]

@@ -256,9 +256,7 @@ class PrefillGraphs:
         if size is None:
             raise ValueError(f"{tokens} tokens exceed the largest prefill graph's {self.sizes[-1]}")
         rows, sources = future_inputs(chunks, self._fill(chunks, size))
-        if rows:
-            index = upload([rows, sources], self.device, torch.long)
-            resolve_future_inputs(self._inputs["input_ids"], index[0], index[1], previous_draws)
+        resolve_future_inputs(self._inputs["input_ids"], rows, sources, previous_draws)
         wanted = sum(len(chunk.logits_offsets) for chunk in chunks)
         if not self._graphs:
             return self._forward(size)[:wanted]
