@@ -46,13 +46,16 @@ def test_smoke_run_on_cpu_writes_the_results(tmp_path, model_type):
 
 def test_decode_scenarios_report_their_first_tokens_and_the_rate_after_them(tmp_path):
     """smoke (two requests of 4 tokens each, as b1's one of 128): their first tokens timed alone, and the rate of
-    the tokens after them beside the floor; the prefill scenario (one token a request) reports neither."""
+    the 2 x 3 tokens after them, over the call's time less theirs (none where timing noise made them as long); the
+    prefill scenario (one token a request) reports neither."""
     out = tmp_path / "result.json"
     subprocess.run([*THROUGHPUT, "--device", "cpu", "--width", "demo", "--layers", "2", "--load-format", "dummy",
                     "--scenarios", "smoke", "prefill", "--skip-hf", "--repeats", "1", "--dtype", "float32",
                     "--out", str(out)], check=True, timeout=240, capture_output=True, cwd=ROOT)
     smoke, prefill = (json.loads(out.read_text())["scenarios"][name] for name in ("smoke", "prefill"))
-    assert smoke["ours_first_token_ms"] > 0 and smoke["ours_decode_tok_s"] > 0 and smoke["floor_tok_s"] > 0
+    assert smoke["ours_first_token_ms"] > 0 and smoke["floor_tok_s"] > 0
+    rest = 2 * 4 / smoke["ours_tok_s"] - smoke["ours_first_token_ms"] / 1e3
+    assert smoke["ours_decode_tok_s"] == (pytest.approx(2 * 3 / rest) if rest > 0 else None)
     assert "ours_decode_tok_s" not in prefill and "ours_first_token_ms" not in prefill
 
 
