@@ -4,7 +4,8 @@ Scenarios (`--scenarios`, run in order on the same model; throughput = requested
 generate() call, prefill included, after a warm-up; ours: the median of `--repeats` such calls (default 5; a 128-step
 batch-1 run varied by +-7% from call to call on the H200), every call's rate in the JSON; temperature 0.6,
 ignore_eos; a decode scenario whose requests all ask for the same number of tokens also times their first tokens
-alone, `--repeats` times, and reports the rate of the tokens after them, which is what the decode floor bounds):
+alone, `--repeats` times after an untimed call, and reports the rate of the tokens after them, which is what the
+decode floor bounds):
   b1       1 request, prompt 512, 128 new tokens (batch-1 decode)
   b16      16 requests, prompts uniform in [100, 512], 128 new tokens
   b64      64 requests, prompts uniform in [100, 512], 128 new tokens
