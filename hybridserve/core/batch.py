@@ -359,7 +359,7 @@ def resolve_future_inputs(input_ids: torch.Tensor, rows: list[int], sources: lis
     if previous is None:
         raise RuntimeError("a chunk waits for a token of a step that drew nothing")
     count = len(rows)
-    if _consecutive(rows) and _consecutive(sources):
+    if is_run(rows) and is_run(sources):
         input_ids[rows[0]:rows[0] + count].copy_(previous[sources[0]:sources[0] + count])
         return
     if index is None:
@@ -367,7 +367,8 @@ def resolve_future_inputs(input_ids: torch.Tensor, rows: list[int], sources: lis
     input_ids.index_copy_(0, index[0], previous.index_select(0, index[1]))
 
 
-def _consecutive(values: list[int]) -> bool:
+def is_run(values: list[int]) -> bool:
+    """Whether non-empty `values` are consecutive ascending indices: a slice then stands for an index tensor."""
     return values == list(range(values[0], values[0] + len(values)))
 
 

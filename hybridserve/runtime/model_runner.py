@@ -12,7 +12,7 @@ from hybridserve.cache.memory import MemoryPlan, plan_memory
 from hybridserve.cache.state_pool import StatePool
 from hybridserve.checkpoint import read_config
 from hybridserve.config import EngineConfig
-from hybridserve.core.batch import ForwardBatch, PageTables, build_forward_batch
+from hybridserve.core.batch import ForwardBatch, PageTables, build_forward_batch, is_run
 from hybridserve.core.chunk import ScheduledChunk
 from hybridserve.core.parallel import tp_rank
 from hybridserve.core.step import CacheOps, ChunkResult, SamplingRow, StepPlan
@@ -444,8 +444,7 @@ class ModelRunner:
         (draws depend only on their own row, so they are the same either way)."""
         def draw(entries: list[ChunkDraws], entry_mask: TokenMask | None) -> list[Draws]:
             draw_rows = [row for entry in entries for row in entry.logits_rows]
-            contiguous = draw_rows == list(range(draw_rows[0], draw_rows[0] + len(draw_rows)))
-            picked = logits[draw_rows[0]:draw_rows[0] + len(draw_rows)] if contiguous else \
+            picked = logits[draw_rows[0]:draw_rows[0] + len(draw_rows)] if is_run(draw_rows) else \
                 logits[upload(draw_rows, logits.device, torch.long)]
             return self.sampler.draw(picked, [r for entry in entries for r in entry.rows], entry_mask)
 
