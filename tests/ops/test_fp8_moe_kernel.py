@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from tests.ops.conftest import DEVICE, KERNEL_DTYPES, ON_GPU
 from tests.ops.fp8_cases import BLOCK, MANTISSA_BITS, SCHEMES, gemm_config, nan_padded
@@ -33,7 +35,7 @@ from hybridserve.core.quant import FP8_DTYPE, WEIGHT_ONLY_MAX_PAIRS, Fp8Scales, 
 from hybridserve.ops import backends
 from hybridserve.ops import moe as moe_op
 from hybridserve.ops.reference import fp8 as reference
-from hybridserve.ops.triton import fp8_moe, moe_gemv
+from hybridserve.ops.triton import fp8_moe, gemv, moe_gemv, pdl
 from hybridserve.ops.triton.gemv import Tiles
 
 X_SCALE = 2.0 ** -4  # every dynamic scale of lattice x (448 * 2^-4 on each group's first column), and the static one
@@ -228,6 +230,23 @@ def test_skip_rows_are_exact_zeros(form: str) -> None:
         got = _run(form, x, w13p, w2p, ids, weights, _scales(s13p, s2p, scheme), reduce, (None, None))
         assert not got[skip].any() and not got.isnan().any()
     _check_lattice(form, x[~skip], w13, s13, w2, s2, ids[~skip], weights[~skip], scheme, (None, None))
+
+
+@triton.jit
+def _no_wait(USE_PDL: tl.constexpr):
+    pass
+
+
+@pytest.mark.skipif(ON_GPU, reason="on the GPU test_skip_rows_are_exact_zeros runs this form (PDL is on there)")
+def test_gemv_skip_rows_read_nothing_in_the_pdl_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    """test_skip_rows_are_exact_zeros through the down launch's PDL form, which the GPU runs and the interpreter
+    otherwise never does: one choice a token, the weights loaded before the wait, so a skip pair masks its loads
+    (weights, block scales, act) instead of branching around them. Here with the wait a no-op (the interpreter has
+    no griddepcontrol)."""
+    monkeypatch.setattr(pdl, "launch", lambda device: {"USE_PDL": True})
+    monkeypatch.setattr(gemv, "wait_for_previous", _no_wait)
+    monkeypatch.setattr(moe_gemv, "wait_for_previous", _no_wait)
+    test_skip_rows_are_exact_zeros("gemv")
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)

@@ -94,6 +94,7 @@ def min_chunk(fp8: Fp8Scales | None) -> int:
 
 X_SHIFT = tl.constexpr(2.0 ** 64)  # x's factor on the word path (its words widen to 2^-120 of their value)
 SUM_SHIFT = tl.constexpr(2.0 ** 56)  # the sum's, with the scales: X_SHIFT * SUM_SHIFT = 2^120
+NO_ROW = tl.constexpr(2 ** 31 - 1)  # `_block_scales`' lowest kept row where none is kept
 
 
 @triton.jit
@@ -173,14 +174,20 @@ def _chunk_offsets(k0, SUB: tl.constexpr, LANES: tl.constexpr, WORDS: tl.constex
 def _block_scales(ws_ptr, rows, row_ok, stride_ws, kb, k_ok, ROW_BLOCKS: tl.constexpr):
     """The 128x128 block scales of `rows` at K block `kb`: one scalar for rows of one row block (ROW_BLOCKS 1),
     else [BN, 1]. Rows of one or two blocks load one scale each instead of a scale a row: the block indices of the
-    lowest and highest row are loop invariants, so the loop keeps only those one or two loads."""
+    lowest and highest row `row_ok` keeps are loop invariants, so the loop keeps only those one or two loads; none
+    where it keeps no row (the experts' dead pair, `moe_gemv._weighted_down`, masks its loads off: its expert's
+    scales are not read, as its weights are not; 0 * a NaN scale would be NaN)."""
     if ROW_BLOCKS == 0:
         scale = tl.load(ws_ptr + (rows // JIT_SCALE_BLOCK) * stride_ws + kb, mask=row_ok & k_ok, other=0.0)[:, None]
     else:
-        low = tl.min(rows) // JIT_SCALE_BLOCK
-        scale = tl.load(ws_ptr + low * stride_ws + kb, mask=k_ok, other=0.0)
+        first = tl.min(tl.where(row_ok, rows, NO_ROW))
+        some = first != NO_ROW
+        kept = tl.where(some, k_ok, False)  # (tl.where, not &: the interpreter cannot AND a mask with a scalar)
+        low = tl.where(some, first, 0) // JIT_SCALE_BLOCK
+        scale = tl.load(ws_ptr + low * stride_ws + kb, mask=kept, other=0.0)
         if ROW_BLOCKS == 2:
-            high = tl.load(ws_ptr + (tl.max(rows) // JIT_SCALE_BLOCK) * stride_ws + kb, mask=k_ok, other=0.0)
+            high = tl.max(tl.where(row_ok, rows, 0)) // JIT_SCALE_BLOCK
+            high = tl.load(ws_ptr + high * stride_ws + kb, mask=kept, other=0.0)
             scale = tl.where(rows // JIT_SCALE_BLOCK == low, scale, high)[:, None]
     return scale
 
