@@ -2,7 +2,7 @@
 
 Both forms are checked: the fused decode form (three launches, the last program of a token block selecting) at token
 counts around its tile buckets, and the 3xTF32 GEMM prefill form above FUSED_MAX_TOKENS in several of its tile
-shapes (the interpreter multiplies in fp32: 3xTF32's accuracy is checked on the GPU,
+shapes and with K split (the interpreter multiplies in fp32: 3xTF32's accuracy is checked on the GPU,
 tests/gpu/test_zaya_kernels_gpu.py). The carry and the probabilities are fp32 arithmetic in another summation order
 (and FMA contractions): 1e-5 relative and absolute on values of unit scale. The choice is discrete: it must equal
 the reference's wherever the reference's best and second-best p + bias differ by more than 1e-5 (every other
@@ -223,6 +223,29 @@ def test_prefill_form_matches_reference(tokens, programs, tile_rows, with_carry,
     with mock.patch.object(kernel, "fused_route", side_effect=AssertionError("the decode form ran")):
         got, want = run_both(args)
     check_routing(got, want, biased_probs(args, want.carry))
+
+
+@pytest.mark.parametrize("with_carry", [True, False])
+def test_prefill_form_splits_k(with_carry, monkeypatch):
+    """K cut into splits, a chunk each (the down-projection's 72 columns in 3, fc1's and fc2's 40 in 2, each last
+    split partial), their partial products summed by the second launch (the GELU after the sum)."""
+    monkeypatch.setattr(kernel, "SPLIT_CHUNKS", 1)
+    tokens = kernel.FUSED_MAX_TOKENS + 1
+    assert (kernel.gemm_splits(tokens, 40, 72), kernel.gemm_splits(tokens, 40, 40)) == (3, 2)
+    args = router_inputs(tokens, 72, 40, 6, 0.15, seed=3, device="cpu")
+    if not with_carry:
+        args["carry"] = None
+    with mock.patch.object(kernel, "fused_route", side_effect=AssertionError("the decode form ran")):
+        got, want = run_both(args)
+    check_routing(got, want, biased_probs(args, want.carry))
+
+
+def test_prefill_splits_and_selection_tiles_at_zaya1_8b_widths():
+    """A 512-token prompt: the down-projection's 2048 columns in 4 splits of 16 chunks (fc1 and fc2, 256 columns,
+    none), the selection 4 tokens a program; no splits above SPLIT_MAX_TOKENS, 16 tokens a program at 8192."""
+    assert [kernel.gemm_splits(512, 256, k) for k in (2048, 256)] == [4, 1]
+    assert kernel.gemm_splits(2 * kernel.SPLIT_MAX_TOKENS, 256, 2048) == 1
+    assert (kernel.select_tokens(512), kernel.select_tokens(8192)) == (4, 16)
 
 
 @pytest.mark.parametrize("route", ["fused_route", "gemm_route"])

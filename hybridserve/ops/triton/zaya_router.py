@@ -35,9 +35,10 @@ form runs them on the tensor cores in 3xTF32 (`_gemm_kernel`, tl.dot's input_pre
 operand is split into a TF32 part and a TF32 remainder, and the three products that matter are summed in fp32;
 the dropped remainder x remainder term is about 2^-22 of each product, the size of fp32's own rounding, so the
 result keeps fp32 accuracy (tests: 1e-5 at ZAYA1-8B widths on the GPU) where one TF32 pass (2^-11) would not.
-Tiles are chosen per token-count bucket to fill the SMs. Around the GEMMs one ops.norm kernel adds the carry and
-normalises, the GELUs ride in the GEMMs' epilogues, and `_select_kernel` selects: five launches where the torch
-reference takes about fifteen. The switch between the forms depends only on the host-known token count.
+Tiles are chosen per token-count bucket to fill the SMs; at a few hundred tokens (one wave of the smallest tiles)
+a GEMM with a long K is cut into K splits that a second launch sums (`gemm_splits`). Around the GEMMs one ops.norm
+kernel adds the carry and normalises, the GELUs ride in the GEMMs' epilogues (or the sum's), and `_select_kernel`
+selects: five or six launches where the torch reference takes about fifteen. The switch between the forms depends only on the host-known token count.
 
 Numerics are fp32 end to end (a top-1 choice flips on a near-tie, and a flip changes a token by a whole expert);
 only summation orders (and, in the prefill form, 3xTF32's remainder rounding) differ from the reference.
@@ -65,9 +66,15 @@ PROGRAMS = 128  # programs per fused launch to aim for: about one per SM of an H
 TILE_ELEMENTS = 8192  # a program's [tokens, columns, K chunk] product tile: 64 fp32 registers a thread at 4 warps
 WARPS = 4
 PIPELINE_STAGES = 6  # K chunks in flight (cp.async) per program when its loop has several: latency, not FLOPs
-SELECT_TOKENS = 16  # tokens per program of the prefill form's selection
+SELECT_TOKENS = 16  # tokens per program of the prefill form's selection at most (fewer where PROGRAMS need them)
 GEMM_BK = 32  # K chunk of the prefill form's GEMM tiles (fp32: [128, 32] + [32, 128] is 32 KB a stage)
 GEMM_STAGES = 3
+# The prefill form's K splits (`gemm_splits`): up to this many tokens, into about SPLIT_WAVES x PROGRAMS programs,
+# each at least SPLIT_CHUNKS chunks of K.
+SPLIT_MAX_TOKENS = 1024
+SPLIT_WAVES = 4
+SPLIT_CHUNKS = 16
+SUM_BLOCK = 1024  # elements a program of the split sum adds
 # `deferred_choice`'s fixed point: the exponentials (at most 1 each) times 2^57, so that a sum of up to 32 classes
 # (2^62 at most) fits an int64; a part below 2^-57 of the largest is dropped, far below fp32's 2^-24 of the sum.
 FIXED_POINT = tl.constexpr(2.0 ** 57)
@@ -311,23 +318,47 @@ def _normed_down_kernel(u_ptr, u_s0, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, K: tl.constexpr, N: tl.constexpr, BM: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, GELU: tl.constexpr):
+                 BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, GELU: tl.constexpr,
+                 SPLIT_K: tl.constexpr):
     """out[rows, cols] = act(x[rows] @ w[cols]^T + b[cols]) for this program's BM x BN tile, x [num_tokens, K] and
-    w [N, K] fp32 row-major; the product in 3xTF32 on the tensor cores (module docstring)."""
+    w [N, K] fp32 row-major; the product in 3xTF32 on the tensor cores (module docstring). With SPLIT_K < K this
+    program takes K columns [split * SPLIT_K, (split + 1) * SPLIT_K) (split: program_id 2) and stores its partial
+    product, without bias or activation, into out [splits, num_tokens, N] for `_split_sum_kernel`."""
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
     row_ok, col_ok = rows < num_tokens, cols < N
+    mask = row_ok[:, None] & col_ok[None, :]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+    k_lo = tl.program_id(2) * SPLIT_K  # SPLIT_K is a multiple of BK: no chunk crosses into the next split
+    for k0 in tl.range(k_lo, k_lo + SPLIT_K, BK, num_stages=STAGES):
         k = k0 + tl.arange(0, BK)
         k_ok = k < K
         x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + cols[None, :] * K + k[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc = tl.dot(x, w, acc, input_precision="tf32x3")
-    acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    if SPLIT_K < K:
+        part = tl.program_id(2).to(tl.int64) * num_tokens + rows
+        tl.store(out_ptr + part[:, None] * N + cols[None, :], acc, mask=mask)
+    else:
+        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0)[None, :]
+        if GELU:
+            acc = _gelu(acc)
+        tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc, mask=mask)
+
+
+@triton.jit(do_not_specialize=["elements"])
+def _split_sum_kernel(part_ptr, b_ptr, out_ptr, elements, N: tl.constexpr, SPLITS: tl.constexpr,
+                      BLOCK: tl.constexpr, GELU: tl.constexpr):
+    """out = act(sum of the SPLITS partial products in split order + b), `elements` = tokens x N of each."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offsets < elements
+    acc = tl.load(part_ptr + offsets, mask=ok, other=0.0)
+    for split in tl.static_range(1, SPLITS):
+        acc += tl.load(part_ptr + split * elements + offsets, mask=ok, other=0.0)
+    acc += tl.load(b_ptr + offsets % N, mask=ok, other=0.0)
     if GELU:
         acc = _gelu(acc)
-    tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(out_ptr + offsets, acc, mask=ok)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -514,13 +545,45 @@ def gemm_tiles(tokens: int, n: int) -> tuple[int, int]:
     return bm, bn
 
 
+def gemm_splits(tokens: int, n: int, k: int) -> int:
+    """K splits of the prefill form's GEMM (1: none). A program's K loop is a chain of dependent tensor-core
+    products (3xTF32: three a chunk); at a few hundred tokens the tiles are at their smallest and there is one wave
+    of programs, so that chain is the GEMM's time (the down-projection at 512 tokens, 64 chunks a program: 33 us a
+    layer on an H100, against 6 for fc1's and fc2's 8). Up to SPLIT_MAX_TOKENS tokens K is cut into splits of at
+    least SPLIT_CHUNKS chunks, for about SPLIT_WAVES x PROGRAMS programs; `_split_sum_kernel` then sums them."""
+    if next_power_of_2(tokens) > SPLIT_MAX_TOKENS:
+        return 1
+    bm, bn = gemm_tiles(tokens, n)
+    programs = cdiv(next_power_of_2(tokens), bm) * cdiv(n, bn)
+    return max(1, min(cdiv(k, _gemm_bk(k)) // SPLIT_CHUNKS, SPLIT_WAVES * PROGRAMS // programs))
+
+
+def _gemm_bk(k: int) -> int:
+    return min(GEMM_BK, next_power_of_2(k))
+
+
 def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out: torch.Tensor, gelu: bool) -> None:
     tokens, k = x.shape
     n = weight.shape[0]
     bm, bn = gemm_tiles(tokens, n)
-    _gemm_kernel[(cdiv(n, bn), cdiv(tokens, bm))](
-        x, weight, bias, out, tokens, K=k, N=n, BM=bm, BN=bn, BK=min(GEMM_BK, next_power_of_2(k)),
-        STAGES=GEMM_STAGES, GELU=gelu, num_warps=8 if bm * bn >= 128 * 64 else 4)
+    bk = _gemm_bk(k)
+    splits = gemm_splits(tokens, n, k)
+    split_k = cdiv(cdiv(k, bk), splits) * bk
+    splits = cdiv(k, split_k)  # (rounding up to whole chunks may leave fewer)
+    part = out if splits == 1 else torch.empty(splits, tokens, n, device=x.device, dtype=torch.float32)
+    _gemm_kernel[(cdiv(n, bn), cdiv(tokens, bm), splits)](
+        x, weight, bias, part, tokens, K=k, N=n, BM=bm, BN=bn, BK=bk, STAGES=GEMM_STAGES, GELU=gelu,
+        SPLIT_K=split_k if splits > 1 else k, num_warps=8 if bm * bn >= 128 * 64 else 4)
+    if splits > 1:
+        elements = tokens * n
+        _split_sum_kernel[(cdiv(elements, SUM_BLOCK),)](part, bias, out, elements, N=n, SPLITS=splits,
+                                                        BLOCK=SUM_BLOCK, GELU=gelu, num_warps=4)
+
+
+def select_tokens(tokens: int) -> int:
+    """Tokens per program of the prefill form's selection: SELECT_TOKENS, fewer where that leaves fewer than
+    PROGRAMS programs (512 tokens: 4 a program, 128 programs; 16 a program took 10.6 us a layer on an H100)."""
+    return max(1, min(SELECT_TOKENS, next_power_of_2(tokens) // PROGRAMS))
 
 
 def gemm_route(x32, down_weight, down_bias, carry, states_scale, norm_weight, eps, fc1_weight, fc1_bias, fc2_weight,
@@ -538,7 +601,8 @@ def gemm_route(x32, down_weight, down_bias, carry, states_scale, norm_weight, ep
     _gemm(normed, fc1_weight, fc1_bias, u1, gelu=True)
     _gemm(u1, fc2_weight, fc2_bias, u2, gelu=True)
     bc = next_power_of_2(classes)
-    _select_kernel[(cdiv(tokens, SELECT_TOKENS),)](
+    bt = select_tokens(tokens)
+    _select_kernel[(cdiv(tokens, bt),)](
         u2, out_weight, balancing_biases, choice, weight, ids, expert_w, skip_w, tokens, K=width, CLASSES=classes,
-        BT=SELECT_TOKENS, BC=bc, BK=_chunk(SELECT_TOKENS, bc, width), num_warps=4)
+        BT=bt, BC=bc, BK=_chunk(bt, bc, width), num_warps=4)
     return Routing(choice, weight, ids, expert_w, skip_w, new_carry)
