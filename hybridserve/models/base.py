@@ -44,6 +44,10 @@ class CausalLM(Protocol):
     def checkpoint_target(self, name: str) -> tuple[str, Hashable | None] | None:
         """The parameter (and shard) a checkpoint tensor fills; None for tensors deliberately not loaded."""
 
+    def prepare_kernels(self) -> None:
+        """Once the weights are in (loaded or random), derive what the selected kernels read besides them; before
+        the memory plan, so that it counts them."""
+
 
 class DraftModel(CausalLM, Protocol):
     """A CausalLM with a multi-token-prediction layer (Ling's MTP): what spec/mtp.py's drafter runs."""

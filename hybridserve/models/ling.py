@@ -343,6 +343,9 @@ class LingForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.lm_head(hidden, out)
 
+    def prepare_kernels(self) -> None:
+        """Nothing to derive: Ling's kernels read its weights as loaded."""
+
     # --- checkpoint names --------------------------------------------------------------------------------
     def checkpoint_target(self, name: str) -> tuple[str, Hashable | None] | None:
         """Parameter (and shard) a checkpoint tensor fills; None for tensors that are deliberately not loaded."""

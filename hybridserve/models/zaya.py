@@ -35,7 +35,7 @@ from hybridserve.ops.attention import paged_attention
 from hybridserve.ops.conv import cca_conv_to_cache
 from hybridserve.ops.norm import PendingNorm, ResidualNorm, residual_rms_norm
 from hybridserve.ops.qk_cache import QKCache
-from hybridserve.ops.zaya_router import Routing, eda_route, fuses_residual_norm, residual_norm_route
+from hybridserve.ops.zaya_router import Routing, decode_fold, eda_route, fuses_residual_norm, residual_norm_route
 
 
 def _head_rows(q_heads: int, k_heads: int, head_dim: int) -> torch.Tensor:
@@ -190,6 +190,13 @@ class EDARouter(nn.Module):
         self.router_mlp = RouterMLP(width, config.num_experts + 1, config.rms_norm_eps)
         # Selection-only bias from training's load balancer.
         self.balancing_biases = new_parameter(config.num_experts + 1, dtype=torch.float32)
+        self.folded_fc1 = None  # `prepare_kernels`: fc1 folded into the down-projection for the decode kernels
+
+    def prepare_kernels(self) -> None:
+        """Fold fc1 into the down-projection (`ops.zaya_router.decode_fold`) from the loaded weights."""
+        mlp = self.router_mlp
+        self.folded_fc1 = decode_fold(self.down_proj.weight, self.down_proj.bias, self.router_states_scale,
+                                      mlp.norm.weight, mlp.fc1.weight)
 
     def forward(self, x32: torch.Tensor, carry: torch.Tensor | None) -> Routing:
         """x32: the normed MoE input in fp32 (the down-projection is part of the op, so its kernels fuse it)."""
@@ -206,7 +213,7 @@ class EDARouter(nn.Module):
         """-> (`norm`'s (x, h) of `update`, the routing of h): `forward` on the norm's output. `defer_selection`:
         the class selection is left to the experts' launches (`Routing.selection`)."""
         return residual_norm_route(update, norm, *self._parameters_after_input(carry),
-                                   defer_selection=defer_selection)
+                                   defer_selection=defer_selection, folded=self.folded_fc1)
 
     def _parameters_after_input(self, carry: torch.Tensor | None) -> tuple:
         mlp = self.router_mlp
@@ -382,6 +389,11 @@ class ZayaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.lm_head(hidden, out)
+
+    def prepare_kernels(self) -> None:
+        """Each router's fc1 folded into its down-projection for the decode kernels (`EDARouter.prepare_kernels`)."""
+        for layer in self.model.layers:
+            layer.mlp.gate.prepare_kernels()
 
     # --- checkpoint names --------------------------------------------------------------------------------
     def checkpoint_target(self, name: str) -> tuple[str, Hashable | None] | None:

@@ -67,6 +67,7 @@ def build_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
         load_weights(model, model_dir, progress, quant)
         logger.info("loaded %s weights from %s in %.1f s", type(model).__name__, model_dir, time.monotonic() - start)
     logger.info("weights: %s", describe_weights(model, quant))
+    model.prepare_kernels()
     return model.eval(), config
 
 

@@ -110,6 +110,31 @@ def test_router_at_zaya1_8b_widths(tokens):
     check_routing(got, want, biased_probs(args, want.carry))
 
 
+@pytest.mark.parametrize("deferred", [False, True])
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_router_with_fc1_folded_at_zaya1_8b_widths(tokens, deferred):
+    """The decode steps' router: the residual norm and fc1 (folded, `FoldedFc1`) in launch 1, two launches, the
+    routing within 1e-5 of the reference's on the norm's output; deferred, its partial class logits sum to the
+    logits of that routing's probabilities (their softmax)."""
+    from hybridserve.ops.residual_norm_args import ResidualNormArgs
+    args = router_inputs(tokens, HIDDEN, ROUTER, EXPERTS, skip_bias=0.05, seed=tokens, device="cpu")
+    update = args.pop("x32").bfloat16()
+    fold = router_reference.fold_fc1(args["down_weight"], args["down_bias"], args["states_scale"],
+                                     args["norm_weight"], args["fc1_weight"])
+    norm_weight = torch.ones(HIDDEN)
+    cuda = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    (_, h), got = zaya_router.normed_route(update.cuda(), ResidualNormArgs(norm_weight.cuda(), 1e-5), **cuda,
+                                           defer_selection=deferred,
+                                           folded=router_reference.FoldedFc1(*(t.cuda() for t in fold)))
+    want = router_reference.eda_route(h.float().cpu(), **args)
+    if not deferred:
+        check_routing(got, want, biased_probs(args, want.carry))
+        return
+    assert torch.allclose(got.carry.cpu(), want.carry, rtol=1e-5, atol=1e-5)
+    probs = torch.softmax(got.selection.partials.sum(1)[:, :EXPERTS + 1].cpu(), dim=-1)
+    assert torch.allclose(probs, biased_probs(args, want.carry) - args["balancing_biases"], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("tokens", [1, 64, 256])
 def test_router_replays_from_a_cuda_graph(tokens):
     """The fused form captured once and replayed on new inputs equals eager calls bit for bit: the arrival counters

@@ -34,6 +34,7 @@ CONFIG = {"model_type": "zaya", "architectures": ["ZayaForCausalLM"], "vocab_siz
 def _harness(directory, kernels: bool) -> tuple[CacheHarness, StatePool]:
     model, _ = build_model(directory, torch.float32, torch.device("cpu"), {"mod_skip_mode": "scaled_identity"})
     with _kernels(kernels):
+        model.prepare_kernels()  # with the kernels: each router's fc1 folded into its first launch
         harness = CacheHarness(model, page_size=4)
     footers = StatePool(model.state_spec(torch.float32), 64, torch.device("cpu"))
     layers = range(len(model.model.layers))
@@ -88,6 +89,8 @@ def test_model_on_kernels_equals_model_on_references(tmp_path, monkeypatch, norm
         assert not kernels or all(call.kwargs.get("to_cache") is not None for call in spies[0].call_args_list)
         experts_calls = spies[-2].call_args_list
         assert not kernels or all(call.kwargs.get("norm") is not None for call in experts_calls)
+        # the routers' first launches compute fc1 too where they run the norm
+        assert all(call.kwargs["folded"] is not None for call in spies[2].call_args_list if norm_in_router)
         # with the norm in the router, its decode step's selection is left to the GEMV experts' launches
         deferred = [call.kwargs.get("selection") is not None for call in experts_calls]
         assert deferred == [norm_in_router] * len(deferred)

@@ -107,11 +107,19 @@ def test_fused_form_matches_reference(tokens, with_carry, hidden, width, experts
         assert (want.expert_ids[skip] == 0).all() and (want.expert_weights[skip] == 0).all()
 
 
+def folded_fc1(args: dict) -> reference.FoldedFc1:
+    """`reference.fold_fc1` of router_inputs' weights."""
+    return reference.fold_fc1(args["down_weight"], args["down_bias"], args["states_scale"], args["norm_weight"],
+                              args["fc1_weight"])
+
+
+@pytest.mark.parametrize("folded", [False, True])
 @pytest.mark.parametrize("with_carry", [True, False])
 @pytest.mark.parametrize("tokens, dtype", [(1, torch.float16), (2, torch.float32), (17, torch.float16)])
-def test_norm_in_the_first_launch_equals_the_norm_then_the_router(tokens, dtype, with_carry):
+def test_norm_in_the_first_launch_equals_the_norm_then_the_router(tokens, dtype, with_carry, folded):
     """`normed_route`: ZAYA1's post-attention residual norm as launch 1's prologue gives the norm's x and h (as
-    tests/ops/test_norm_kernel.py bounds them against the reference) and the routing of h."""
+    tests/ops/test_norm_kernel.py bounds them against the reference) and the routing of h; `folded`: with fc1 folded
+    into launch 1 (two launches), the same routing within fp32 rounding."""
     args = router_inputs(tokens, 72, 40, 4, 0.15, seed=tokens, device="cpu")
     del args["x32"]
     if not with_carry:
@@ -121,9 +129,11 @@ def test_norm_in_the_first_launch_equals_the_norm_then_the_router(tokens, dtype,
     want_x, want_h, _ = norm_reference.residual_rms_norm(inputs["update"], inputs["norm_weight"], 1e-5, **norm)
     on_device = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
     assert kernel.takes_residual_norm(tokens, 72, 40)
+    fold = reference.FoldedFc1(*(t.to(DEVICE) for t in folded_fc1(args))) if folded else None
     (x, h), got = kernel.normed_route(
         inputs["update"].to(DEVICE), ResidualNormArgs(inputs["norm_weight"].to(DEVICE), 1e-5, fp32_copy=True,
-                                                      **{k: v.to(DEVICE) for k, v in norm.items()}), **on_device)
+                                                      **{k: v.to(DEVICE) for k, v in norm.items()}), **on_device,
+        folded=fold)
     x, h = x.cpu(), h.cpu()
     assert h.dtype == dtype
     assert_norm_close(x, h, want_x, want_h)
@@ -152,12 +162,14 @@ def test_the_op_off_the_kernels_is_the_norm_then_the_router():
                             defer_selection=True)
 
 
+@pytest.mark.parametrize("folded", [False, True])
 @pytest.mark.parametrize("tokens, skip_bias", [(1, -1.0), (2, -1.0), (2, 1.0), (2, 0.0)])
-def test_a_selection_deferred_to_the_experts_equals_launch_3s(tokens, skip_bias):
+def test_a_selection_deferred_to_the_experts_equals_launch_3s(tokens, skip_bias, folded):
     """`normed_route` with defer_selection, then the GEMV experts with ZAYA1's post-MoE norm: both expert launches
     select from launch 3's partial logits what launch 3's last program selects (the MOD skip included), the gate/up
     launch writes the routing's outputs, and the experts' output and norm equal those of the settled routing.
-    skip_bias 0: every class tied (zero class weights and biases): both take the first, at probability 1/5."""
+    skip_bias 0: every class tied (zero class weights and biases): both take the first, at probability 1/5.
+    `folded`: both routes with fc1 folded into launch 1."""
     from hybridserve.ops.norm import ResidualNorm
     from hybridserve.ops.triton import moe_gemv
     hidden, width, experts, inter = 72, 40, 4, 24
@@ -180,10 +192,11 @@ def test_a_selection_deferred_to_the_experts_equals_launch_3s(tokens, skip_bias)
         return moe_gemv.fused_experts(h, w13, w2, routing.expert_ids, routing.expert_weights, norm=norm,
                                       selection=selection)
 
-    (_, h), settled = kernel.normed_route(inputs["update"].to(DEVICE), attention_norm, **args)
+    fold = folded_fc1(args) if folded else None
+    (_, h), settled = kernel.normed_route(inputs["update"].to(DEVICE), attention_norm, **args, folded=fold)
     want = experts_of(settled, h)
     (_, h_deferred), deferred = kernel.normed_route(inputs["update"].to(DEVICE), attention_norm, **args,
-                                                    defer_selection=True)
+                                                    defer_selection=True, folded=fold)
     assert torch.equal(h_deferred, h)
     assert deferred.selection.partials.shape == (tokens, 10, 8)  # 40 columns in blocks of 4; 5 classes padded
     got = experts_of(deferred, h_deferred, deferred.selection)
@@ -196,6 +209,32 @@ def test_a_selection_deferred_to_the_experts_equals_launch_3s(tokens, skip_bias)
         assert torch.allclose(getattr(deferred, name), getattr(settled, name), rtol=1e-6, atol=1e-7), name
     assert torch.equal(deferred.expert_ids, settled.expert_ids)
     assert_norm_close(got[0].cpu(), got[1].cpu(), want[0].cpu(), want[1].cpu())
+
+
+def test_the_folded_fc1_is_fc1_of_the_normed_down_projection():
+    """fold_fc1: rstd(z) * (weight @ x + bias + carry_weight @ carry) + fc1's bias is fc1(RMSNorm(z)) for z = the
+    down-projection of x plus the carry term (float64 products rounded once: fp32 rounding apart)."""
+    args = router_inputs(3, 72, 40, 4, 0.15, device="cpu")
+    fold = folded_fc1(args)
+    x, carry = args["x32"], args["carry"]
+    z = x @ args["down_weight"].T + args["down_bias"] + carry * args["states_scale"]
+    want = (args["norm_weight"] * norm_reference.rms_normalize(z, 1e-5)) @ args["fc1_weight"].T + args["fc1_bias"]
+    rstd = torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + 1e-5)
+    got = rstd * (x @ fold.weight.T + fold.bias + carry @ fold.carry_weight.T) + args["fc1_bias"]
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert reference.fold_fc1(args["down_weight"], args["down_bias"], None, args["norm_weight"],
+                              args["fc1_weight"]).carry_weight is None
+
+
+def test_a_folded_fc1_of_other_shapes_is_refused():
+    args = router_inputs(1, 72, 40, 4, 0.15, device=DEVICE)
+    update = args.pop("x32")
+    fold = folded_fc1(args)
+    norm = ResidualNormArgs(torch.ones(72, device=DEVICE), 1e-5)
+    with pytest.raises(ValueError, match="carry weight"):
+        kernel.normed_route(update, norm, **args, folded=fold._replace(weight=fold.weight[:, :40].contiguous()))
+    with pytest.raises(ValueError, match="carry weight"):
+        kernel.normed_route(update, norm, **args, folded=fold._replace(carry_weight=None))
 
 
 def test_the_norm_prologue_needs_rows_in_one_chunk():

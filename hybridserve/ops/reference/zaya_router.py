@@ -25,6 +25,25 @@ class DeferredSelection(NamedTuple):
     skip_weight: torch.Tensor
 
 
+class FoldedFc1(NamedTuple):
+    """fc1 folded into the down-projection, for the decode kernels (`ops.triton.zaya_router.normed_route`).
+    fc1(RMSNorm(z)) = rstd(z) * y' + fc1_bias with y' = fc1_weight @ (norm_weight * z), and z is linear in the
+    router's input x and carry c: y' = weight @ x + bias (+ carry_weight @ c). So launch 1 computes y' beside z, and
+    fc2's launch makes fc1's output from them (rstd needs all of z, which only exists after launch 1): a launch
+    fewer, for 2 MB more fp32 weights read a layer at ZAYA1-8B's widths. The products are taken in float64 and
+    rounded once, so y' differs from the unfolded fc1's sums by fp32 rounding only."""
+    weight: torch.Tensor  # [R, H] fp32: fc1_weight @ diag(norm_weight) @ down_weight
+    bias: torch.Tensor  # [R] fp32: fc1_weight @ (norm_weight * down_bias)
+    carry_weight: torch.Tensor | None  # [R, R] fp32: fc1_weight @ diag(norm_weight * states_scale); None without EDA
+
+
+def fold_fc1(down_weight: torch.Tensor, down_bias: torch.Tensor, states_scale: torch.Tensor | None,
+             norm_weight: torch.Tensor, fc1_weight: torch.Tensor) -> FoldedFc1:
+    scaled = fc1_weight.double() * norm_weight.double()[None, :]
+    carry_weight = None if states_scale is None else (scaled * states_scale.double()[None, :]).float()
+    return FoldedFc1((scaled @ down_weight.double()).float(), (scaled @ down_bias.double()).float(), carry_weight)
+
+
 class Routing(NamedTuple):
     choice: torch.Tensor  # [T] int64: the expert, or E for the skip class
     weight: torch.Tensor  # [T, 1] fp32: the (unrenormalised) probability of the choice

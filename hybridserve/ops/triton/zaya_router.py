@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridserve.ops.reference.zaya_router import DeferredSelection, Routing
+from hybridserve.ops.reference.zaya_router import DeferredSelection, FoldedFc1, Routing
 from hybridserve.ops.residual_norm_args import ResidualNormArgs
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.counters import arrival_counters
@@ -90,20 +90,26 @@ def _gelu(x):
 @triton.jit
 def _rows_times_cols(x_ptr, w_ptr, vec_ptr, rows, row_ok, cols, col_ok, K: tl.constexpr, BT: tl.constexpr,
                      BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, X_VEC: tl.constexpr,
-                     X_GELU: tl.constexpr, CACHE: tl.constexpr, WAIT: tl.constexpr = False):
+                     X_GELU: tl.constexpr, CACHE: tl.constexpr, WAIT: tl.constexpr = False, z_ptr=None, eps=0.0,
+                     X_FOLD: tl.constexpr = False):
     """([BT, BN] fp32: sum over k of x'[rows, k] * w[cols, k] (both row-major with K columns), [BT]: sum over k of
     x[rows, k]^2), where x' is x (times vec[k], with X_VEC) (GELU'd, with X_GELU). Products are accumulated per K
     lane, summed once at the end (no shuffles inside the loop); STAGES > 1 pipelines the chunks' loads (cp.async),
     so that more than one chunk is in flight. The squares cost nothing where unused (dead code).
     WAIT: x is the kernel before's output, w no kernel's, so `pdl.wait_for_previous` comes after the weights' loads
     are issued: one chunk (every decode bucket up to a few tokens) is loaded whole into registers, streaming in while
-    the kernel before finishes; a loop has its first bytes asked of L2."""
+    the kernel before finishes; a loop has its first bytes asked of L2.
+    X_FOLD (one chunk): x is fc1's folded product y' of a folded launch 1 (`FoldedFc1`) and z_ptr its z, so
+    x' = GELU(y' * rstd(z) + vec), vec fc1's bias: fc1's output u1 made on the way in."""
+    tl.static_assert(not X_FOLD or BK >= K, "a folded fc1 takes its rows whole: one chunk")
     PRELOAD: tl.constexpr = WAIT and BK >= K
     if PRELOAD:
         first = tl.load(w_ptr + cols[:, None] * K + tl.arange(0, BK)[None, :],
                         mask=col_ok[:, None] & (tl.arange(0, BK) < K)[None, :], other=0.0)
     elif WAIT:
         prefetch_rows(w_ptr, cols, col_ok, K, K)
+    if X_FOLD:  # fc1's bias: a weight, loaded with the weights
+        fold_bias = tl.load(vec_ptr + tl.arange(0, BK), mask=tl.arange(0, BK) < K, other=0.0)
     wait_for_previous(WAIT)
     acc = tl.zeros((BT, BN, BK), dtype=tl.float32)
     squares = tl.zeros((BT, BK), dtype=tl.float32)
@@ -112,6 +118,10 @@ def _rows_times_cols(x_ptr, w_ptr, vec_ptr, rows, row_ok, cols, col_ok, K: tl.co
         k_ok = k < K
         x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
                     cache_modifier=CACHE)
+        if X_FOLD:  # masked lanes: GELU(0 * rstd + 0) = 0
+            z = tl.load(z_ptr + rows[:, None] * K + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
+                        cache_modifier=CACHE)
+            x = _gelu(x * tl.rsqrt(tl.sum(z * z, axis=1) / K + eps)[:, None] + fold_bias[None, :])
         squares += x * x
         if X_VEC:
             x *= tl.load(vec_ptr + k, mask=k_ok, other=0.0)[None, :]
@@ -224,10 +234,11 @@ def _block_output(acc, bias, carry, scale, out_ptr, tile, ok, CARRY: tl.constexp
 def _dense_block(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr, norm_ptr, eps, token_block, col_block,
                  K: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  STAGES: tl.constexpr, CARRY: tl.constexpr, NORM: tl.constexpr, GELU: tl.constexpr,
-                 WAIT: tl.constexpr = False):
+                 WAIT: tl.constexpr = False, z_ptr=None, X_FOLD: tl.constexpr = False):
     """out[rows, cols] = act(x'[rows] @ w[cols]^T + b[cols]) (+ carry[rows, cols] * scale[cols], with CARRY) for
-    BT tokens and BN columns (blocks `token_block`, `col_block`); x' = norm_weight * x * rstd(x) with NORM, act =
-    GELU with GELU. WAIT: the PDL wait comes inside, after the weights' loads (`_rows_times_cols`).
+    BT tokens and BN columns (blocks `token_block`, `col_block`); x' = norm_weight * x * rstd(x) with NORM (or, with
+    X_FOLD, fc1's output from its folded product x and z: `_rows_times_cols`, norm_ptr fc1's bias), act = GELU with
+    GELU. WAIT: the PDL wait comes inside, after the weights' loads (`_rows_times_cols`).
     -> (rows, row_ok, the stored block)."""
     rows = token_block * BT + tl.arange(0, BT)
     row_ok = rows < num_tokens
@@ -237,7 +248,7 @@ def _dense_block(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr,
     ok = row_ok[:, None] & col_ok[None, :]
     bias, carry, scale = _block_inputs(b_ptr, carry_ptr, scale_ptr, tile, ok, cols, col_ok, CARRY)
     acc, squares = _rows_times_cols(x_ptr, w_ptr, norm_ptr, rows, row_ok, cols, col_ok, K, BT, BN, BK, STAGES, NORM,
-                                    False, "", WAIT)
+                                    False, "", WAIT, z_ptr, eps, X_FOLD)
     if NORM:  # rstd after the product: (x * w_norm) @ W^T * rstd = (w_norm * x * rstd) @ W^T
         acc *= tl.rsqrt(squares / K + eps)[:, None]
     return rows, row_ok, _block_output(acc, bias, carry, scale, out_ptr, tile, ok, CARRY, GELU)
@@ -246,11 +257,12 @@ def _dense_block(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr,
 @triton.jit(do_not_specialize=["num_tokens"])  # one variant for every token count of a tile bucket
 def _dense_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr, norm_ptr, eps,
                   counter_ptr, wo_ptr, bias_ptr, choice_ptr, weight_ptr, ids_ptr, expert_w_ptr, skip_w_ptr,
-                  partials_ptr, K: tl.constexpr, N: tl.constexpr, CLASSES: tl.constexpr, BT: tl.constexpr,
+                  partials_ptr, z_ptr, K: tl.constexpr, N: tl.constexpr, CLASSES: tl.constexpr, BT: tl.constexpr,
                   BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, BC: tl.constexpr, BKC: tl.constexpr,
                   CARRY: tl.constexpr, NORM: tl.constexpr, GELU: tl.constexpr, SELECT: tl.constexpr,
-                  DEFER: tl.constexpr, USE_PDL: tl.constexpr):
-    """`_dense_block` of this program's BT tokens and BN columns. With SELECT, the token block's last program to
+                  DEFER: tl.constexpr, X_FOLD: tl.constexpr, USE_PDL: tl.constexpr):
+    """`_dense_block` of this program's BT tokens and BN columns (X_FOLD: fc2 on a folded launch 1's y' and z,
+    z_ptr). With SELECT, the token block's last program to
     finish then selects its classes from the whole out rows; the class weights and balancing biases it reads are
     asked of L2 before the wait, two lines a program (weights last read a step ago: HBM, on the critical path).
     With DEFER instead, each program stores its columns' share of the class logits, [BT, BC] at partials[rows,
@@ -267,7 +279,7 @@ def _dense_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr
                      other=0.0)
     rows, row_ok, out = _dense_block(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr, norm_ptr, eps,
                                      tl.program_id(1), tl.program_id(0), K, N, BT, BN, BK, STAGES, CARRY, NORM,
-                                     GELU, USE_PDL)  # (the PDL wait, after the weights' loads)
+                                     GELU, USE_PDL, z_ptr, X_FOLD)  # (the PDL wait, after the weights' loads)
     if DEFER:
         part = tl.sum(out[:, None, :] * wo[None, :, :], axis=2)  # masked columns: GELU(0) = 0, wo 0
         slots = (rows[:, None] * tl.num_programs(0) + tl.program_id(0)) * BC + c[None, :]
@@ -281,39 +293,73 @@ def _dense_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr, scale_ptr
             tl.store(counter_ptr + tl.program_id(1), 0)
 
 
+@triton.jit
+def _folded_inputs(fb_ptr, fc_ptr, carry_ptr, rows, row_ok, cols, col_ok, N: tl.constexpr, BW: tl.constexpr,
+                   CARRY: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr):
+    """(bias [BN], carry term [BT, BN]) of a block of fc1's folded product y' (`FoldedFc1`): its folded bias and,
+    with CARRY, carry[rows] @ carry_weight[cols]^T, all loaded (and the term summed) before the wait."""
+    bias = tl.load(fb_ptr + cols, mask=col_ok, other=0.0)
+    term = tl.zeros((BT, BN), dtype=tl.float32)
+    if CARRY:
+        j = tl.arange(0, BW)  # the carry's N columns, padded
+        carry = tl.load(carry_ptr + rows[:, None] * N + j[None, :], mask=row_ok[:, None] & (j < N)[None, :],
+                        other=0.0)
+        weight = tl.load(fc_ptr + cols[:, None] * N + j[None, :], mask=col_ok[:, None] & (j < N)[None, :],
+                         other=0.0)
+        term = tl.sum(carry[:, None, :] * weight[None, :, :], axis=2)
+    return bias, term
+
+
 @triton.jit(do_not_specialize=["num_tokens"])
 def _normed_down_kernel(u_ptr, u_s0, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0, nw_ptr,
                         x_out_ptr, h_ptr, h32_ptr, width, eps, w_ptr, b_ptr, out_ptr, num_tokens, carry_ptr,
-                        scale_ptr, K: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
-                        BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_UB: tl.constexpr, HAS_US: tl.constexpr,
-                        HAS_RB: tl.constexpr, HAS_RS: tl.constexpr, HAS_SKIP: tl.constexpr, FP32_COPY: tl.constexpr,
-                        CARRY: tl.constexpr, USE_PDL: tl.constexpr):
+                        scale_ptr, fw_ptr, fb_ptr, fc_ptr, y_ptr, K: tl.constexpr, N: tl.constexpr,
+                        BW: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BLOCK: tl.constexpr,
+                        HAS_RESIDUAL: tl.constexpr, HAS_UB: tl.constexpr, HAS_US: tl.constexpr, HAS_RB: tl.constexpr,
+                        HAS_RS: tl.constexpr, HAS_SKIP: tl.constexpr, FP32_COPY: tl.constexpr, CARRY: tl.constexpr,
+                        FOLD: tl.constexpr, USE_PDL: tl.constexpr):
     """Launch 1 with the residual norm that makes its input as a prologue (`normed_route`): z[rows, cols] = h[rows]
     @ w[cols]^T + b (+ carry * scale), h = the residual norm of the update u (its arguments are `norm.
     residual_norm_row`'s). Every program normalises its BT rows itself (all of K, one chunk: the weight tile is in
-    registers before the wait) and the token block's first column block stores x and h for the launches after."""
+    registers before the wait) and the token block's first column block stores x and h for the launches after.
+    FOLD: as many programs again compute fc1's folded product y'[rows, cols] = h @ fw[cols]^T + fb (+ carry @
+    fc[cols]^T) into y (`FoldedFc1`), so that no launch of its own runs fc1."""
+    Z_BLOCKS: tl.constexpr = (N + BN - 1) // BN
+    block = tl.program_id(0)
     rows = tl.program_id(1) * BT + tl.arange(0, BT)
     row_ok = rows < num_tokens
-    cols = tl.program_id(0) * BN + tl.arange(0, BN)
-    col_ok = cols < N
-    tile = rows[:, None] * N + cols[None, :]
-    ok = row_ok[:, None] & col_ok[None, :]
     k = tl.arange(0, BLOCK)
-    w = tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=col_ok[:, None] & (k < K)[None, :], other=0.0)
-    bias, carry, scale = _block_inputs(b_ptr, carry_ptr, scale_ptr, tile, ok, cols, col_ok, CARRY)
+    if FOLD and block >= Z_BLOCKS:
+        cols = (block - Z_BLOCKS) * BN + tl.arange(0, BN)
+        col_ok = cols < N
+        w = tl.load(fw_ptr + cols[:, None] * K + k[None, :], mask=col_ok[:, None] & (k < K)[None, :], other=0.0)
+        bias, term = _folded_inputs(fb_ptr, fc_ptr, carry_ptr, rows, row_ok, cols, col_ok, N, BW, CARRY, BT, BN)
+        out = y_ptr + rows[:, None] * N + cols[None, :]
+    else:
+        cols = block * BN + tl.arange(0, BN)
+        col_ok = cols < N
+        w = tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=col_ok[:, None] & (k < K)[None, :], other=0.0)
+        tile = rows[:, None] * N + cols[None, :]
+        bias, carry, scale = _block_inputs(b_ptr, carry_ptr, scale_ptr, tile, row_ok[:, None] & col_ok[None, :],
+                                           cols, col_ok, CARRY)
+        term = tl.zeros((BT, BN), dtype=tl.float32)
+        if CARRY:
+            term = carry * scale[None, :]
+        out = out_ptr + tile
     if USE_PDL:  # the norm's vectors and residual rows (weights, and a residual written launches back) into L2
         for t in tl.static_range(BT):
             row = tl.program_id(1) * BT + t
             if row < num_tokens:
-                prefetch_row_inputs(row, tl.program_id(0), r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr,
-                                    sx_ptr, sx_s0, nw_ptr, width, HAS_RESIDUAL, HAS_UB, HAS_US, HAS_RB, HAS_RS,
-                                    HAS_SKIP)
+                prefetch_row_inputs(row, block, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr, rs_ptr, sw_ptr, sx_ptr, sx_s0,
+                                    nw_ptr, width, HAS_RESIDUAL, HAS_UB, HAS_US, HAS_RB, HAS_RS, HAS_SKIP)
     wait_for_previous(USE_PDL)
-    h = residual_norm_rows(rows, row_ok, tl.program_id(0) == 0, u_ptr, u_s0, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr,
+    h = residual_norm_rows(rows, row_ok, block == 0, u_ptr, u_s0, r_ptr, r_s0, ub_ptr, us_ptr, rb_ptr,
                            rs_ptr, sw_ptr, sx_ptr, sx_s0, nw_ptr, x_out_ptr, h_ptr, h32_ptr, width, eps, BLOCK,
                            HAS_RESIDUAL, HAS_UB, HAS_US, HAS_RB, HAS_RS, HAS_SKIP, FP32_COPY, "")
     acc = tl.sum(h[:, None, :] * w[None, :, :], axis=2)  # one chunk, as `_rows_times_cols` with BK >= K
-    _block_output(acc, bias, carry, scale, out_ptr, tile, ok, CARRY, False)
+    acc += bias[None, :]
+    acc += term  # + 0 without CARRY: the same bits as `_block_output`'s
+    tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -443,9 +489,9 @@ def fused_route(x32, down_weight, down_bias, carry, states_scale, norm_weight, e
         grid, common = _fused_launch(tokens, width, classes, x32.device)
         dummy = x32
         _dense_kernel[grid](x32, down_weight, down_bias, z, tokens, carry if carry is not None else dummy,
-                            states_scale if carry is not None else dummy, dummy, eps, *(dummy,) * 9,
+                            states_scale if carry is not None else dummy, dummy, eps, *(dummy,) * 10,
                             K=hidden, **_loop(common["BT"], common["BN"], hidden), CARRY=carry is not None,
-                            NORM=False, GELU=False, SELECT=False, DEFER=False, **common)
+                            NORM=False, GELU=False, SELECT=False, DEFER=False, X_FOLD=False, **common)
         _mlp_launches(grid, common, z, u1, u2, tokens, norm_weight, eps, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
                       (out_weight, balancing_biases, choice, weight, ids, expert_w, skip_w))
     return Routing(choice, weight, ids, expert_w, skip_w, z)
@@ -462,13 +508,15 @@ def takes_residual_norm(tokens: int, hidden: int, width: int) -> bool:
 
 def normed_route(update: torch.Tensor, norm: ResidualNormArgs, down_weight, down_bias, carry, states_scale,
                  norm_weight, eps, fc1_weight, fc1_bias, fc2_weight, fc2_bias, out_weight, balancing_biases,
-                 defer_selection: bool = False):
+                 defer_selection: bool = False, folded: FoldedFc1 | None = None):
     """`norm` of `update` [T, H] and the decode form's routing of its output, the norm as launch 1's prologue
     (`_normed_down_kernel`): the launch that computes the update (o_proj) no longer ends in a last-arriving
     program's norm. Only where `takes_residual_norm`; the other arguments as `eda_route`'s (the carry added only
     with states_scale). `defer_selection`: launch 3 stores partial class logits instead of selecting, and the
     Routing's `selection` hands them to the experts' launches (`ops.triton.moe_gemv`), which select for themselves
     and write its choice, weight, expert_ids, expert_weights and skip_weight: one last-arriving program fewer.
+    `folded` (`fold_fc1` of these weights): launch 1 also computes fc1's folded product and launch 3 makes fc1's
+    output from it, two launches in all (where launch 3's tile takes fc1's rows whole).
     -> ((x fp32, h in the norm weight's dtype), Routing)."""
     tokens, hidden = update.shape
     width, classes = down_weight.shape[0], out_weight.shape[0]
@@ -477,13 +525,19 @@ def normed_route(update: torch.Tensor, norm: ResidualNormArgs, down_weight, down
     if not takes_residual_norm(tokens, hidden, width) or update.stride(1) != 1:
         raise ValueError(f"normed_route: the norm prologue takes 1 to {FUSED_MAX_TOKENS} tokens of unit column "
                          f"stride whose rows fit launch 1's one chunk; got {tuple(update.shape)}")
+    if folded is not None:
+        _check_folded(folded, tokens, hidden, width, carry is not None, defer_selection)
     choice, ids, weight, expert_w, skip_w, (z, u1, u2) = _outputs(tokens, 3, width, update.device)
     prologue, flags, (x, h, _) = epilogue_args(replace(norm, fp32_copy=False), tokens, hidden, update)
     grid, common = _fused_launch(tokens, width, classes, update.device)
-    _normed_down_kernel[grid](update, update.stride(0), *prologue, down_weight, down_bias, z, tokens,
-                              carry if carry is not None else update, states_scale if carry is not None else update,
-                              K=hidden, N=width, BT=common["BT"], BN=common["BN"], CARRY=carry is not None, **flags,
-                              num_warps=WARPS, **pdl.launch(update.device))
+    fold = folded if folded is not None else FoldedFc1(update, update, update)
+    _normed_down_kernel[(grid[0] * (1 if folded is None else 2), grid[1])](
+        update, update.stride(0), *prologue, down_weight, down_bias, z, tokens,
+        carry if carry is not None else update, states_scale if carry is not None else update, fold.weight,
+        fold.bias, fold.carry_weight if carry is not None else update, u1, K=hidden, N=width,
+        BW=next_power_of_2(width), BT=common["BT"],
+        BN=common["BN"], CARRY=carry is not None, FOLD=folded is not None, **flags, num_warps=WARPS,
+        **pdl.launch(update.device))
     select = (out_weight, balancing_biases, choice, weight, ids, expert_w, skip_w)
     selection = None
     if defer_selection:
@@ -494,8 +548,28 @@ def normed_route(update: torch.Tensor, norm: ResidualNormArgs, down_weight, down
         partials = torch.empty(tokens, parts, common["BC"], device=update.device, dtype=torch.float32)
         selection = DeferredSelection(partials, balancing_biases, choice, weight, skip_w)
     _mlp_launches(grid, common, z, u1, u2, tokens, norm_weight, eps, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
-                  select, None if selection is None else selection.partials)
+                  select, None if selection is None else selection.partials, folded is not None)
     return (x, h), Routing(choice, weight, ids, expert_w, skip_w, z, selection)
+
+
+def _check_folded(folded: FoldedFc1, tokens: int, hidden: int, width: int, carry: bool, deferred: bool) -> None:
+    """A folded fc1 for `normed_route`: its tensors' shapes, and launch 3's tile taking fc1's rows whole."""
+    if folded.weight.shape != (width, hidden) or folded.bias.shape != (width,) or \
+            (carry and (folded.carry_weight is None or folded.carry_weight.shape != (width, width))):
+        raise ValueError(f"normed_route: a folded fc1 of a [{width}, {hidden}] down-projection takes a "
+                         f"[{width}, {hidden}] weight, a [{width}] bias and, with the carry, a [{width}, {width}] "
+                         f"carry weight")
+    _check_router_tensors(folded.weight, folded.bias, *((folded.carry_weight,) if carry else ()))
+    if not takes_folded_fc1(tokens, width, deferred):
+        raise ValueError(f"normed_route: a folded fc1 needs fc2's launch to take rows of {width} whole; at {tokens} "
+                         f"tokens its tile does not")
+
+
+def takes_folded_fc1(tokens: int, width: int, deferred: bool) -> bool:
+    """Whether fc2's launch of `normed_route` (deferred: the deferred selection's) takes rows of the router's width
+    whole at `tokens` tokens, as a folded fc1 needs (ZAYA1-8B's widths: at 1 and 2 tokens)."""
+    tiles = _deferred_tiles(tokens, width)[1] if deferred else fused_tiles(tokens, width)
+    return _chunk(*tiles, width) >= width
 
 
 def _deferred_tiles(tokens: int, width: int) -> tuple[int, tuple[int, int]]:
@@ -514,23 +588,28 @@ def _fused_launch(tokens: int, width: int, classes: int, device: torch.device) -
 
 
 def _mlp_launches(grid, common: dict, z, u1, u2, tokens, norm_weight, eps, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
-                  select: tuple, partials: torch.Tensor | None = None) -> None:
+                  select: tuple, partials: torch.Tensor | None = None, folded: bool = False) -> None:
     """Launches 2 and 3 of the decode form on launch 1's z: u1 = GELU(fc1(RMSNorm(z))), then u2 = GELU(fc2(u1))
     and the selection (`select`: out_proj's weight, the balancing biases, then the routing outputs), or with
-    `partials` [T, parts, BC] the partial class logits of a deferred one (`_deferred_tiles`)."""
+    `partials` [T, parts, BC] the partial class logits of a deferred one (`_deferred_tiles`). `folded`: launch 1
+    left fc1's folded product in u1 (`FoldedFc1`), and launch 3 makes fc1's output from it and z: no launch 2."""
     dummy, width = z, z.shape[1]
     loop = _loop(common["BT"], common["BN"], width)
-    _dense_kernel[grid](z, fc1_weight, fc1_bias, u1, tokens, dummy, dummy, norm_weight, eps, *(dummy,) * 9,
-                        K=width, **loop, CARRY=False, NORM=True, GELU=True, SELECT=False, DEFER=False, **common)
+    if not folded:
+        _dense_kernel[grid](z, fc1_weight, fc1_bias, u1, tokens, dummy, dummy, norm_weight, eps, *(dummy,) * 10,
+                            K=width, **loop, CARRY=False, NORM=True, GELU=True, SELECT=False, DEFER=False,
+                            X_FOLD=False, **common)
+    # fc2 on u1; folded: u1 holds y', and its x' is GELU(y' * rstd(z) + fc1's bias) (the bias in norm_ptr's place)
+    fold = dict(X_FOLD=folded)
     if partials is None:
-        _dense_kernel[grid](u1, fc2_weight, fc2_bias, u2, tokens, dummy, dummy, dummy, eps,
-                            _arrival_counters(z.device), *select, dummy, K=width, **loop, CARRY=False, NORM=False,
-                            GELU=True, SELECT=True, DEFER=False, **common)
+        _dense_kernel[grid](u1, fc2_weight, fc2_bias, u2, tokens, dummy, dummy, fc1_bias, eps,
+                            _arrival_counters(z.device), *select, dummy, z, K=width, **loop, CARRY=False, NORM=False,
+                            GELU=True, SELECT=True, DEFER=False, **fold, **common)
         return
     parts, (bt, bn) = _deferred_tiles(tokens, width)
-    _dense_kernel[(parts, cdiv(tokens, bt))](u1, fc2_weight, fc2_bias, u2, tokens, dummy, dummy, dummy, eps, dummy,
-                                             *select, partials, K=width, **_loop(bt, bn, width), CARRY=False,
-                                             NORM=False, GELU=True, SELECT=False, DEFER=True,
+    _dense_kernel[(parts, cdiv(tokens, bt))](u1, fc2_weight, fc2_bias, u2, tokens, dummy, dummy, fc1_bias, eps,
+                                             dummy, *select, partials, z, K=width, **_loop(bt, bn, width),
+                                             CARRY=False, NORM=False, GELU=True, SELECT=False, DEFER=True, **fold,
                                              **(common | dict(BT=bt, BN=bn)))
 
 
