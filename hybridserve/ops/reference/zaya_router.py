@@ -39,9 +39,17 @@ class FoldedFc1(NamedTuple):
 
 def fold_fc1(down_weight: torch.Tensor, down_bias: torch.Tensor, states_scale: torch.Tensor | None,
              norm_weight: torch.Tensor, fc1_weight: torch.Tensor) -> FoldedFc1:
+    """The three tensors as views of one fp32 allocation: the bias and the carry weight alone would sit in the
+    caching allocator's small segments beside other tensors (graph-pool measurements then vary by a segment)."""
+    width, hidden = down_weight.shape
     scaled = fc1_weight.double() * norm_weight.double()[None, :]
-    carry_weight = None if states_scale is None else (scaled * states_scale.double()[None, :]).float()
-    return FoldedFc1((scaled @ down_weight.double()).float(), (scaled @ down_bias.double()).float(), carry_weight)
+    sizes = (width * hidden, width, width * width if states_scale is not None else 0)
+    weight, bias, carry = torch.empty(sum(sizes), device=down_weight.device, dtype=torch.float32).split(sizes)
+    weight = weight.view(width, hidden).copy_(scaled @ down_weight.double())
+    bias.copy_(scaled @ down_bias.double())
+    if states_scale is None:
+        return FoldedFc1(weight, bias, None)
+    return FoldedFc1(weight, bias, carry.view(width, width).copy_(scaled * states_scale.double()[None, :]))
 
 
 class Routing(NamedTuple):
