@@ -15,7 +15,8 @@ every CUDA-graph replay, one compiled variant per token-count bucket.
 e4m3 weights (`W_SCALES` set, `fp8_args`) are weight-only, as `ops.reference.fp8` defines the decode sizes: the
 same loop reads a byte a weight element, widens it to fp32 exactly by integer ops (`e4m3_pairs`) and multiplies it
 with x as it is (no quantization), so a projection stays one launch of half the 16-bit bytes. Per-row scales
-multiply the sum, 128x128 block scales the products of their 128-lane piece.
+multiply the sum, 128x128 block scales each K lane's products (gathered a lane, so a chunk spans several blocks in
+one tile, the same loop as 16-bit rows).
 """
 from __future__ import annotations
 
@@ -124,14 +125,24 @@ def _x_loads(x_ptrs, mask, offsets, x_norm, NORM_BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _x_rstd(x_norm, K, SUB: tl.constexpr, NORM_BLOCK: tl.constexpr):
+def _word_lanes(quads):
+    """The 4 [BT, LANES] tensors of `quads` [BT, LANES, 2, 2] (x at 4 * word + 2a + b) by byte lane 2a + b. x is
+    loaded so, 4 contiguous values a word: the loads are then vectors of 2 at least, which the pipelined loop turns
+    into cp.async with the weights'; loaded a byte lane at a time (stride 4) they were 16-bit loads that it cannot,
+    issued after each chunk's wait (an L2 round trip a chunk on the critical path)."""
+    even, odd = tl.split(quads)
+    return tl.split(even)[0], tl.split(odd)[0], tl.split(even)[1], tl.split(odd)[1]
+
+
+@triton.jit
+def _x_rstd(x_norm, K, BK: tl.constexpr, NORM_BLOCK: tl.constexpr):
     """The tokens' rstd [BT] of a PendingNorm x (`x_norm`: (the partial sums, the norm weight's pointer, eps, rstd
-    summed before the loop)): where the product is one piece (SUB >= K) summed here, after the piece's x loads were
+    summed before the loop)): where the product is one chunk (BK >= K) summed here, after the chunk's x loads were
     issued (before them, the sum's barrier would hold them back a round trip: no load moves across it); a loop of
-    pieces sums it once, before the loop. 1.0 (unused) without NORM_BLOCK."""
+    chunks sums it once, before the loop. 1.0 (unused) without NORM_BLOCK."""
     rstd = 1.0
     if NORM_BLOCK > 0:
-        if SUB >= K:
+        if BK >= K:
             rstd = pending_rstd(x_norm[0], K, x_norm[2])
         else:
             rstd = x_norm[3]
@@ -160,44 +171,47 @@ def _k_mask(ok, k, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _chunk_offsets(k0, SUB: tl.constexpr, LANES: tl.constexpr, WORDS: tl.constexpr):
-    """The K offsets a chunk at k0 is read at: 32-bit word indices (WORDS: 16-byte loads of e4m3 rows), else
+def _chunk_offsets(k0, LANES: tl.constexpr, WORDS: tl.constexpr):
+    """The K offsets [LANES] a chunk at k0 is read at: 32-bit word indices (WORDS: 16-byte loads of e4m3 rows), else
     element indices."""
     if WORDS:
         offsets = tl.multiple_of(k0 // 4, LANES) + tl.arange(0, LANES)
     else:
-        offsets = k0 + tl.arange(0, SUB)
+        offsets = k0 + tl.arange(0, LANES)
     return offsets
 
 
 @triton.jit
-def _block_scales(ws_ptr, rows, row_ok, stride_ws, kb, k_ok, ROW_BLOCKS: tl.constexpr):
-    """The 128x128 block scales of `rows` at K block `kb`: one scalar for rows of one row block (ROW_BLOCKS 1),
-    else [BN, 1]. Rows of one or two blocks load one scale each instead of a scale a row: the block indices of the
-    lowest and highest row `row_ok` keeps are loop invariants, so the loop keeps only those one or two loads; none
-    where it keeps no row (the experts' dead pair, `moe_gemv._weighted_down`, masks its loads off: its expert's
-    scales are not read, as its weights are not; 0 * a NaN scale would be NaN)."""
+def _block_scales(ws_ptr, rows, row_ok, stride_ws, k0, K, LANES: tl.constexpr, WORDS: tl.constexpr,
+                  ROW_BLOCKS: tl.constexpr):
+    """The 128x128 block scales of `rows` at each K lane of the chunk at k0 ([BN, LANES], or [1, LANES] for rows of
+    one row block, ROW_BLOCKS 1); 0 past K (those weights are masked zeros). Rows of one or two blocks load a scale
+    a lane from the lowest row's block and the highest's, instead of one a row and lane: the lowest and highest of
+    the rows `row_ok` keeps, and none where it keeps none (the experts' dead pair, `moe_gemv._weighted_down`, which
+    masks its loads off: its expert's scales are not read, as its weights are not)."""
+    offsets = _chunk_offsets(k0, LANES, WORDS)
+    kb = offsets // (JIT_SCALE_BLOCK // 4 if WORDS else JIT_SCALE_BLOCK)
+    k_ok = offsets < (K // 4 if WORDS else K)
     if ROW_BLOCKS == 0:
-        scale = tl.load(ws_ptr + (rows // JIT_SCALE_BLOCK) * stride_ws + kb, mask=row_ok & k_ok, other=0.0)[:, None]
+        scale = tl.load(ws_ptr + (rows // JIT_SCALE_BLOCK)[:, None] * stride_ws + kb[None, :],
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
     else:
         first = tl.min(tl.where(row_ok, rows, NO_ROW))
-        some = first != NO_ROW
-        kept = tl.where(some, k_ok, False)  # (tl.where, not &: the interpreter cannot AND a mask with a scalar)
+        some = first != NO_ROW  # (tl.where, not &: the interpreter cannot AND a mask with a scalar)
         low = tl.where(some, first, 0) // JIT_SCALE_BLOCK
-        scale = tl.load(ws_ptr + low * stride_ws + kb, mask=kept, other=0.0)
+        scale = tl.load(ws_ptr + low * stride_ws + kb, mask=tl.where(some, k_ok, False), other=0.0)[None, :]
         if ROW_BLOCKS == 2:
             high = tl.max(tl.where(row_ok, rows, 0)) // JIT_SCALE_BLOCK
-            high = tl.load(ws_ptr + high * stride_ws + kb, mask=kept, other=0.0)
-            scale = tl.where(rows // JIT_SCALE_BLOCK == low, scale, high)[:, None]
+            high = tl.load(ws_ptr + high * stride_ws + kb, mask=tl.where(some, k_ok, False), other=0.0)
+            scale = tl.where((rows // JIT_SCALE_BLOCK == low)[:, None], scale, high[None, :])
     return scale
 
 
 @triton.jit
-def _weight_chunk(w_rows, w_words, row_ok, k0, K, SUB: tl.constexpr, LANES: tl.constexpr, WORDS: tl.constexpr,
-                  EVEN_K: tl.constexpr):
-    """The raw weights of `rows` at K offset k0 as `dot_rows` reads them: [BN, SUB] elements, or [BN, LANES] 32-bit
-    words of 4 e4m3 values (WORDS)."""
-    offsets = _chunk_offsets(k0, SUB, LANES, WORDS)
+def _weight_chunk(w_rows, w_words, row_ok, k0, K, LANES: tl.constexpr, WORDS: tl.constexpr, EVEN_K: tl.constexpr):
+    """The raw weights of `rows` at K offset k0 as `dot_rows` reads them: [BN, LANES] elements, or [BN, LANES]
+    32-bit words of 4 e4m3 values (WORDS)."""
+    offsets = _chunk_offsets(k0, LANES, WORDS)
     if WORDS:
         raw = tl.load(w_words + offsets[None, :], mask=_k_mask(row_ok, offsets, K // 4, EVEN_K), other=0)
     else:
@@ -206,33 +220,34 @@ def _weight_chunk(w_rows, w_words, row_ok, k0, K, SUB: tl.constexpr, LANES: tl.c
 
 
 @triton.jit
-def _chunk_products(raw, x_rows, token_ok, k0, K, scale, x_norm, SUB: tl.constexpr, LANES: tl.constexpr,
-                    WORDS: tl.constexpr, EVEN_K: tl.constexpr, W_SCALES: tl.constexpr, ROW_BLOCKS: tl.constexpr,
-                    NORM_BLOCK: tl.constexpr):
+def _chunk_products(raw, x_rows, token_ok, k0, K, scale, x_norm, BK: tl.constexpr, LANES: tl.constexpr,
+                    WORDS: tl.constexpr, EVEN_K: tl.constexpr, W_SCALES: tl.constexpr, NORM_BLOCK: tl.constexpr):
     """[BT, BN, LANES] fp32 products of the tokens' x (`_x_loads`, `_x_made`) at K offset k0 with the chunk's raw
-    weights (`_weight_chunk`), times the chunk's block scale where W_SCALES is "block" (`dot_rows`); a PendingNorm
+    weights (`_weight_chunk`), times their block scales where W_SCALES is "block" (`_block_scales`); a PendingNorm
     x's rstd comes after the x loads (`_x_rstd`)."""
-    offsets = _chunk_offsets(k0, SUB, LANES, WORDS)
+    offsets = _chunk_offsets(k0, LANES, WORDS)
     if WORDS:
-        x_ok = _k_mask(token_ok, offsets, K // 4, EVEN_K)
-        x_words = x_rows + 4 * offsets[None, :]
+        x_ok = _k_mask(token_ok, offsets, K // 4, EVEN_K)[:, :, None, None]
+        pair = tl.arange(0, 2)
+        quads = 4 * offsets[None, :, None, None] + 2 * pair[None, None, :, None] + pair[None, None, None, :]
+        x, w = _x_loads(x_rows[:, :, None, None] + quads, x_ok, quads, x_norm, NORM_BLOCK)
+        xs = _word_lanes(x)
+        ws = _word_lanes(w) if NORM_BLOCK > 0 else (w, w, w, w)
         loaded = ()
         for lane in tl.static_range(4):
-            loaded = loaded + (_x_loads(x_words + lane, x_ok, 4 * offsets[None, :] + lane, x_norm, NORM_BLOCK),)
-        rstd = _x_rstd(x_norm, K, SUB, NORM_BLOCK)
+            loaded = loaded + ((xs[lane], ws[lane]),)
+        rstd = _x_rstd(x_norm, K, BK, NORM_BLOCK)
         lanes = e4m3_pairs(raw)
         # x times X_SHIFT (exact: a power of two, for |x| < 2^64), the word path's half of 2^120
         piece = (_x_made(loaded[0], rstd, x_norm, NORM_BLOCK) * X_SHIFT)[:, None, :] * lanes[0][None, :, :]
         for lane in tl.static_range(1, 4):
             piece += (_x_made(loaded[lane], rstd, x_norm, NORM_BLOCK) * X_SHIFT)[:, None, :] * lanes[lane][None, :, :]
-        if W_SCALES == "block" and ROW_BLOCKS == 1:
-            piece = piece * (scale * SUM_SHIFT)
-        elif W_SCALES == "block":
+        if W_SCALES == "block":
             piece = piece * (scale * SUM_SHIFT)[None, :, :]
     else:
         x_ok = _k_mask(token_ok, offsets, K, EVEN_K)
         loaded = _x_loads(x_rows + offsets[None, :], x_ok, offsets[None, :], x_norm, NORM_BLOCK)
-        x = _x_made(loaded, _x_rstd(x_norm, K, SUB, NORM_BLOCK), x_norm, NORM_BLOCK)
+        x = _x_made(loaded, _x_rstd(x_norm, K, BK, NORM_BLOCK), x_norm, NORM_BLOCK)
         w = raw.to(tl.float32)
         if W_SCALES == "block":
             w = w * scale
@@ -248,29 +263,30 @@ def dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, stride_w, rows, row_ok, w
     stride; masked tokens and rows give 0), products in fp32 accumulated per K lane and summed once at the end.
 
     W_SCALES: "" for a 16-bit w; for an e4m3 w its scales, "row" (ws_ptr[row] on the sum) or "block"
-    (ws_ptr[row // 128 * stride_ws + k // 128] on the weights; each chunk then runs in 128-lane pieces). e4m3 rows
+    (ws_ptr[row // 128 * stride_ws + k // 128] on each K lane's products: a chunk of several blocks is one tile,
+    whose weights, x and scales the loop's pipeline streams as it does 16-bit rows'). e4m3 rows
     whose length and stride are multiples of 4 are read as 32-bit words, 4 values each (`e4m3_pairs`, 2^-120 of
     their value), multiplied with the x values 4 apart that match each byte lane times X_SHIFT, and the 4 products'
     sum of a word scaled once: by its block scale times SUM_SHIFT, or (row scales) the whole sum by the row's. So
-    the only fp32 work a weight takes is its multiply-add; x's dynamic range on this path is |x| < 2^64.
-    ROW_BLOCKS (block scales): how many 128-row scale blocks `rows` fall in, 1 or 2 (a scale or two a piece, from
-    their lowest and highest row), or 0 (any: a scale a row).
+    the only fp32 work a weight takes is its multiply-add; x's dynamic range on this path is |x| < 2^64. x is loaded
+    4 values a word (`_word_lanes`), in the loop's cp.async pipeline.
+    ROW_BLOCKS (block scales): how many 128-row scale blocks `rows` fall in, 1 or 2 (a scale or two a lane, from
+    the lowest and highest row `row_ok` keeps; none read where it keeps none), or 0 (any: a scale a row).
 
     WAIT (programmatic dependent launch, ops/triton/pdl.py): x is the kernel before's output, w is no kernel's, so
-    the weights' stream starts before `wait_for_previous`: a tile of one chunk and one piece (the common decode
-    shape) is loaded into registers, streaming in while the kernel before finishes; a longer one has its first
-    bytes asked of L2 (`pdl.prefetch_rows`).
+    the weights' stream starts before `wait_for_previous`: a tile of one chunk (the common decode shape) is loaded
+    into registers, streaming in while the kernel before finishes; a longer one has its first bytes asked of L2
+    (`pdl.prefetch_rows`).
 
     NORM_BLOCK > 0: x is a PendingNorm's fp32 residual (ops/norm.py) and the product is taken with its h, made here
     (`norm.rms_normed`): `pending` = (its sums of squares' pointer and row stride, their count a row (at most
     NORM_BLOCK, a power of two), the norm weight's pointer, the norm's eps); the partial sums are loaded after the
-    wait, and summed into the tokens' rstd after the x loads where the product is one piece (one round trip after
+    wait, and summed into the tokens' rstd after the x loads where the product is one chunk (one round trip after
     the wait, not two), else once before the loop (`_x_rstd`)."""
-    SUB: tl.constexpr = JIT_SCALE_BLOCK if W_SCALES == "block" and BK > JIT_SCALE_BLOCK else BK
-    WORDS: tl.constexpr = W_SCALES != "" and K % 4 == 0 and stride_w % 4 == 0 and SUB % 4 == 0
-    LANES: tl.constexpr = SUB // 4 if WORDS else SUB
+    WORDS: tl.constexpr = W_SCALES != "" and K % 4 == 0 and stride_w % 4 == 0 and BK % 4 == 0
+    LANES: tl.constexpr = BK // 4 if WORDS else BK
     EVEN_K: tl.constexpr = K % BK == 0  # no chunk runs past K: the loads need only the row / token masks
-    PRELOAD: tl.constexpr = WAIT and SUB == BK and BK >= K
+    PRELOAD: tl.constexpr = WAIT and BK >= K
     acc = tl.zeros((BT, BN, LANES), dtype=tl.float32)
     x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_x
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
@@ -281,9 +297,9 @@ def dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, stride_w, rows, row_ok, w
         row_scale = tl.load(ws_ptr + rows, mask=row_ok, other=0.0)
     if PRELOAD:
         start = tl.full((), 0, tl.int32)  # (a tensor, as the loop's K offsets: `tl.multiple_of` hints it)
-        first = _weight_chunk(w_rows, w_words, row_ok, start, K, SUB, LANES, WORDS, EVEN_K)
+        first = _weight_chunk(w_rows, w_words, row_ok, start, K, LANES, WORDS, EVEN_K)
         if W_SCALES == "block":
-            first_scale = _block_scales(ws_ptr, rows, row_ok, stride_ws, 0, True, ROW_BLOCKS)
+            first_scale = _block_scales(ws_ptr, rows, row_ok, stride_ws, start, K, LANES, WORDS, ROW_BLOCKS)
     elif WAIT:
         prefetch_rows(w_ptr, rows, row_ok, stride_w, K)
     wait_for_previous(WAIT)
@@ -291,24 +307,22 @@ def dot_rows(x_ptr, stride_x, tokens, token_ok, w_ptr, stride_w, rows, row_ok, w
     if NORM_BLOCK > 0:
         sums_ptr, sums_s0, parts, nw_ptr, eps = pending
         sums = pending_sums(sums_ptr, sums_s0, parts, tokens, token_ok, NORM_BLOCK)
-        rstd = 1.0  # (a one-piece product sums it after its x loads: `_x_rstd`)
-        if SUB < K:
+        rstd = 1.0  # (a one-chunk product sums it after its x loads: `_x_rstd`)
+        if BK < K:
             rstd = pending_rstd(sums, K, eps)
         x_norm = (sums, nw_ptr, eps, rstd)
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
-        for sub in tl.static_range(0, BK, SUB):
-            scale = 1.0
-            if PRELOAD:
-                raw = first
-                if W_SCALES == "block":
-                    scale = first_scale
-            else:
-                raw = _weight_chunk(w_rows, w_words, row_ok, k0 + sub, K, SUB, LANES, WORDS, EVEN_K)
-                if W_SCALES == "block":  # (a piece wholly past K has no scale block: its weights are masked zeros)
-                    scale = _block_scales(ws_ptr, rows, row_ok, stride_ws, (k0 + sub) // JIT_SCALE_BLOCK,
-                                          EVEN_K or k0 + sub < K, ROW_BLOCKS)
-            acc += _chunk_products(raw, x_rows, token_ok, k0 + sub, K, scale, x_norm, SUB, LANES, WORDS, EVEN_K,
-                                   W_SCALES, ROW_BLOCKS, NORM_BLOCK)
+        scale = 1.0
+        if PRELOAD:
+            raw = first
+            if W_SCALES == "block":
+                scale = first_scale
+        else:
+            raw = _weight_chunk(w_rows, w_words, row_ok, k0, K, LANES, WORDS, EVEN_K)
+            if W_SCALES == "block":
+                scale = _block_scales(ws_ptr, rows, row_ok, stride_ws, k0, K, LANES, WORDS, ROW_BLOCKS)
+        acc += _chunk_products(raw, x_rows, token_ok, k0, K, scale, x_norm, BK, LANES, WORDS, EVEN_K, W_SCALES,
+                               NORM_BLOCK)
     out = tl.sum(acc, axis=2)
     if W_SCALES == "row":
         scale = row_scale
