@@ -199,10 +199,11 @@ def _block_scales(ws_ptr, rows, row_ok, stride_ws, k0, K, LANES: tl.constexpr, W
         first = tl.min(tl.where(row_ok, rows, NO_ROW))
         some = first != NO_ROW  # (tl.where, not &: the interpreter cannot AND a mask with a scalar)
         low = tl.where(some, first, 0) // JIT_SCALE_BLOCK
-        scale = tl.load(ws_ptr + low * stride_ws + kb, mask=tl.where(some, k_ok, False), other=0.0)[None, :]
+        read = tl.where(some, k_ok, False)
+        scale = tl.load(ws_ptr + low * stride_ws + kb, mask=read, other=0.0)[None, :]
         if ROW_BLOCKS == 2:
             high = tl.max(tl.where(row_ok, rows, 0)) // JIT_SCALE_BLOCK
-            high = tl.load(ws_ptr + high * stride_ws + kb, mask=tl.where(some, k_ok, False), other=0.0)
+            high = tl.load(ws_ptr + high * stride_ws + kb, mask=read, other=0.0)
             scale = tl.where((rows // JIT_SCALE_BLOCK == low)[:, None], scale, high[None, :])
     return scale
 
@@ -233,15 +234,13 @@ def _chunk_products(raw, x_rows, token_ok, k0, K, scale, x_norm, BK: tl.constexp
         x, w = _x_loads(x_rows[:, :, None, None] + quads, x_ok, quads, x_norm, NORM_BLOCK)
         xs = _word_lanes(x)
         ws = _word_lanes(w) if NORM_BLOCK > 0 else (w, w, w, w)
-        loaded = ()
-        for lane in tl.static_range(4):
-            loaded = loaded + ((xs[lane], ws[lane]),)
         rstd = _x_rstd(x_norm, K, BK, NORM_BLOCK)
         lanes = e4m3_pairs(raw)
         # x times X_SHIFT (exact: a power of two, for |x| < 2^64), the word path's half of 2^120
-        piece = (_x_made(loaded[0], rstd, x_norm, NORM_BLOCK) * X_SHIFT)[:, None, :] * lanes[0][None, :, :]
+        piece = (_x_made((xs[0], ws[0]), rstd, x_norm, NORM_BLOCK) * X_SHIFT)[:, None, :] * lanes[0][None, :, :]
         for lane in tl.static_range(1, 4):
-            piece += (_x_made(loaded[lane], rstd, x_norm, NORM_BLOCK) * X_SHIFT)[:, None, :] * lanes[lane][None, :, :]
+            piece += ((_x_made((xs[lane], ws[lane]), rstd, x_norm, NORM_BLOCK) * X_SHIFT)[:, None, :]
+                      * lanes[lane][None, :, :])
         if W_SCALES == "block":
             piece = piece * (scale * SUM_SHIFT)[None, :, :]
     else:

@@ -1,6 +1,7 @@
 """ZAYA1's EDA router, down-projection included, in fp32 Triton kernels (contract: ops/reference/zaya_router.py).
 
-Decode (at most `FUSED_MAX_TOKENS` tokens, the CUDA-graph batch sizes): three launches of one kernel, `_dense_kernel`.
+Decode (at most `FUSED_MAX_TOKENS` tokens, the CUDA-graph batch sizes): three launches of `_dense_kernel` (launch 1
+`_normed_down_kernel` where it runs the norm; two launches where fc1 is folded into it, under 2.).
     1. z = x32 @ Wd^T + bd (+ carry * scale)         the EDA carry handed to the next layer's router; where a
                                                       program's rows are whole in one K chunk (1-2 tokens at
                                                       ZAYA1-8B's widths), `normed_route` runs it on the update
@@ -9,7 +10,12 @@ Decode (at most `FUSED_MAX_TOKENS` tokens, the CUDA-graph batch sizes): three la
                                                       (`_normed_down_kernel`): o_proj's launch then ends without a
                                                       last-arriving program's norm on the step's critical path
     2. u1 = GELU(fc1(RMSNorm(z)))                     every program recomputes its rows' rstd (RMSNorm needs all
-                                                      of z, which only exists after launch 1)
+                                                      of z, which only exists after launch 1). Where launch 1
+                                                      runs the norm and launch 3 takes its rows whole (1-2
+                                                      tokens at ZAYA1-8B's widths, `takes_folded_fc1`), fc1 is
+                                                      folded into launch 1 instead (`FoldedFc1`: it computes
+                                                      y' beside z) and launch 3 makes GELU(rstd(z) y' + b1) on
+                                                      the way in: two launches
     3. u2 = GELU(fc2(u1)), then per token block the last program to finish it computes the E + 1 class logits,
        softmax, the biased argmax and the routing outputs. Or, with a deferred selection (`normed_route`'s
        defer_selection, for the GEMV experts that consume it), each of at most DEFERRED_PARTS programs stores its
@@ -38,7 +44,8 @@ result keeps fp32 accuracy (tests: 1e-5 at ZAYA1-8B widths on the GPU) where one
 Tiles are chosen per token-count bucket to fill the SMs; at a few hundred tokens (one wave of the smallest tiles)
 a GEMM with a long K is cut into K splits that a second launch sums (`gemm_splits`). Around the GEMMs one ops.norm
 kernel adds the carry and normalises, the GELUs ride in the GEMMs' epilogues (or the sum's), and `_select_kernel`
-selects: five or six launches where the torch reference takes about fifteen. The switch between the forms depends only on the host-known token count.
+selects: five or six launches where the torch reference takes about fifteen. The switch between the forms depends
+only on the host-known token count.
 
 Numerics are fp32 end to end (a top-1 choice flips on a near-tie, and a flip changes a token by a whole expert);
 only summation orders (and, in the prefill form, 3xTF32's remainder rounding) differ from the reference.
@@ -535,9 +542,8 @@ def normed_route(update: torch.Tensor, norm: ResidualNormArgs, down_weight, down
         update, update.stride(0), *prologue, down_weight, down_bias, z, tokens,
         carry if carry is not None else update, states_scale if carry is not None else update, fold.weight,
         fold.bias, fold.carry_weight if carry is not None else update, u1, K=hidden, N=width,
-        BW=next_power_of_2(width), BT=common["BT"],
-        BN=common["BN"], CARRY=carry is not None, FOLD=folded is not None, **flags, num_warps=WARPS,
-        **pdl.launch(update.device))
+        BW=next_power_of_2(width), BT=common["BT"], BN=common["BN"], CARRY=carry is not None,
+        FOLD=folded is not None, **flags, num_warps=WARPS, **pdl.launch(update.device))
     select = (out_weight, balancing_biases, choice, weight, ids, expert_w, skip_w)
     selection = None
     if defer_selection:
@@ -600,17 +606,16 @@ def _mlp_launches(grid, common: dict, z, u1, u2, tokens, norm_weight, eps, fc1_w
                             K=width, **loop, CARRY=False, NORM=True, GELU=True, SELECT=False, DEFER=False,
                             X_FOLD=False, **common)
     # fc2 on u1; folded: u1 holds y', and its x' is GELU(y' * rstd(z) + fc1's bias) (the bias in norm_ptr's place)
-    fold = dict(X_FOLD=folded)
     if partials is None:
         _dense_kernel[grid](u1, fc2_weight, fc2_bias, u2, tokens, dummy, dummy, fc1_bias, eps,
                             _arrival_counters(z.device), *select, dummy, z, K=width, **loop, CARRY=False, NORM=False,
-                            GELU=True, SELECT=True, DEFER=False, **fold, **common)
+                            GELU=True, SELECT=True, DEFER=False, X_FOLD=folded, **common)
         return
     parts, (bt, bn) = _deferred_tiles(tokens, width)
     _dense_kernel[(parts, cdiv(tokens, bt))](u1, fc2_weight, fc2_bias, u2, tokens, dummy, dummy, fc1_bias, eps,
                                              dummy, *select, partials, z, K=width, **_loop(bt, bn, width),
-                                             CARRY=False, NORM=False, GELU=True, SELECT=False, DEFER=True, **fold,
-                                             **(common | dict(BT=bt, BN=bn)))
+                                             CARRY=False, NORM=False, GELU=True, SELECT=False, DEFER=True,
+                                             X_FOLD=folded, **(common | dict(BT=bt, BN=bn)))
 
 
 def gemm_tiles(tokens: int, n: int) -> tuple[int, int]:
