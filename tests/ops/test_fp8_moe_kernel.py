@@ -266,6 +266,20 @@ def test_gemv_norm_epilogue_equals_the_norm_kernel(dtype: torch.dtype) -> None:
                  _exact(dtype))
 
 
+def test_e4m3_pipelined_tiles_keep_the_bytes_in_flight() -> None:
+    """e4m3 experts' pipelined tiles run twice the 16-bit stages (a chunk of half the bytes); one-chunk tiles stay
+    unpipelined and 16-bit experts keep theirs."""
+    block = Fp8Scales(torch.ones(1), SCHEMES["block/group"])
+    rows = Fp8Scales(torch.ones(1), SCHEMES["channel/token"])
+    # Ling-2.6-flash's widths, 8 choices a token: 32 rows x 256 e4m3 a chunk (8 KB), 8 chunks in flight
+    assert moe_gemv.gate_up_tiles(1024, 4096, block, top_k=8) == Tiles(1, 32, 256, 2 * gemv.PIPELINE_STAGES)
+    assert moe_gemv.down_tiles(4096, 1024, block, top_k=8) == Tiles(1, 32, 256, 2 * gemv.PIPELINE_STAGES)
+    for fp8 in (block, rows):  # ZAYA1-8B's widths, one choice a token
+        assert moe_gemv.gate_up_tiles(2048, 2048, fp8).STAGES == 2 * gemv.PIPELINE_STAGES
+    assert moe_gemv.gate_up_tiles(1024, 4096, top_k=8).STAGES == gemv.PIPELINE_STAGES  # 16-bit: as `tiles` gives
+    assert moe_gemv.gate_up_tiles(4, 128, block).STAGES == 1  # a K of one chunk: nothing to pipeline
+
+
 def test_bad_input_is_refused() -> None:
     scheme = SCHEMES["block/static"]
     w13, s13, w2, s2 = _lattice_stacks(2, 136, 72, scheme, seed=26)
