@@ -35,6 +35,7 @@ from hybridserve.ops.triton.sizes import cdiv, next_power_of_2
 PROGRAMS = 256  # programs per launch to aim for: about two per SM of an H200
 TILE_ELEMENTS = 8192  # a program's [tokens, columns, K chunk] fp32 product tile: 64 registers a thread at 4 warps
 PIPELINE_STAGES = 4  # K chunks in flight per program when its loop has several
+E4M3_PIPELINE_STAGES = 2 * PIPELINE_STAGES  # the routed experts' e4m3 rows (`expert_stages`)
 MAX_COLUMNS = 64  # output columns (weight rows) per program at most: wider tiles give too few programs anyway
 MIN_CHUNK = 64  # K lanes of a chunk at least (128 bytes of a 16-bit row): fewer tokens*columns where it would not fit
 FP8_MIN_CHUNK = 128  # the same for e4m3 rows (128 bytes), and whole 128-column scale blocks per chunk
@@ -65,7 +66,7 @@ class Tiles:
 
 
 def tiles(tokens: int, rows: int, depth: int, min_rows: int = 1, min_chunk: int = MIN_CHUNK,
-          one_chunk: bool = False) -> Tiles:
+          one_chunk: bool = False, stages: int = PIPELINE_STAGES) -> Tiles:
     """Tiles for `tokens` tokens against `rows` weight rows of length `depth`: the widest power-of-two BN up to
     MAX_COLUMNS (and keeping a K chunk of `min_chunk`) that still gives cdiv(rows, BN) >= PROGRAMS, but at least
     `min_rows` and the rows of MIN_PROGRAM_ELEMENTS (short rows: fewer, fuller programs); a K chunk filling
@@ -73,7 +74,8 @@ def tiles(tokens: int, rows: int, depth: int, min_rows: int = 1, min_chunk: int 
     variant a run needs, and a decode batch padded to its CUDA-graph size keeps the tiles, hence the sums, of the
     eager step. `one_chunk`: those least rows with the whole K in one chunk instead, where a tile of TILE_ELEMENTS
     holds them (one token of 2048-long rows: 4), so that every load of a program is in flight at once (`dot_rows`
-    can then issue them before the PDL wait): more, thinner programs."""
+    can then issue them before the PDL wait): more, thinner programs. `stages`: the pipeline's depth where the K
+    loop has several chunks."""
     bt = next_power_of_2(max(tokens, 1))
     least = max(min_rows, next_power_of_2(cdiv(MIN_PROGRAM_ELEMENTS, depth)))
     if one_chunk and least <= MAX_COLUMNS and bt * least * next_power_of_2(depth) <= TILE_ELEMENTS:
@@ -83,7 +85,7 @@ def tiles(tokens: int, rows: int, depth: int, min_rows: int = 1, min_chunk: int 
     while 2 * bn <= widest and cdiv(rows, 2 * bn) >= PROGRAMS:
         bn *= 2
     bk = min(max(min_chunk, TILE_ELEMENTS // (bt * bn)), next_power_of_2(depth))
-    return Tiles(bt, bn, bk, PIPELINE_STAGES if bk < depth else 1)
+    return Tiles(bt, bn, bk, stages if bk < depth else 1)
 
 
 def min_chunk(fp8: Fp8Scales | None) -> int:
@@ -91,6 +93,16 @@ def min_chunk(fp8: Fp8Scales | None) -> int:
     if fp8 is None:
         return MIN_CHUNK
     return FP8_BLOCK_MIN_CHUNK if fp8.scheme.weight == "block" else FP8_MIN_CHUNK
+
+
+def expert_stages(fp8: Fp8Scales | None) -> int:
+    """The pipeline depth of `tiles` for routed experts' weights of these FP8 scales (None: 16-bit). e4m3 twice as
+    deep: a chunk is sized in elements, so an e4m3 one is half a 16-bit one's bytes, and twice the stages keep a
+    program's bytes in flight. On an H100 (one token, docs/performance.md) Ling-2.6-flash's 8 block-scaled experts
+    a token streamed 13% faster in the micro and its 16-layer batch-1 decode ran 8.5% faster (32 x 256, 8 stages);
+    ZAYA1-8B's FP8 batch 1 was level at 6 stages of its 16 x 512 and at 8 of Ling's 32 x 256. 8 stages of 8 KB take
+    about 64 KB of shared memory a program. The linears keep PIPELINE_STAGES (theirs untimed)."""
+    return PIPELINE_STAGES if fp8 is None else E4M3_PIPELINE_STAGES
 
 
 X_SHIFT = tl.constexpr(2.0 ** 64)  # x's factor on the word path (its words widen to 2^-120 of their value)

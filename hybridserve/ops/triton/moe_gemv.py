@@ -35,8 +35,6 @@ launch returns an `ops.norm.PendingNorm` in h's place, which the reader's launch
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 import triton
 import triton.language as tl
@@ -47,7 +45,7 @@ from hybridserve.ops.reference.zaya_router import DeferredSelection
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.counters import arrival_counters
 from hybridserve.ops.triton.fp8_quant import SCALE_BLOCK
-from hybridserve.ops.triton.gemv import (PIPELINE_STAGES, Tiles, consecutive_row_blocks, dot_rows, fp8_args, min_chunk,
+from hybridserve.ops.triton.gemv import (Tiles, consecutive_row_blocks, dot_rows, expert_stages, fp8_args, min_chunk,
                                          tiles)
 from hybridserve.ops.triton.moe import expert_shapes
 from hybridserve.ops.triton.norm import (epilogue_args, prefetch_row_inputs, residual_norm_row, residual_terms,
@@ -60,7 +58,6 @@ from hybridserve.ops.triton.zaya_router import class_biases, deferred_choice, ro
 # expert blocks share each weight tile among their rows. benchmarks/ops/moe.py times both forms at decode sizes; on
 # an H200 this form is 1.6x / 1.4x faster at ZAYA1's 1 / 2 pairs, level at 4, 8 (and Ling's 8 at one token), 0.9x at 16.
 MAX_PAIRS = 8
-E4M3_PIPELINE_STAGES = 2 * PIPELINE_STAGES  # K chunks in flight in e4m3 experts' pipelined tiles (`_e4m3_stages`)
 
 
 @triton.jit
@@ -255,32 +252,21 @@ def _rows_streamed(rows: int, top_k: int, fp8: Fp8Scales | None) -> int:
     return rows * top_k if fp8 is not None else rows
 
 
-def _e4m3_stages(chunks: Tiles, fp8: Fp8Scales | None) -> Tiles:
-    """e4m3 experts' pipelined tiles twice as deep: `tiles` sizes a chunk in elements, so an e4m3 chunk is half a
-    16-bit one's bytes, and twice the stages keep a program's bytes in flight. On an H100 (one token,
-    docs/performance.md) Ling-2.6-flash's 8 block-scaled experts a token streamed 13% faster in the micro and its
-    16-layer batch-1 decode ran 8.5% faster (32 x 256, 8 stages); ZAYA1-8B's FP8 batch 1 was level at 6 stages of
-    its 16 x 512 and at 8 of Ling's 32 x 256. 8 stages of 8 KB take about 64 KB of shared memory a program."""
-    if fp8 is None or chunks.STAGES == 1:
-        return chunks
-    return replace(chunks, STAGES=E4M3_PIPELINE_STAGES)
-
-
 def gate_up_tiles(inter: int, hidden: int, fp8: Fp8Scales | None = None, top_k: int = 1) -> Tiles:
     """BN interleaved gate|up rows (BN / 2 intermediate columns) per program; at least one column. One choice a
     token of 16-bit experts (ZAYA1): a K of one chunk, every load of a program in flight at once (the expert is
     known only after the PDL wait, so nothing loads before it). On an H100, ZAYA1-8B's batch 1 decoded 7% faster
     with these (4 rows of 2048, 1024 programs) than with 16 rows in 4 pipelined chunks of 512 (256 programs);
     8 rows in 2 chunks gave +4%, 32 rows in 4 chunks -2% (docs/performance.md)."""
-    return _e4m3_stages(tiles(1, _rows_streamed(2 * inter, top_k, fp8), hidden, min_rows=2, min_chunk=min_chunk(fp8),
-                              one_chunk=top_k == 1 and fp8 is None), fp8)
+    return tiles(1, _rows_streamed(2 * inter, top_k, fp8), hidden, min_rows=2, min_chunk=min_chunk(fp8),
+                 one_chunk=top_k == 1 and fp8 is None, stages=expert_stages(fp8))
 
 
 def down_tiles(hidden: int, inter: int, fp8: Fp8Scales | None = None, top_k: int = 1) -> Tiles:
     """One choice a token of 16-bit experts (ZAYA1): each program's rows in one K chunk, loaded before the PDL wait
     (`_down_block`'s WAIT); the same tiles reduced or not, so both forms' rows keep the same bits."""
-    return _e4m3_stages(tiles(1, _rows_streamed(hidden, top_k, fp8), inter, min_chunk=min_chunk(fp8),
-                              one_chunk=top_k == 1 and fp8 is None), fp8)
+    return tiles(1, _rows_streamed(hidden, top_k, fp8), inter, min_chunk=min_chunk(fp8),
+                 one_chunk=top_k == 1 and fp8 is None, stages=expert_stages(fp8))
 
 
 def _check_selection(selection: DeferredSelection, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
