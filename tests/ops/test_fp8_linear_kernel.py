@@ -33,6 +33,7 @@ from hybridserve.ops import linear as linear_op
 from hybridserve.ops.reference import fp8 as reference
 from hybridserve.ops.triton import fp8_linear, fp8_quant
 from hybridserve.ops.triton import linear as gemv_linear
+from hybridserve.ops.triton import gemv
 from hybridserve.ops.triton.gemv import Tiles
 
 MMA_SLACK = 2.0 ** -10 if ON_GPU else 0.0  # the GEMM form's, of the products' magnitudes (module docstring)
@@ -206,6 +207,18 @@ def test_strided_and_batched_x(scheme: str) -> None:
     batched = fp8_linear.fp8_linear(wide[:6, 7:143].reshape(2, 3, 136), weight, scale, scheme)
     assert batched.shape == (2, 3, 20) and torch.equal(batched.reshape(6, 20),
                                                        fp8_linear.fp8_linear(wide[:6, 7:143], weight, scale, scheme))
+
+
+def test_gemv_pipelines_e4m3_rows_twice_as_deep() -> None:
+    """The e4m3 linears' pipelined tiles run the experts' e4m3 depth, twice the 16-bit one (a chunk of half the
+    bytes); one-chunk tiles stay unpipelined and 16-bit weights keep theirs."""
+    block = Fp8Scales(torch.ones(1), SCHEMES["block/group"])
+    rows = Fp8Scales(torch.ones(1), SCHEMES["channel/token"])
+    for fp8 in (block, rows):  # one token against 4096-long rows: several chunks a program
+        assert gemv_linear.linear_tiles(1, 6144, 4096, fp8).STAGES == 2 * gemv.PIPELINE_STAGES
+        assert gemv_linear.linear_tiles(1, 4096, 4096, fp8).STAGES == 2 * gemv.PIPELINE_STAGES
+    assert gemv_linear.linear_tiles(1, 6144, 4096).STAGES == gemv.PIPELINE_STAGES
+    assert gemv_linear.linear_tiles(1, 256, 128, block).STAGES == 1  # a K of one chunk: nothing to pipeline
 
 
 def test_bad_input_is_refused() -> None:

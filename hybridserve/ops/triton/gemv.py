@@ -35,7 +35,7 @@ from hybridserve.ops.triton.sizes import cdiv, next_power_of_2
 PROGRAMS = 256  # programs per launch to aim for: about two per SM of an H200
 TILE_ELEMENTS = 8192  # a program's [tokens, columns, K chunk] fp32 product tile: 64 registers a thread at 4 warps
 PIPELINE_STAGES = 4  # K chunks in flight per program when its loop has several
-E4M3_PIPELINE_STAGES = 2 * PIPELINE_STAGES  # the routed experts' e4m3 rows (`expert_stages`)
+E4M3_PIPELINE_STAGES = 2 * PIPELINE_STAGES  # e4m3 rows' depth (`pipeline_stages`)
 MAX_COLUMNS = 64  # output columns (weight rows) per program at most: wider tiles give too few programs anyway
 MIN_CHUNK = 64  # K lanes of a chunk at least (128 bytes of a 16-bit row): fewer tokens*columns where it would not fit
 FP8_MIN_CHUNK = 128  # the same for e4m3 rows (128 bytes), and whole 128-column scale blocks per chunk
@@ -95,13 +95,13 @@ def min_chunk(fp8: Fp8Scales | None) -> int:
     return FP8_BLOCK_MIN_CHUNK if fp8.scheme.weight == "block" else FP8_MIN_CHUNK
 
 
-def expert_stages(fp8: Fp8Scales | None) -> int:
-    """The pipeline depth of `tiles` for routed experts' weights of these FP8 scales (None: 16-bit). e4m3 twice as
-    deep: a chunk is sized in elements, so an e4m3 one is half a 16-bit one's bytes, and twice the stages keep a
-    program's bytes in flight. On an H100 (one token, docs/performance.md) Ling-2.6-flash's 8 block-scaled experts
-    a token streamed 13% faster in the micro and its 16-layer batch-1 decode ran 8.5% faster (32 x 256, 8 stages);
-    ZAYA1-8B's FP8 batch 1 was level at 6 stages of its 16 x 512 and at 8 of Ling's 32 x 256. 8 stages of 8 KB take
-    about 64 KB of shared memory a program. The linears keep PIPELINE_STAGES (theirs untimed)."""
+def pipeline_stages(fp8: Fp8Scales | None) -> int:
+    """The pipeline depth of `tiles` for a weight of these FP8 scales (None: 16-bit), the experts' and the linears'.
+    e4m3 twice as deep: a chunk is sized in elements, so an e4m3 one is half a 16-bit one's bytes, and twice the
+    stages keep a program's bytes in flight. On an H100 (one token, docs/performance.md) Ling-2.6-flash's 8
+    block-scaled experts a token streamed 13% faster in the micro and its 16-layer batch-1 decode ran 8.5% faster
+    (32 x 256, 8 stages); ZAYA1-8B's FP8 batch 1 was level at 6 stages of its 16 x 512 and at 8 of Ling's 32 x 256.
+    8 stages of 8 KB take about 64 KB of shared memory a program. The linears' e4m3 rows take the same depth."""
     return PIPELINE_STAGES if fp8 is None else E4M3_PIPELINE_STAGES
 
 

@@ -26,7 +26,8 @@ from hybridserve.core.quant import Fp8Scales
 from hybridserve.ops.norm import PendingNorm, ResidualNorm
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.counters import arrival_counters
-from hybridserve.ops.triton.gemv import Tiles, consecutive_row_blocks, dot_rows, fp8_args, min_chunk, tiles
+from hybridserve.ops.triton.gemv import (Tiles, consecutive_row_blocks, dot_rows, fp8_args, min_chunk, pipeline_stages,
+                                         tiles)
 from hybridserve.ops.triton.norm import epilogue_args, prefetch_row_inputs, residual_norm_row
 from hybridserve.ops.triton.sizes import cdiv, next_power_of_2
 
@@ -79,6 +80,12 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, n, stride_x, stride
             tl.store(counter_ptr, 0)
 
 
+def linear_tiles(tokens: int, n: int, k: int, fp8: Fp8Scales | None = None) -> Tiles:
+    """`gemv.tiles` for `tokens` tokens against an [n, k] weight of these FP8 scales (None: 16-bit): e4m3 chunks of
+    whole scale blocks, pipelined as deep as the experts' (`gemv.pipeline_stages`)."""
+    return tiles(tokens, n, k, min_chunk=min_chunk(fp8), stages=pipeline_stages(fp8))
+
+
 def linear(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch.Tensor | None = None,
            config: Tiles | None = None, norm: ResidualNorm | None = None, fp8: Fp8Scales | None = None):
     """x [..., K] (at most MAX_TOKENS rows; unit last stride) @ weight [N, K]^T (+ bias [N]) -> [..., N] in x's
@@ -118,7 +125,7 @@ def linear(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch.Tens
         prologue = (sums, sums.stride(0), sums.shape[1], pending.norm_weight, pending.eps)
         block = next_power_of_2(sums.shape[1])
     if tokens:
-        t = config or tiles(tokens, n, k, min_chunk=min_chunk(fp8))
+        t = config or linear_tiles(tokens, n, k, fp8)
         if t.BT < tokens:
             raise ValueError(f"linear: tiles {t} take fewer than {tokens} tokens")
         scales, kinds = fp8_args(fp8, weight, t, consecutive_row_blocks(t.BN))

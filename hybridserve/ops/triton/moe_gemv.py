@@ -45,7 +45,7 @@ from hybridserve.ops.reference.zaya_router import DeferredSelection
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.counters import arrival_counters
 from hybridserve.ops.triton.fp8_quant import SCALE_BLOCK
-from hybridserve.ops.triton.gemv import (Tiles, consecutive_row_blocks, dot_rows, expert_stages, fp8_args, min_chunk,
+from hybridserve.ops.triton.gemv import (Tiles, consecutive_row_blocks, dot_rows, fp8_args, min_chunk, pipeline_stages,
                                          tiles)
 from hybridserve.ops.triton.moe import expert_shapes
 from hybridserve.ops.triton.norm import (epilogue_args, prefetch_row_inputs, residual_norm_row, residual_terms,
@@ -259,14 +259,14 @@ def gate_up_tiles(inter: int, hidden: int, fp8: Fp8Scales | None = None, top_k: 
     with these (4 rows of 2048, 1024 programs) than with 16 rows in 4 pipelined chunks of 512 (256 programs);
     8 rows in 2 chunks gave +4%, 32 rows in 4 chunks -2% (docs/performance.md)."""
     return tiles(1, _rows_streamed(2 * inter, top_k, fp8), hidden, min_rows=2, min_chunk=min_chunk(fp8),
-                 one_chunk=top_k == 1 and fp8 is None, stages=expert_stages(fp8))
+                 one_chunk=top_k == 1 and fp8 is None, stages=pipeline_stages(fp8))
 
 
 def down_tiles(hidden: int, inter: int, fp8: Fp8Scales | None = None, top_k: int = 1) -> Tiles:
     """One choice a token of 16-bit experts (ZAYA1): each program's rows in one K chunk, loaded before the PDL wait
     (`_down_block`'s WAIT); the same tiles reduced or not, so both forms' rows keep the same bits."""
     return tiles(1, _rows_streamed(hidden, top_k, fp8), inter, min_chunk=min_chunk(fp8),
-                 one_chunk=top_k == 1 and fp8 is None, stages=expert_stages(fp8))
+                 one_chunk=top_k == 1 and fp8 is None, stages=pipeline_stages(fp8))
 
 
 def _check_selection(selection: DeferredSelection, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
