@@ -209,16 +209,22 @@ def test_strided_and_batched_x(scheme: str) -> None:
                                                        fp8_linear.fp8_linear(wide[:6, 7:143], weight, scale, scheme))
 
 
-def test_gemv_pipelines_e4m3_rows_twice_as_deep() -> None:
-    """The e4m3 linears' pipelined tiles run the experts' e4m3 depth, twice the 16-bit one (a chunk of half the
-    bytes); one-chunk tiles stay unpipelined and 16-bit weights keep theirs."""
+def test_one_token_of_pipelined_e4m3_rows_takes_half_tiles_twice_as_deep() -> None:
+    """One token against e4m3 rows of several K chunks: half-sized product tiles (twice the programs) at the
+    experts' e4m3 depth. Rows of one chunk, several tokens and 16-bit weights keep `gemv.tiles`' choice."""
     block = Fp8Scales(torch.ones(1), SCHEMES["block/group"])
     rows = Fp8Scales(torch.ones(1), SCHEMES["channel/token"])
-    for fp8 in (block, rows):  # one token against 4096-long rows: several chunks a program
-        assert gemv_linear.linear_tiles(1, 6144, 4096, fp8).STAGES == 2 * gemv.PIPELINE_STAGES
-        assert gemv_linear.linear_tiles(1, 4096, 4096, fp8).STAGES == 2 * gemv.PIPELINE_STAGES
-    assert gemv_linear.linear_tiles(1, 6144, 4096).STAGES == gemv.PIPELINE_STAGES
-    assert gemv_linear.linear_tiles(1, 256, 128, block).STAGES == 1  # a K of one chunk: nothing to pipeline
+    for fp8 in (block, rows):
+        for n, k in ((16384, 4096), (4096, 4096), (4096, 1024)):  # Ling-2.6-flash's Q|K|V|G, o_proj, shared down
+            chosen = gemv_linear.linear_tiles(1, n, k, fp8)
+            as_16_bit = gemv.tiles(1, n, k, min_chunk=gemv.min_chunk(fp8))
+            assert as_16_bit.STAGES == gemv.PIPELINE_STAGES and chosen.STAGES == 2 * gemv.PIPELINE_STAGES
+            assert chosen.BN * chosen.BK == gemv_linear.E4M3_TILE_ELEMENTS == gemv.TILE_ELEMENTS // 2
+            assert chosen.BK >= gemv.min_chunk(fp8) and -(-n // chosen.BN) >= gemv.PROGRAMS
+        for tokens, n, k in ((1, 1536, 2048), (4, 16384, 4096), (16, 4096, 4096)):  # one chunk (ZAYA1-8B's q|k|v|v), tokens
+            as_16_bit = gemv.tiles(tokens, n, k, min_chunk=gemv.min_chunk(fp8))
+            assert gemv_linear.linear_tiles(tokens, n, k, fp8) == as_16_bit
+    assert gemv_linear.linear_tiles(1, 16384, 4096) == gemv.tiles(1, 16384, 4096)
 
 
 def test_bad_input_is_refused() -> None:

@@ -66,7 +66,7 @@ class Tiles:
 
 
 def tiles(tokens: int, rows: int, depth: int, min_rows: int = 1, min_chunk: int = MIN_CHUNK,
-          one_chunk: bool = False, stages: int = PIPELINE_STAGES) -> Tiles:
+          one_chunk: bool = False, stages: int = PIPELINE_STAGES, tile_elements: int = TILE_ELEMENTS) -> Tiles:
     """Tiles for `tokens` tokens against `rows` weight rows of length `depth`: the widest power-of-two BN up to
     MAX_COLUMNS (and keeping a K chunk of `min_chunk`) that still gives cdiv(rows, BN) >= PROGRAMS, but at least
     `min_rows` and the rows of MIN_PROGRAM_ELEMENTS (short rows: fewer, fuller programs); a K chunk filling
@@ -75,16 +75,16 @@ def tiles(tokens: int, rows: int, depth: int, min_rows: int = 1, min_chunk: int 
     eager step. `one_chunk`: those least rows with the whole K in one chunk instead, where a tile of TILE_ELEMENTS
     holds them (one token of 2048-long rows: 4), so that every load of a program is in flight at once (`dot_rows`
     can then issue them before the PDL wait): more, thinner programs. `stages`: the pipeline's depth where the K
-    loop has several chunks."""
+    loop has several chunks; `tile_elements`: the product tile's size, TILE_ELEMENTS or less."""
     bt = next_power_of_2(max(tokens, 1))
     least = max(min_rows, next_power_of_2(cdiv(MIN_PROGRAM_ELEMENTS, depth)))
-    if one_chunk and least <= MAX_COLUMNS and bt * least * next_power_of_2(depth) <= TILE_ELEMENTS:
+    if one_chunk and least <= MAX_COLUMNS and bt * least * next_power_of_2(depth) <= tile_elements:
         return Tiles(bt, least, next_power_of_2(depth), 1)
-    widest = min(MAX_COLUMNS, TILE_ELEMENTS // (bt * min_chunk))
+    widest = min(MAX_COLUMNS, tile_elements // (bt * min_chunk))
     bn = max(min_rows, min(widest, least))
     while 2 * bn <= widest and cdiv(rows, 2 * bn) >= PROGRAMS:
         bn *= 2
-    bk = min(max(min_chunk, TILE_ELEMENTS // (bt * bn)), next_power_of_2(depth))
+    bk = min(max(min_chunk, tile_elements // (bt * bn)), next_power_of_2(depth))
     return Tiles(bt, bn, bk, stages if bk < depth else 1)
 
 

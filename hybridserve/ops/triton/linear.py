@@ -26,12 +26,16 @@ from hybridserve.core.quant import Fp8Scales
 from hybridserve.ops.norm import PendingNorm, ResidualNorm
 from hybridserve.ops.triton import pdl
 from hybridserve.ops.triton.counters import arrival_counters
-from hybridserve.ops.triton.gemv import (Tiles, consecutive_row_blocks, dot_rows, fp8_args, min_chunk, pipeline_stages,
-                                         tiles)
+from hybridserve.ops.triton.gemv import (TILE_ELEMENTS, Tiles, consecutive_row_blocks, dot_rows, fp8_args, min_chunk,
+                                         pipeline_stages, tiles)
 from hybridserve.ops.triton.norm import epilogue_args, prefetch_row_inputs, residual_norm_row
 from hybridserve.ops.triton.sizes import cdiv, next_power_of_2
 
 MAX_TOKENS = 16  # the most tokens the kernel takes (its register tiles)
+# One token's e4m3 rows, pipelined: half gemv.TILE_ELEMENTS, twice the programs, 8 stages (`linear_tiles`). On an
+# H100 every Ling-2.6-flash linear streamed fastest so among 12 tilings (docs/performance.md): Q|K|V|G 26.8 us against
+# 28.7, the dense layer's gate|up 29.0 against 39.6; several tokens, or rows of one chunk (ZAYA1-8B), ran slower.
+E4M3_TILE_ELEMENTS = TILE_ELEMENTS // 2
 # Where ops.linear runs it rather than cuBLAS's tensor-core GEMM (the reference, F.linear), placed from
 # benchmarks/ops/linear.py on an H200: ZAYA1's projections (4-6 MB) run 1.1-1.9x faster at 1-4 tokens and slower
 # from 8; Ling-2.6-flash's 134 MB q|k|v|g already streams at 84% of the floor in cuBLAS and lost 10% at one token.
@@ -81,9 +85,13 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, n, stride_x, stride
 
 
 def linear_tiles(tokens: int, n: int, k: int, fp8: Fp8Scales | None = None) -> Tiles:
-    """`gemv.tiles` for `tokens` tokens against an [n, k] weight of these FP8 scales (None: 16-bit): e4m3 chunks of
-    whole scale blocks, pipelined as deep as the experts' (`gemv.pipeline_stages`)."""
-    return tiles(tokens, n, k, min_chunk=min_chunk(fp8), stages=pipeline_stages(fp8))
+    """`gemv.tiles` for `tokens` tokens against an [n, k] weight of these FP8 scales (None: 16-bit), e4m3 chunks of
+    whole scale blocks. One token of e4m3 rows whose K loop pipelines: product tiles of E4M3_TILE_ELEMENTS, as deep
+    as the experts' (`gemv.pipeline_stages`). Elsewhere (one-chunk tiles, several tokens) those lost."""
+    chosen = tiles(tokens, n, k, min_chunk=min_chunk(fp8))
+    if fp8 is None or chosen.BT > 1 or chosen.STAGES == 1:
+        return chosen
+    return tiles(tokens, n, k, min_chunk=min_chunk(fp8), stages=pipeline_stages(fp8), tile_elements=E4M3_TILE_ELEMENTS)
 
 
 def linear(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch.Tensor | None = None,
