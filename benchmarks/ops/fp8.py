@@ -57,6 +57,12 @@ def _quantized(weight: torch.Tensor, scheme: Fp8Scheme) -> tuple[torch.Tensor, F
     return torch.stack(values), Fp8Scales(torch.stack(scales), scheme)
 
 
+def weight_copies(n: int, k: int) -> int:
+    """Copies of an [n, k] weight a decode graph streams: STREAMED_BYTES of bf16 at least, so that they come from
+    HBM, not the L2."""
+    return min(MAX_COPIES, max(2, -(-STREAMED_BYTES // (2 * n * k))))
+
+
 def _timed(calls: list, tokens: int):
     """One CUDA graph of the calls at decode sizes (eager launches would time the host), else the calls in turn."""
     if tokens <= max(DECODE_TOKENS):
@@ -68,7 +74,7 @@ def linear_cases(device: torch.device, decode_only: bool = False) -> list[Fp8Cas
     out = []
     token_counts = DECODE_TOKENS if decode_only else DECODE_TOKENS + PREFILL_TOKENS
     for name, (k, n) in LINEAR_SHAPES.items():
-        copies = min(MAX_COPIES, max(2, -(-STREAMED_BYTES // (2 * n * k))))
+        copies = weight_copies(n, k)
         weights = [(torch.randn(n, k, device=device) / k**0.5).bfloat16() for _ in range(copies)]
         for label, scheme in SCHEMES.items():
             quantized = [_quantized(w, scheme) for w in weights]
