@@ -9,8 +9,8 @@ about `TILE_ELEMENTS`, summed over K once at the end (a reduction per chunk woul
 multiply-adds). Operands are widened to fp32 before the multiply (a product of two bf16 or fp16 values is exact in
 fp32), so results differ from an fp32 reference only by the order of the sum, and are rounded once by the caller.
 A loop of several chunks pipelines their loads (cp.async, `PIPELINE_STAGES` deep, twice that for e4m3 rows:
-`pipeline_stages`); one chunk (K small against the tile) has every load in flight at once. Every choice is a pure function of host-known sizes: the same tiles at
-every CUDA-graph replay, one compiled variant per token-count bucket.
+`pipeline_stages`); one chunk (K small against the tile) has every load in flight at once. Every choice is a pure
+function of host-known sizes: the same tiles at every CUDA-graph replay, one compiled variant per token-count bucket.
 
 e4m3 weights (`W_SCALES` set, `fp8_args`) are weight-only, as `ops.reference.fp8` defines the decode sizes: the
 same loop reads a byte a weight element, widens it to fp32 exactly by integer ops (`e4m3_pairs`) and multiplies it
