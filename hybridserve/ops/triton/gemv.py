@@ -70,12 +70,12 @@ def tiles(tokens: int, rows: int, depth: int, min_rows: int = 1, min_chunk: int 
     """Tiles for `tokens` tokens against `rows` weight rows of length `depth`: the widest power-of-two BN up to
     MAX_COLUMNS (and keeping a K chunk of `min_chunk`) that still gives cdiv(rows, BN) >= PROGRAMS, but at least
     `min_rows` and the rows of MIN_PROGRAM_ELEMENTS (short rows: fewer, fuller programs); a K chunk filling
-    TILE_ELEMENTS. Tokens count by the next power of two (BT), so the warm-up's power-of-two ladder compiles every
-    variant a run needs, and a decode batch padded to its CUDA-graph size keeps the tiles, hence the sums, of the
-    eager step. `one_chunk`: those least rows with the whole K in one chunk instead, where a tile of TILE_ELEMENTS
-    holds them (one token of 2048-long rows: 4), so that every load of a program is in flight at once (`dot_rows`
-    can then issue them before the PDL wait): more, thinner programs. `stages`: the pipeline's depth where the K
-    loop has several chunks; `tile_elements`: the product tile's size, TILE_ELEMENTS or less."""
+    `tile_elements` (TILE_ELEMENTS unless given less). Tokens count by the next power of two (BT), so the warm-up's
+    power-of-two ladder compiles every variant a run needs, and a decode batch padded to its CUDA-graph size keeps
+    the tiles, hence the sums, of the eager step. `one_chunk`: those least rows with the whole K in one chunk
+    instead, where a tile of `tile_elements` holds them (one token of 2048-long rows: 4), so that every load of a
+    program is in flight at once (`dot_rows` can then issue them before the PDL wait): more, thinner programs.
+    `stages`: the pipeline's depth where the K loop has several chunks."""
     bt = next_power_of_2(max(tokens, 1))
     least = max(min_rows, next_power_of_2(cdiv(MIN_PROGRAM_ELEMENTS, depth)))
     if one_chunk and least <= MAX_COLUMNS and bt * least * next_power_of_2(depth) <= tile_elements:
