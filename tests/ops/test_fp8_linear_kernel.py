@@ -31,9 +31,8 @@ from hybridserve.core.quant import FP8_DTYPE, FP8_MAX, WEIGHT_ONLY_MAX_ROWS, Fp8
 from hybridserve.ops import backends
 from hybridserve.ops import linear as linear_op
 from hybridserve.ops.reference import fp8 as reference
-from hybridserve.ops.triton import fp8_linear, fp8_quant
+from hybridserve.ops.triton import fp8_linear, fp8_quant, gemv
 from hybridserve.ops.triton import linear as gemv_linear
-from hybridserve.ops.triton import gemv
 from hybridserve.ops.triton.gemv import Tiles
 
 MMA_SLACK = 2.0 ** -10 if ON_GPU else 0.0  # the GEMM form's, of the products' magnitudes (module docstring)
@@ -221,7 +220,8 @@ def test_one_token_of_pipelined_e4m3_rows_takes_half_tiles_twice_as_deep() -> No
             assert as_16_bit.STAGES == gemv.PIPELINE_STAGES and chosen.STAGES == 2 * gemv.PIPELINE_STAGES
             assert chosen.BN * chosen.BK == gemv_linear.E4M3_TILE_ELEMENTS == gemv.TILE_ELEMENTS // 2
             assert chosen.BK >= gemv.min_chunk(fp8) and -(-n // chosen.BN) >= gemv.PROGRAMS
-        for tokens, n, k in ((1, 1536, 2048), (4, 16384, 4096), (16, 4096, 4096)):  # one chunk (ZAYA1-8B's q|k|v|v), tokens
+        # one token of one-chunk rows (ZAYA1-8B's q|k|v|v), then several tokens
+        for tokens, n, k in ((1, 1536, 2048), (4, 16384, 4096), (16, 4096, 4096)):
             as_16_bit = gemv.tiles(tokens, n, k, min_chunk=gemv.min_chunk(fp8))
             assert gemv_linear.linear_tiles(tokens, n, k, fp8) == as_16_bit
     assert gemv_linear.linear_tiles(1, 16384, 4096) == gemv.tiles(1, 16384, 4096)

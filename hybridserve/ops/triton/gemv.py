@@ -101,7 +101,8 @@ def pipeline_stages(fp8: Fp8Scales | None) -> int:
     stages keep a program's bytes in flight. On an H100 (one token, docs/performance.md) Ling-2.6-flash's 8
     block-scaled experts a token streamed 13% faster in the micro and its 16-layer batch-1 decode ran 8.5% faster
     (32 x 256, 8 stages); ZAYA1-8B's FP8 batch 1 was level at 6 stages of its 16 x 512 and at 8 of Ling's 32 x 256.
-    8 stages of 8 KB take about 64 KB of shared memory a program. The linears' e4m3 rows take the same depth."""
+    8 stages of 8 KB take about 64 KB of shared memory a program. The linears take it for one token's pipelined
+    e4m3 rows only, in half-sized tiles (`linear.linear_tiles`)."""
     return PIPELINE_STAGES if fp8 is None else E4M3_PIPELINE_STAGES
 
 

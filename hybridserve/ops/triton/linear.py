@@ -88,10 +88,11 @@ def linear_tiles(tokens: int, n: int, k: int, fp8: Fp8Scales | None = None) -> T
     """`gemv.tiles` for `tokens` tokens against an [n, k] weight of these FP8 scales (None: 16-bit), e4m3 chunks of
     whole scale blocks. One token of e4m3 rows whose K loop pipelines: product tiles of E4M3_TILE_ELEMENTS, as deep
     as the experts' (`gemv.pipeline_stages`). Elsewhere (one-chunk tiles, several tokens) those lost."""
-    chosen = tiles(tokens, n, k, min_chunk=min_chunk(fp8))
+    chunk = min_chunk(fp8)
+    chosen = tiles(tokens, n, k, min_chunk=chunk)
     if fp8 is None or chosen.BT > 1 or chosen.STAGES == 1:
         return chosen
-    return tiles(tokens, n, k, min_chunk=min_chunk(fp8), stages=pipeline_stages(fp8), tile_elements=E4M3_TILE_ELEMENTS)
+    return tiles(tokens, n, k, min_chunk=chunk, stages=pipeline_stages(fp8), tile_elements=E4M3_TILE_ELEMENTS)
 
 
 def linear(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch.Tensor | None = None,
