@@ -13,8 +13,9 @@ MODES = {
     "layer-launches": ("benchmarks.ops._layer_launches", "launches per decoder layer, counted on CPU "
                                                          "(no GPU needed)"),
     "tune-moe": ("benchmarks.ops._tune_moe", "the fused-MoE tile tables that ops/triton/moe_config.py reads"),
-    "tune-fp8-linear": ("benchmarks.ops._tune_fp8_linear", "whether other tiles of the e4m3 GEMV linear are faster "
-                                                           "than the ones it picks"),
+    "tune-fp8-linear": ("benchmarks.ops._tune_fp8_linear", "whether another form (GEMV, weight-only or W8A8 GEMM) "
+                                                           "or other tiles of the e4m3 linears are faster at decode "
+                                                           "sizes than the ones they take"),
     "tune-zaya-router": ("benchmarks.ops._tune_zaya_router", "whether another tile constant of the EDA router "
                                                              "kernel is faster than the shipped one"),
 }

@@ -11,15 +11,16 @@ input) finishes that norm in the GEMV kernel's launch (`takes_pending`).
 
 FP8 weights (`fp8` given: e4m3 weight, its scales and scheme) run as `ops.reference.fp8.fp8_linear` defines
 (backend op "fp8_linear"): weight-only up to `core.quant.WEIGHT_ONLY_MAX_ROWS` rows, W8A8 beyond. On CUDA
-`ops.triton.fp8_linear` (the weight-only GEMV kernel, with a residual norm in its launch as for 16-bit weights; a
-quantization launch and an FP8 GEMM beyond), elsewhere that reference.
+`ops.triton.fp8_linear` (the weight-only GEMV kernel for the fewest rows, with a residual norm in its launch as for
+16-bit weights; a weight-only tl.dot GEMM for the other decode sizes; a quantization launch and an FP8 GEMM beyond),
+elsewhere that reference.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from hybridserve.core.quant import WEIGHT_ONLY_MAX_ROWS, Fp8Scales, linear_weight_only
+from hybridserve.core.quant import Fp8Scales, linear_weight_only
 from hybridserve.ops import backends
 from hybridserve.ops.norm import PendingNorm, ResidualNorm
 from hybridserve.ops.reference import fp8 as fp8_reference
@@ -27,9 +28,12 @@ from hybridserve.ops.reference import fp8 as fp8_reference
 
 def _gemv_runs(rows: int, weight: torch.Tensor, fp8: Fp8Scales | None = None) -> bool:
     """Whether the GEMV kernel runs a product of `rows` decode-sized rows with this weight: a 16-bit or fp32 weight
-    it streams faster than cuBLAS, or an e4m3 one at weight-only sizes (host sizes only)."""
+    it streams faster than cuBLAS, or an e4m3 one of at most `E4M3_GEMV_MAX_TOKENS` rows (host sizes only)."""
     if fp8 is not None:
-        return backends.use_triton("fp8_linear", weight.device) and rows <= WEIGHT_ONLY_MAX_ROWS
+        if not backends.use_triton("fp8_linear", weight.device):
+            return False
+        from hybridserve.ops.triton import linear as kernel
+        return rows <= kernel.E4M3_GEMV_MAX_TOKENS
     if (weight.dtype not in (torch.float16, torch.bfloat16, torch.float32)
             or not backends.use_triton("linear", weight.device)):
         return False

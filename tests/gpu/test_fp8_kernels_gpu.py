@@ -1,12 +1,12 @@
 """FP8 (e4m3) kernels on CUDA at the real model widths, bf16 activations, both weight-scale layouts (per row,
 per 128x128 block with per-group activations) and a static activation scale: the linear layers
-(`ops.triton.fp8_linear`, weight-only GEMV and W8A8 GEMM forms) and the routed experts (`ops.triton.fp8_moe`,
+(`ops.triton.fp8_linear`: weight-only GEMV, weight-only tl.dot GEMM and W8A8 GEMM forms) and the routed experts (`ops.triton.fp8_moe`,
 weight-only GEMV and W8A8 grouped forms) vs the torch references of `ops.reference.fp8`, which compute in fp32 on
 the same e4m3 values (weight-only where the kernels are).
 
 Linear bound: the e4m3 values are the reference's bit for bit (tests/ops/test_fp8_linear_kernel.py), the products
 exact (e4m3 by e4m3, or by bf16 x), so both round nearly the same fp32 value once to bf16: within one bf16 ulp of each other plus 1e-5 of the
-largest output; the GEMM form also 2^-10 of the sum of the products' magnitudes, for the FP8 tensor cores'
+largest output; the W8A8 GEMM form also 2^-10 of the sum of the products' magnitudes, for the FP8 tensor cores'
 narrower accumulation inside a K tile (about 14 bits measured for DeepSeek-V3; each tile is then added in fp32).
 The printed errors say how much of that bound is used.
 Experts bound: norm-relative error vs the reference <= 1e-2 (the kernels round the SwiGLU rows and each weighted
@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridserve.core.quant import WEIGHT_ONLY_MAX_PAIRS, Fp8Scheme, dequantize
+from hybridserve.core.quant import WEIGHT_ONLY_MAX_PAIRS, Fp8Scheme, dequantize, linear_weight_only
 from hybridserve.ops.reference import fp8 as reference
 from tests.gpu.sync import no_host_sync
 from tests.gpu.test_decode_gemv_gpu import _graphed
@@ -33,7 +33,7 @@ SCHEMES = {"channel/token": Fp8Scheme("channel", "token"), "block/group": Fp8Sch
 # name: (K, N)
 LINEAR_SHAPES = {"zaya1 q|k|v|v": (2048, 1536), "zaya1 o_proj": (1024, 2048), "ling Q|K|V|G": (4096, 16384),
                  "ling shared expert gate|up": (4096, 2048), "ling shared expert down": (1024, 4096)}
-GEMV_TOKENS, GEMM_TOKENS = (1, 5, 16), (17, 64, 512, 4096)
+GEMV_TOKENS, GEMM_TOKENS = (1, 2), (3, 5, 16, 17, 64, 512, 4096)  # GEMM: weight-only up to 16 tokens
 # name: (experts, top_k, hidden, intermediate)
 MOE_SHAPES = {"zaya1-8b": (16, 1, 2048, 2048), "ling-2.6-flash": (256, 8, 4096, 1024)}
 MOE_TOKENS = {"zaya1-8b": (1, 5, 8, 16, 256, 2048), "ling-2.6-flash": (1, 16, 256, 1024)}
@@ -82,34 +82,34 @@ def test_linear_within_one_rounding_deterministic_and_graphed(linear_weight, tok
     x = x.bfloat16()
     input_scale = _input_scale(scheme)
     got = kernel.fp8_linear(x, weight, scale, scheme, None, input_scale)
-    gemv = kernel.takes_gemv(x)
-    want = reference.fp8_linear(x, weight, scale, scheme, None, input_scale, weight_only=gemv)
-    magnitudes = None if gemv else \
+    weight_only = linear_weight_only(x)
+    want = reference.fp8_linear(x, weight, scale, scheme, None, input_scale, weight_only=weight_only)
+    magnitudes = None if weight_only else \
         reference.fake_quantize(x, scheme, input_scale).abs() @ dequantize(weight, scale, scheme).abs().T
     used = _within_one_rounding(got, want, magnitudes)
-    print(f"{name} {scheme.weight}/{scheme.activation} T={tokens} ({'GEMV' if gemv else 'GEMM'}): "
-          f"{used:.0%} of the bound at most")
+    form = "GEMV" if kernel.takes_gemv(x) else "weight-only GEMM" if weight_only else "W8A8 GEMM"
+    print(f"{name} {scheme.weight}/{scheme.activation} T={tokens} ({form}): {used:.0%} of the bound at most")
     assert torch.equal(got, kernel.fp8_linear(x, weight, scale, scheme, None, input_scale))
-    if tokens in (1, 16, 64):
+    if tokens in (1, 5, 16, 64):
         static = [torch.zeros_like(x)]
         graphed = _graphed(lambda v: kernel.fp8_linear(v, weight, scale, scheme, None, input_scale), static, [x])
         assert torch.equal(graphed, got)
 
 
 def test_linear_bias_and_strided_x() -> None:
-    """A bias (fp32 add before the one rounding) and x a column slice, both forms."""
+    """A bias (fp32 add before the one rounding) and x a column slice, all three forms."""
     from hybridserve.ops.triton import fp8_linear as kernel
     scheme = SCHEMES["block/group"]
     gen = torch.Generator(device=CUDA).manual_seed(1)
     weight, scale = _quantized(1000, 2048, scheme, gen)
     bias = torch.randn(1000, device=CUDA, generator=gen).bfloat16()
     wide = torch.randn(300, 2100, device=CUDA, generator=gen).bfloat16()
-    for tokens in (3, 300):
+    for tokens in (1, 7, 300):
         x = wide[:tokens, 20:2068]
         got = kernel.fp8_linear(x, weight, scale, scheme, bias)
-        want = reference.fp8_linear(x, weight, scale, scheme, bias, weight_only=kernel.takes_gemv(x))
+        want = reference.fp8_linear(x, weight, scale, scheme, bias, weight_only=linear_weight_only(x))
         magnitudes = reference.fake_quantize(x, scheme).abs() @ dequantize(weight, scale, scheme).abs().T
-        _within_one_rounding(got, want, None if kernel.takes_gemv(x) else magnitudes)
+        _within_one_rounding(got, want, None if linear_weight_only(x) else magnitudes)
 
 
 @pytest.fixture(scope="module", params=[(shape, scheme) for shape in MOE_SHAPES for scheme in SCHEMES],

@@ -1,12 +1,13 @@
-"""FP8 (e4m3) linear kernels (`ops.triton.fp8_linear`: the weight-only GEMV decode form in `ops.triton.linear`, the
-W8A8 quantization launch + tl.dot GEMM beyond) vs `ops.reference.fp8`, and the e4m3 rounding they share.
+"""FP8 (e4m3) linear kernels (`ops.triton.fp8_linear`: the weight-only GEMV decode form in `ops.triton.linear` for
+the fewest tokens, the tl.dot GEMM with x as it is for the other decode sizes, the W8A8 quantization launch + the same
+GEMM beyond) vs `ops.reference.fp8`, and the e4m3 rounding they share.
 
 Exactness. The kernels round to e4m3 in fp32 arithmetic (`fp8_quant.round_to_e4m3`) and divide correctly rounded,
 so their e4m3 values and scales are the reference's bit for bit: checked against torch's own conversion on every
 e4m3 value, every midpoint between neighbours and the fp32 values either side of it; the quantization launch
 against `quantize_activations`; and how the GEMV and GEMM launches take x through an identity weight, whose product
-must be x itself (weight-only) and `fake_quantize(x)` (W8A8) exactly: one nonzero term per output, scaled as the
-reference scales it.
+must be x itself (both weight-only forms) and `fake_quantize(x)` (W8A8) exactly: one nonzero term per output,
+scaled as the reference scales it.
 
 Tolerance of the products. The products are exact in fp32 in both (e4m3 by e4m3, or by 16-bit x; an fp32 x's
 product rounds once, as the reference's); the kernels sum them in another order
@@ -15,8 +16,9 @@ rounding, so before the last rounding the two differ by about K * 2^-24 of the s
 then round once to x's dtype: within one unit in the last place of each other (2^-10 relative in fp16), plus 1e-5
 of the largest output for the fp32 differences (which alone bound the fp32 case). On the GPU the FP8 tensor cores
 add a tile's products with fewer bits than fp32 (about 14 kept, as measured for DeepSeek-V3; the GEMM adds each
-BLOCK_K tile to fp32), so the GEMM form is allowed 2^-10 of the sum of the products' magnitudes more there (the
-interpreter's tl.dot is fp32). The interpreter runs fp32 / fp16 activations only (bf16 is not emulated faithfully
+BLOCK_K tile to fp32), so the W8A8 GEMM form is allowed 2^-10 of the sum of the products' magnitudes more there, and
+the weight-only GEMM, whose 16-bit MMA adds a K step's products in fp32 without rounding each sum to nearest, 2^-16
+(the interpreter's tl.dot is fp32). The interpreter runs fp32 / fp16 activations only (bf16 is not emulated faithfully
 there; tests/gpu/test_fp8_kernels_gpu.py covers it at real widths).
 """
 from __future__ import annotations
@@ -27,7 +29,8 @@ import torch
 from tests.ops.conftest import DEVICE, KERNEL_DTYPES, ON_GPU
 from tests.ops.fp8_cases import BLOCK, MANTISSA_BITS, SCHEMES, gemm_config, nan_padded
 from tests.ops.test_decode_gemv_kernel import _assert_same, _exact, _pending, _residual_norm, _standalone
-from hybridserve.core.quant import FP8_DTYPE, FP8_MAX, WEIGHT_ONLY_MAX_ROWS, Fp8Scales, Fp8Scheme, dequantize
+from hybridserve.core.quant import FP8_DTYPE, FP8_MAX, WEIGHT_ONLY_MAX_ROWS, Fp8Scales, Fp8Scheme, dequantize, \
+    linear_weight_only
 from hybridserve.ops import backends
 from hybridserve.ops import linear as linear_op
 from hybridserve.ops.reference import fp8 as reference
@@ -35,7 +38,8 @@ from hybridserve.ops.triton import fp8_linear, fp8_quant, gemv
 from hybridserve.ops.triton import linear as gemv_linear
 from hybridserve.ops.triton.gemv import Tiles
 
-MMA_SLACK = 2.0 ** -10 if ON_GPU else 0.0  # the GEMM form's, of the products' magnitudes (module docstring)
+MMA_SLACK = 2.0 ** -10 if ON_GPU else 0.0  # the W8A8 GEMM form's, of the products' magnitudes (module docstring)
+HMMA_SLACK = 2.0 ** -16 if ON_GPU else 0.0  # the weight-only GEMM form's
 
 
 def _randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -59,9 +63,16 @@ def _scales(scheme: Fp8Scheme, scale: torch.Tensor) -> Fp8Scales:
 
 
 def _magnitudes(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scheme: Fp8Scheme,
-                input_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The sum of the magnitudes of each output's products (for the GEMM form's slack on the GPU)."""
-    return (reference.fake_quantize(x, scheme, input_scale).abs() @ dequantize(weight, scale, scheme).abs().T).double()
+                input_scale: torch.Tensor | None = None, weight_only: bool = False) -> torch.Tensor:
+    """The sum of the magnitudes of each output's products (for the GEMM forms' slack on the GPU)."""
+    x = x.float() if weight_only else reference.fake_quantize(x, scheme, input_scale)
+    return (x.abs() @ dequantize(weight, scale, scheme).abs().T).double()
+
+
+def _slack(x: torch.Tensor, weight: torch.Tensor, fp8: Fp8Scales, weight_only: bool) -> torch.Tensor:
+    """A GEMM form's slack on the GPU: HMMA_SLACK weight-only, MMA_SLACK W8A8, of the products' magnitudes."""
+    return (HMMA_SLACK if weight_only else MMA_SLACK) * _magnitudes(x, weight, fp8.scale, fp8.scheme, fp8.input_scale,
+                                                                    weight_only)
 
 
 def _assert_close(got: torch.Tensor, want: torch.Tensor, slack: torch.Tensor | float = 0.0) -> None:
@@ -116,7 +127,8 @@ def test_quantization_launch_equals_reference(scheme: str, dtype: torch.dtype) -
 @pytest.mark.parametrize("scheme", ["channel/token", "block/group", "block/token", "tensor/static"])
 def test_launches_take_x_as_the_reference(scheme: str) -> None:
     """Through an identity weight (e4m3 ones, unit scales) each output is one product: x itself in the weight-only
-    GEMV form, q * scale as the reference's `fake_quantize` makes it in the W8A8 GEMM form, bit for bit in fp32."""
+    GEMV and GEMM forms, q * scale as the reference's `fake_quantize` makes it in the W8A8 GEMM form, bit for bit in
+    fp32."""
     scheme = SCHEMES[scheme]
     k = 300
     eye = torch.eye(k).to(DEVICE, FP8_DTYPE)
@@ -125,6 +137,7 @@ def test_launches_take_x_as_the_reference(scheme: str) -> None:
     x = _randn(3, k, seed=2).to(DEVICE)
     x[1] *= 50
     assert torch.equal(gemv_linear.linear(x, eye, fp8=fp8, config=Tiles(4, 64, 128, 2)), x)
+    assert torch.equal(fp8_linear.gemm(x, eye, fp8, config=gemm_config(16, 64, 64), weight_only=True), x)
     assert torch.equal(fp8_linear.gemm(x, eye, fp8, config=gemm_config(16, 64, 64)),
                        reference.fake_quantize(x, scheme, fp8.input_scale))
 
@@ -165,14 +178,21 @@ GEMM_CASES = {
 }
 
 
-FORM_CASES = [("gemv", case) for case in GEMV_CASES] + [("gemm", case) for case in GEMM_CASES]
+# tokens, N, K, bias, GEMM config: the weight-only GEMM (x as it is) at decode sizes
+WEIGHT_ONLY_GEMM_CASES = {
+    "5 tokens, 16x16 tiles, K tiles of 32, partial last blocks": (5, 150, 300, True, gemm_config(16, 16, 32)),
+    "16 tokens, the config of decode-like sizes": (16, 150, 300, False, None),
+    "3 tokens, 16x32 tiles, K tiles of 128": (3, 72, 260, True, gemm_config(16, 32, 128)),
+}
+FORMS = {"gemv": GEMV_CASES, "weight-only gemm": WEIGHT_ONLY_GEMM_CASES, "gemm": GEMM_CASES}
+FORM_CASES = [(form, case) for form, cases in FORMS.items() for case in cases]
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 @pytest.mark.parametrize("form, case", FORM_CASES, ids=[f"{form}: {case}" for form, case in FORM_CASES])
 def test_forms_match_reference(form: str, case: str, scheme: str, dtype: torch.dtype) -> None:
-    tokens, n, k, has_bias, config = (GEMV_CASES if form == "gemv" else GEMM_CASES)[case]
+    tokens, n, k, has_bias, config = FORMS[form][case]
     scheme = SCHEMES[scheme]
     weight, scale = _weight(n, k, scheme, seed=n + k)
     x = _randn(tokens, k, seed=tokens).to(DEVICE, dtype)
@@ -182,27 +202,30 @@ def test_forms_match_reference(form: str, case: str, scheme: str, dtype: torch.d
     def run() -> torch.Tensor:
         if form == "gemv":
             return gemv_linear.linear(x, weight, bias, config=config, fp8=fp8)
-        return fp8_linear.gemm(x, weight, fp8, bias, config=config)
+        return fp8_linear.gemm(x, weight, fp8, bias, config=config, weight_only=weight_only)
 
+    weight_only = form != "gemm"
     got = run()
-    slack = MMA_SLACK * _magnitudes(x, weight, scale, scheme, fp8.input_scale) if form == "gemm" else 0.0
-    want = reference.fp8_linear(x, weight, scale, scheme, bias, fp8.input_scale, weight_only=form == "gemv")
+    slack = _slack(x, weight, fp8, weight_only) if form != "gemv" else 0.0
+    want = reference.fp8_linear(x, weight, scale, scheme, bias, fp8.input_scale, weight_only=weight_only)
     _assert_close(got, want, slack)
     assert torch.equal(got, run())  # deterministic
 
 
 @pytest.mark.parametrize("scheme", ["channel/token", "block/group"])
 def test_strided_and_batched_x(scheme: str) -> None:
-    """x rows further apart than K (a column slice) and leading dims [2, 3] flattened and restored, both forms
+    """x rows further apart than K (a column slice) and leading dims [2, 3] flattened and restored, the three forms
     through `fp8_linear`; a last stride other than 1 takes its form on a copy."""
     scheme = SCHEMES[scheme]
     weight, scale = _weight(20, 136, scheme, seed=4)
+    fp8 = _scales(scheme, scale)
     wide = _randn(136, 150, seed=5).to(DEVICE)
-    for x in (wide[:6, 7:143], wide[:40, 7:143], wide[:136, :6].t(), wide[:136, :40].t()):  # the last two: unit
-        gemv = fp8_linear.takes_gemv(x)                                                          # row stride
-        slack = 0.0 if gemv else MMA_SLACK * _magnitudes(x, weight, scale, scheme)
-        _assert_close(fp8_linear.fp8_linear(x, weight, scale, scheme),
-                      reference.fp8_linear(x, weight, scale, scheme, weight_only=gemv), slack)
+    for rows in (2, 6, 40):
+        for x in (wide[:rows, 7:143], wide[:136, :rows].t()):  # the second: a unit row stride
+            weight_only = linear_weight_only(x)
+            slack = 0.0 if fp8_linear.takes_gemv(x) else _slack(x, weight, fp8, weight_only)
+            _assert_close(fp8_linear.fp8_linear(x, weight, scale, scheme),
+                          reference.fp8_linear(x, weight, scale, scheme, weight_only=weight_only), slack)
     batched = fp8_linear.fp8_linear(wide[:6, 7:143].reshape(2, 3, 136), weight, scale, scheme)
     assert batched.shape == (2, 3, 20) and torch.equal(batched.reshape(6, 20),
                                                        fp8_linear.fp8_linear(wide[:6, 7:143], weight, scale, scheme))
@@ -280,27 +303,29 @@ def test_gemv_finishes_a_pending_norm(scheme: str) -> None:
 
 
 def test_entry_points_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """fp8_linear: the GEMV form up to WEIGHT_ONLY_MAX_ROWS rows (a last stride other than 1 on a copy), the GEMM
-    beyond; ops.linear: the kernels where the backend says so (the norm in the GEMV launch), the reference
-    otherwise, weight-only at the same sizes."""
+    """fp8_linear: the GEMV form up to E4M3_GEMV_MAX_TOKENS rows (a last stride other than 1 on a copy), the
+    weight-only GEMM up to WEIGHT_ONLY_MAX_ROWS, the W8A8 GEMM beyond; ops.linear: the kernels where the backend
+    says so (the norm in the GEMV launch, and a pending norm only where the GEMV runs), the reference otherwise,
+    weight-only at the same sizes."""
     scheme = SCHEMES["channel/token"]
     weight, scale = _weight(8, 16, scheme, seed=11)
     fp8 = _scales(scheme, scale)
     calls: list[str] = []
     monkeypatch.setattr(gemv_linear, "linear", lambda *a, **k: calls.append("gemv" + ("+norm" * ("norm" in k))))
-    monkeypatch.setattr(fp8_linear, "gemm", lambda *a, **k: calls.append("gemm"))
-    most = WEIGHT_ONLY_MAX_ROWS
-    for tokens in (1, most, most + 1):
+    monkeypatch.setattr(fp8_linear, "gemm", lambda *a, **k: calls.append("gemm" + "/x as is" * k["weight_only"]))
+    most, gemv_most = WEIGHT_ONLY_MAX_ROWS, gemv_linear.E4M3_GEMV_MAX_TOKENS
+    for tokens in (1, gemv_most, gemv_most + 1, most, most + 1):
         fp8_linear.fp8_linear(torch.zeros(tokens, 16, device=DEVICE), weight, scale, scheme)
     fp8_linear.fp8_linear(torch.zeros(16, 2, device=DEVICE).t(), weight, scale, scheme)  # last stride 2
-    assert calls == ["gemv", "gemv", "gemm", "gemv"]
-    x = torch.zeros(2, 16, device=DEVICE)
-    norm = _residual_norm(2, 8, torch.float32, seed=12, skip=False, fp32_copy=False)
+    assert calls == ["gemv", "gemv", "gemm/x as is", "gemm/x as is", "gemm", "gemv"]
+    x = torch.zeros(gemv_most, 16, device=DEVICE)
+    norm = _residual_norm(gemv_most, 8, torch.float32, seed=12, skip=False, fp32_copy=False)
     monkeypatch.setattr(backends, "use_triton", lambda op, device: op == "fp8_linear")
     calls.clear()
     linear_op.linear(x, weight, fp8=fp8)
     linear_op.linear_residual_norm(x, weight, None, norm, fp8)
     assert calls == ["gemv", "gemv+norm"]
+    assert [linear_op.takes_pending(t, weight, fp8) for t in (gemv_most, gemv_most + 1)] == [True, False]
     monkeypatch.setattr(backends, "use_triton", lambda op, device: False)
     assert torch.equal(linear_op.linear(x, weight, fp8=fp8), reference.fp8_linear(x, weight, scale, scheme,
                                                                                   weight_only=True))

@@ -13,6 +13,8 @@ import pytest
 
 from tests.ops.conftest import ON_GPU  # sets TRITON_INTERPRET before the kernels are imported
 from tests.ops.launch_counts import decode_step_launches
+from hybridserve.core.quant import WEIGHT_ONLY_MAX_PAIRS, WEIGHT_ONLY_MAX_ROWS
+from hybridserve.ops.triton.linear import E4M3_GEMV_MAX_TOKENS
 
 
 @pytest.mark.skipif(ON_GPU, reason="counts interpreted launches; on a GPU: python -m benchmarks.ops launches")
@@ -74,9 +76,21 @@ def test_ling_decode_layer_launch_budget():
 @pytest.mark.skipif(ON_GPU, reason="counts interpreted launches; on a GPU: python -m benchmarks.ops launches")
 @pytest.mark.parametrize("name, layers", [("zaya", 3), ("ling", 4)])
 def test_fp8_decode_step_has_the_16bit_launches(name: str, layers: int):
-    """Online FP8 (every projection but MLA's kv_b_proj, and the routed experts): decode sizes are weight-only, the
-    e4m3 GEMVs taking x as it is (ops.triton.gemv.dot_rows), so a decode step launches exactly what the 16-bit step
-    does."""
-    decode_step_launches(name, num_layers=layers, batch_size=3)  # allocates the epilogues' arrival counters
-    plain = decode_step_launches(name, num_layers=layers, batch_size=3)
-    assert decode_step_launches(name, num_layers=layers, batch_size=3, quantization="fp8") == plain
+    """Online FP8 (every projection but MLA's kv_b_proj, and the routed experts): decode sizes are weight-only; up to
+    E4M3_GEMV_MAX_TOKENS tokens the e4m3 GEMVs take x as it is (ops.triton.gemv.dot_rows), so a decode step
+    launches exactly what the 16-bit step does."""
+    tokens = E4M3_GEMV_MAX_TOKENS
+    decode_step_launches(name, num_layers=layers, batch_size=tokens)  # allocates the epilogues' arrival counters
+    plain = decode_step_launches(name, num_layers=layers, batch_size=tokens)
+    assert decode_step_launches(name, num_layers=layers, batch_size=tokens, quantization="fp8") == plain
+
+
+@pytest.mark.skipif(ON_GPU, reason="counts interpreted launches; on a GPU: python -m benchmarks.ops launches")
+def test_fp8_decode_step_beyond_the_gemv_runs_weight_only_gemms():
+    """Past E4M3_GEMV_MAX_TOKENS, up to WEIGHT_ONLY_MAX_ROWS, the e4m3 projections run the weight-only tl.dot GEMM:
+    one launch each, x not quantized (no quantization launch of its own), no GEMV left on an e4m3 weight."""
+    counts = decode_step_launches("zaya", num_layers=3, batch_size=WEIGHT_ONLY_MAX_ROWS, quantization="fp8")[1]
+    assert counts["triton._gemm_kernel"] == 2  # the fused q|k|v|v projection, o_proj
+    assert "triton._linear_kernel" not in counts
+    # the routed experts' x and SwiGLU rows only: 16 (token, expert) pairs are W8A8, past WEIGHT_ONLY_MAX_PAIRS
+    assert WEIGHT_ONLY_MAX_ROWS > WEIGHT_ONLY_MAX_PAIRS and counts["triton._quantize_kernel"] == 2

@@ -1,15 +1,20 @@
-"""Linear layers with e4m3 weights on CUDA: `ops.reference.fp8.fp8_linear`'s product, in two forms chosen by the
+"""Linear layers with e4m3 weights on CUDA: `ops.reference.fp8.fp8_linear`'s product, in three forms chosen by the
 host-known token count (no device->host sync, grids from sizes only: CUDA-graph capturable).
 
-- Decode (at most `core.quant.WEIGHT_ONLY_MAX_ROWS` tokens), weight-only: the GEMV launch of `ops.triton.linear`,
-  which streams each e4m3 weight byte once and multiplies it, widened to fp32, with x as it is: one launch a
-  projection, half the bytes of a 16-bit one.
-- Otherwise W8A8 in two launches: `fp8_quant.quantize_activations` (e4m3 x and its scales), then a tiled GEMM of
-  e4m3 tl.dot products (Hopper's FP8 tensor cores) accumulated in fp32 (`scaled_dot`): each BLOCK_K tile's dot
-  starts from zero and is added to the fp32 accumulator, because the FP8 MMA keeps fewer bits than fp32 while it
-  accumulates (DeepSeek-V3 adds to fp32 every 128 products for that reason); the tile's block scales (weight blocks,
-  activation groups) multiply it there, per-row, per-token and static scales the sum, then the bias in fp32 and one
-  rounding to x's dtype.
+- One to `linear.E4M3_GEMV_MAX_TOKENS` tokens, weight-only: the GEMV launch of `ops.triton.linear`, which streams
+  each e4m3 weight byte once and multiplies it, widened to fp32, with x as it is: one launch a projection, half
+  the bytes of a 16-bit one.
+- Up to `core.quant.WEIGHT_ONLY_MAX_ROWS` tokens, still weight-only: the tiled GEMM below with x as it is (16-bit
+  tensor-core tl.dot, each e4m3 weight tile widened to x's dtype, exactly). The GEMV's product tile holds every
+  token, so its rows per program shrink as tokens grow and each program re-reads all of x for a few KB of weights:
+  at 16 tokens Ling-2.6-flash's Q|K|V|G took 30x its one-token time; a tl.dot tile reads x once per 128 weight rows.
+- Otherwise W8A8 in two launches: `fp8_quant.quantize_activations` (e4m3 x and its scales), then the same GEMM of
+  e4m3 tl.dot products (Hopper's FP8 tensor cores).
+
+The GEMM accumulates in fp32 (`scaled_dot`): each BLOCK_K tile's dot starts from zero and is added to the fp32
+accumulator, because the FP8 MMA keeps fewer bits than fp32 while it accumulates (DeepSeek-V3 adds to fp32 every
+128 products for that reason); the tile's block scales (weight blocks, activation groups) multiply it there,
+per-row, per-token and static scales the sum, then the bias in fp32 and one rounding to x's dtype.
 
 The e4m3 values are the reference's bit for bit (`ops.triton.fp8_quant`); results differ from it by the fp32 sum
 order and where the scales multiply, then one rounding each.
@@ -28,7 +33,7 @@ from hybridserve.ops.triton.moe import grouped_tile
 from hybridserve.ops.triton.pdl import wait_for_previous
 from hybridserve.ops.triton.sizes import cdiv, next_power_of_2
 
-assert WEIGHT_ONLY_MAX_ROWS <= linear.MAX_TOKENS, "the weight-only rows must fit the GEMV kernel's register tiles"
+assert linear.E4M3_GEMV_MAX_TOKENS <= min(WEIGHT_ONLY_MAX_ROWS, linear.MAX_TOKENS), "the GEMV's rows are weight-only"
 _TARGET_PROGRAMS = 128  # GEMM programs to aim for at decode-like sizes: about one per H200 SM
 _MIN_BLOCK_K = 32  # the K step of an e4m3 MMA
 _COUNTS = ("GROUP_M", "num_warps", "num_stages")
@@ -40,7 +45,8 @@ def scaled_dot(a_ptr, a_rows, a_ok, xs_ptr, stride_xs, w_ptr, w_rows, w_ok, ws_p
                W_BLOCK: tl.constexpr):
     """[BLOCK_M, BLOCK_N] fp32: rows `a_rows` of the e4m3 activations a [., K] times rows `w_rows` of the e4m3
     weight w [., K], both scaled: activation scales at xs_ptr ([rows] "token", [rows, stride_xs] "group", 0-d
-    "static"), weight scales at ws_ptr (per row, or W_BLOCK: [row // 128, stride_ws] blocks; BLOCK_K then divides
+    "static"; ACT "": a is 16-bit or fp32 x as it is, unscaled, and each weight tile is widened to its dtype,
+    exactly), weight scales at ws_ptr (per row, or W_BLOCK: [row // 128, stride_ws] blocks; BLOCK_K then divides
     128). Rows outside a_ok / w_ok give 0."""
     k = tl.arange(0, BLOCK_K)
     a_tile = a_ptr + a_rows.to(tl.int64)[:, None] * K + k[None, :]
@@ -50,7 +56,10 @@ def scaled_dot(a_ptr, a_rows, a_ok, xs_ptr, stride_xs, w_ptr, w_rows, w_ok, ws_p
         k_ok = k < K - k0
         a = tl.load(a_tile, mask=a_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_tile, mask=k_ok[:, None] & w_ok[None, :], other=0.0)
-        part = tl.dot(a, w)  # from zero: the MMA's own accumulation spans one tile
+        if ACT == "":  # weight-only: an fp32 x keeps fp32 products (no TF32 rounding of its mantissa)
+            part = tl.dot(a, w.to(a.dtype), input_precision="ieee")
+        else:
+            part = tl.dot(a, w)  # from zero: the MMA's own accumulation spans one tile
         if W_BLOCK:
             scale = tl.load(ws_ptr + (w_rows // JIT_SCALE_BLOCK) * stride_ws + k0 // JIT_SCALE_BLOCK, mask=w_ok,
                             other=0.0)[None, :]
@@ -117,16 +126,17 @@ def gemm_config(tokens: int, n: int) -> dict[str, int]:
                 num_stages=4)
 
 
-def launch_args(tiles: dict[str, int], scheme: Fp8Scheme, device: torch.device) -> dict:
-    """The keyword arguments of a `scaled_dot` GEMM launch: its tiles, the scheme's constexprs, PDL."""
+def launch_args(tiles: dict[str, int], scheme: Fp8Scheme, device: torch.device, weight_only: bool = False) -> dict:
+    """The keyword arguments of a `scaled_dot` GEMM launch: its tiles, the scheme's constexprs (`weight_only`: x
+    unquantized, ACT ""), PDL."""
+    kinds = constexprs(scheme) | ({"ACT": ""} if weight_only else {})
     return dict(BLOCK_M=tiles["BLOCK_M"], BLOCK_N=tiles["BLOCK_N"], BLOCK_K=tiles["BLOCK_K"], GROUP_M=tiles["GROUP_M"],
-                **constexprs(scheme), num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
-                **pdl.launch(device))
+                **kinds, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"], **pdl.launch(device))
 
 
 def takes_gemv(x: torch.Tensor) -> bool:
-    """Whether the weight-only decode form runs x [..., K]: at most WEIGHT_ONLY_MAX_ROWS rows."""
-    return linear_weight_only(x)
+    """Whether the GEMV form runs x [..., K]: at most `linear.E4M3_GEMV_MAX_TOKENS` rows (host sizes only)."""
+    return x.numel() <= linear.E4M3_GEMV_MAX_TOKENS * x.shape[-1]
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scheme: Fp8Scheme,
@@ -137,12 +147,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, schem
     fp8 = Fp8Scales(scale, scheme, input_scale)
     if takes_gemv(x):
         return linear.linear(x if x.stride(-1) == 1 else x.contiguous(), weight, bias, fp8=fp8)
-    return gemm(x, weight, fp8, bias)
+    return gemm(x, weight, fp8, bias, weight_only=linear_weight_only(x))
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, fp8: Fp8Scales, bias: torch.Tensor | None = None,
-         config: dict[str, int] | None = None) -> torch.Tensor:
-    """The GEMM form of `fp8_linear` for any token count; `config` overrides `gemm_config` (tests, tuning)."""
+         config: dict[str, int] | None = None, weight_only: bool = False) -> torch.Tensor:
+    """The GEMM form of `fp8_linear` for any token count, x quantized per the scheme (W8A8) or, `weight_only`,
+    taken as it is; `config` overrides `gemm_config` (tests, tuning)."""
     n, k = weight.shape
     scheme = fp8.scheme
     check_scheme(scheme, fp8.input_scale)
@@ -155,10 +166,13 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, fp8: Fp8Scales, bias: torch.Tens
     out = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
     if tokens:
         tiles = check_tiles(config or gemm_config(tokens, n), scheme)
-        q, x_scales = quantize_activations(flat, scheme, fp8.input_scale)
+        if weight_only:  # x itself, rows K apart (scaled_dot's layout), no activation scales
+            q, x_scales = flat.contiguous(), flat
+        else:
+            q, x_scales = quantize_activations(flat, scheme, fp8.input_scale)
         grid = (cdiv(tokens, tiles["BLOCK_M"]) * cdiv(n, tiles["BLOCK_N"]),)
         _gemm_kernel[grid](
-            q, x_scales, group_stride(x_scales), weight, fp8.scale, block_stride(fp8.scale, scheme),
-            bias if bias is not None else weight, out, tokens, n, out.stride(0), K=k, HAS_BIAS=bias is not None,
-            **launch_args(tiles, scheme, x.device))
+            q, x_scales, group_stride(x_scales), weight, fp8.scale,
+            block_stride(fp8.scale, scheme), bias if bias is not None else weight, out, tokens, n, out.stride(0), K=k,
+            HAS_BIAS=bias is not None, **launch_args(tiles, scheme, x.device, weight_only))
     return out.view(*x.shape[:-1], n)
