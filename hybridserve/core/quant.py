@@ -32,7 +32,7 @@ import torch
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
 SCALE_EPS = 1e-12  # a floor for dynamic scales: an all-zero row quantizes to zeros, not NaN
-WEIGHT_ONLY_MAX_ROWS = 16  # FP8 linear layers keep x 16-bit up to this many rows (the decode GEMV's bound)
+WEIGHT_ONLY_MAX_ROWS = 16  # FP8 linear layers keep x 16-bit up to this many rows (decode sizes; W8A8 beyond)
 WEIGHT_ONLY_MAX_PAIRS = 8  # FP8 routed experts keep x 16-bit up to this many (token, choice) pairs
 
 
