@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridserve.cache.buffers import zeroed
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:
@@ -111,7 +113,7 @@ class KVPool:
         self.page_size = page_size
         rows = num_pages * page_size
         self.buffers = {
-            name: torch.zeros(spec.num_layers, rows, *shape, dtype=spec.dtype, device=device)
+            name: zeroed((spec.num_layers, rows, *shape), spec.dtype, device)
             for name, shape in spec.fields.items()
         }
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridserve.cache.buffers import zeroed
+
 
 @dataclass(frozen=True)
 class StateField:
@@ -62,7 +64,7 @@ class StatePool:
     def __init__(self, spec: StateSpec, num_slots: int, device: torch.device):
         self.spec = spec
         self.buffers = {
-            name: torch.zeros(spec.num_layers, num_slots + 1, *f.shape, dtype=f.dtype, device=device)
+            name: zeroed((spec.num_layers, num_slots + 1, *f.shape), f.dtype, device)
             for name, f in spec.fields.items()
         }
 

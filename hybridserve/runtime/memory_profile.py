@@ -56,12 +56,34 @@ class CacheBudget:
     graph_reserve: int  # of what is not theirs, kept for the CUDA graphs' pool (0 without graphs)
 
 
+def _available_cpu_bytes() -> int | None:
+    """The memory the OS can give without swapping (Linux's MemAvailable), None where it does not say."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _cpu_budget(nbytes: int) -> int:
+    """The configured CPU budget, refused here where the machine cannot hold it: the CPU pools take their pages
+    only when first written (cache/buffers.py), so an oversized budget would otherwise fail mid-run."""
+    available = _available_cpu_bytes()
+    if available is not None and nbytes > available:
+        raise ValueError(f"kv_cache_memory_bytes: the CPU cache budget ({nbytes / GiB:.2f} GiB) is more than the "
+                         f"machine has available ({available / GiB:.2f} GiB); lower it")
+    return nbytes
+
+
 def cache_budget(runner: ProfiledRunner) -> CacheBudget:
     """The bytes for the caches (module docstring); per instance, so engines sharing a GPU each take their own
     fraction, and never more than the device has free."""
     config, device = runner.config, runner.device
     if device.type == "cpu":
-        return CacheBudget(config.kv_cache_memory_bytes or _CPU_CACHE_BYTES, 0)
+        return CacheBudget(_cpu_budget(config.kv_cache_memory_bytes or _CPU_CACHE_BYTES), 0)
     tokens = config.max_num_batched_tokens
     peak = activation_peak(runner, [ScheduledChunk([0] * tokens, 0, [], 1, False, [tokens - 1])],
                            min(tokens, config.max_running_requests))
