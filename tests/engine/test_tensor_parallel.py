@@ -14,6 +14,8 @@ from hybridserve.engine.engine import LLMEngine
 from hybridserve.runtime.tensor_parallel import free_local_port, set_nccl_defaults
 from tests.helpers import add_tokenizer
 
+pytestmark = pytest.mark.heavy  # scheduled first: tests/conftest.py
+
 LOGPROB_TOL = 1e-5  # fp32: the shards' partial sums are added in another order than TP=1's full products
 
 

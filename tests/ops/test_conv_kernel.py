@@ -23,6 +23,8 @@ from hybridserve.ops.reference import zaya_qk
 from hybridserve.ops.triton import conv as kernel
 from tests.ops.conftest import DEVICE, KERNEL_DTYPES, ON_GPU
 
+pytestmark = pytest.mark.heavy  # scheduled first: tests/conftest.py
+
 P = 2  # cca_time0 = cca_time1 = 2
 POISON = float("nan")
 FORMS = ["heads", "columns"]

@@ -38,6 +38,8 @@ from hybridserve.ops.triton import fp8_linear, fp8_quant, gemv
 from hybridserve.ops.triton import linear as gemv_linear
 from hybridserve.ops.triton.gemv import Tiles
 
+pytestmark = pytest.mark.heavy  # scheduled first: tests/conftest.py
+
 MMA_SLACK = 2.0 ** -10 if ON_GPU else 0.0  # the W8A8 GEMM form's, of the products' magnitudes (module docstring)
 HMMA_SLACK = 2.0 ** -16 if ON_GPU else 0.0  # the weight-only GEMM form's
 

@@ -15,6 +15,8 @@ import pytest
 from tests.ops.conftest import ON_GPU
 from tests.ops.sm90_compile import RECORDS_ENV
 
+pytestmark = pytest.mark.heavy  # scheduled first: tests/conftest.py
+
 ROOT = Path(__file__).resolve().parents[2]
 # Decode-sized tests of the kernels that read weights or keys before their PDL wait (one input dtype each: the
 # variants that matter differ in the constexprs the shapes and schemes pick).

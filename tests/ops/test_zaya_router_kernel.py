@@ -25,6 +25,8 @@ from tests.ops.conftest import DEVICE
 from tests.ops.test_norm_kernel import FORMS, assert_norm_close
 from tests.ops.test_norm_kernel import _inputs as norm_inputs
 
+pytestmark = pytest.mark.heavy  # scheduled first: tests/conftest.py
+
 
 def router_inputs(tokens: int, hidden: int, width: int, experts: int, skip_bias: float, seed: int = 0,
                   device=DEVICE) -> dict:

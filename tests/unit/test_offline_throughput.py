@@ -18,6 +18,8 @@ from hybridserve.models.bandwidth_floor import decode_floor, expected_experts, l
 from hybridserve.models.registry import model_family
 from hybridserve.models.released import ling_flash_config, zaya1_8b_config
 
+pytestmark = pytest.mark.heavy  # scheduled first: tests/conftest.py
+
 ROOT = Path(__file__).resolve().parents[2]
 THROUGHPUT = [sys.executable, "-m", "benchmarks.offline", "throughput"]
 
