@@ -32,7 +32,7 @@ def _patch_the_language_once_a_launch() -> None:
         return {id(value) for value in fn.__globals__.values() if value is tl or value is tl.core}
 
     def patch_once(fn):
-        if patched and languages(fn) <= patched[-1]:
+        if patched and patched[-1] and languages(fn) <= patched[-1]:
             return interpreter._LangPatchScope()
         scope = patch(fn)
         if patched:
