@@ -37,7 +37,8 @@ MAX_TOKENS = 16  # the most tokens the kernel takes (its register tiles)
 # 28.7, the dense layer's gate|up 29.0 against 39.6; several tokens, or rows of one chunk (ZAYA1-8B), ran slower.
 E4M3_TILE_ELEMENTS = TILE_ELEMENTS // 2
 # The most tokens of e4m3 weights the GEMV takes; ops.triton.fp8_linear's weight-only tl.dot GEMM takes more, up to
-# core.quant.WEIGHT_ONLY_MAX_ROWS (the GEMV's product tile holds every token: fewer rows a program as they grow).
+# core.quant.WEIGHT_ONLY_MAX_ROWS (the GEMV's product tile holds every token: fewer rows a program as they grow). On an
+# H100 (tune-fp8-linear, Ling-2.6-flash's linears) the GEMM won from 3 tokens on all but the shared expert's gate|up.
 E4M3_GEMV_MAX_TOKENS = 2
 # Where ops.linear runs it rather than cuBLAS's tensor-core GEMM (the reference, F.linear), placed from
 # benchmarks/ops/linear.py on an H200: ZAYA1's projections (4-6 MB) run 1.1-1.9x faster at 1-4 tokens and slower
