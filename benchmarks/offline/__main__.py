@@ -1,5 +1,6 @@
 """`python -m benchmarks.offline MODE [options]`: hybridserve's LLM on one model (a random stand-in of ZAYA1-8B or
-Ling-2.6-flash, or --model) in this process. `MODE --help` lists a mode's options."""
+Ling-2.6-flash, or --model) in this process (`ab`: throughput runs of two builds, each in a process of its own).
+`MODE --help` lists a mode's options."""
 from __future__ import annotations
 
 from benchmarks.cli import run_mode
@@ -13,6 +14,8 @@ MODES = {
                                                   "lightning implementation"),
     "prefill-host": ("benchmarks.offline.prefill_host", "one eager prefill step: the host's queueing against the "
                                                         "device's time"),
+    "ab": ("benchmarks.offline.ab", "throughput of the tree as is against the tree with a patch (or without one), "
+                                    "alternating runs: medians and their ratio"),
 }
 
 if __name__ == "__main__":
