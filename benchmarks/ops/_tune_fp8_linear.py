@@ -10,7 +10,7 @@ What ships is `linear_tiles`, `gemm_config` and that bound; this prints whether 
 them by hand, and confirm it in the engine: a kernel alone and between its PDL neighbours have disagreed).
 
     python -m benchmarks.ops tune-fp8-linear [--tokens 1 4 16] [--schemes blocks rows] [--rows 8 16 32]
-                                             [--chunks 256 512] [--stages 4 8] [--warps 4] [--block-n 32 64 128]
+                                             [--chunks 256 512] [--stages 4 8] [--warps 4] [--block-n 16 32 64]
                                              [--out FILE]
 """
 from __future__ import annotations
@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, nargs="+", default=[256, 512, 1024], help="BK candidates")
     parser.add_argument("--stages", type=int, nargs="+", default=[4, 8], help="pipeline depth candidates")
     parser.add_argument("--warps", type=int, nargs="+", default=[4], help="num_warps candidates")
-    parser.add_argument("--block-n", type=int, nargs="*", default=[32, 64, 128],
+    parser.add_argument("--block-n", type=int, nargs="*", default=[16, 32, 64],
                         help="the weight-only GEMM's BLOCK_N candidates")
     parser.add_argument("--out", default=None, help="write the cases as JSON here")
     args = parser.parse_args()
