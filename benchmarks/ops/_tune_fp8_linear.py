@@ -46,7 +46,7 @@ def candidates(tokens: int, k: int, fp8: Fp8Scales, rows: list[int], chunks: lis
 
 def gemm_candidates(tokens: int, n: int, block_n: list[int]) -> dict[str, dict[str, int]]:
     """The weight-only GEMM's tiles to time: `gemm_config`'s, and it with each BLOCK_N of `block_n`."""
-    shipped = fp8_linear.gemm_config(tokens, n)
+    shipped = fp8_linear.gemm_config(tokens, n, weight_only=True)
     return {"shipped": shipped} | {f"BLOCK_N={b}": shipped | {"BLOCK_N": b} for b in block_n if b != shipped["BLOCK_N"]}
 
 

@@ -139,7 +139,8 @@ def _counted(spec: CountedModel, model: torch.nn.Module, counter: _AtenCounter):
 def decode_step_launches(name: str, num_layers: int, batch_size: int, quantization: str | None = None
                          ) -> dict[int | str, Counter]:
     """Launch counts of one decode forward by layer index (and "outside"): rows at prefix 3 over zeroed caches (the
-    values do not matter), after an uncounted forward, as a decode step runs after warm-up. `quantization`: the engine's option ("fp8": the projections and experts online FP8)."""
+    values do not matter), after an uncounted forward, as a decode step runs after warm-up. `quantization`: the
+    engine's option ("fp8": the projections and experts online FP8)."""
     from hybridserve.cache.kv_pool import KVPool
     from hybridserve.cache.state_pool import StatePool
     from hybridserve.core.batch import ScheduledChunk, build_forward_batch

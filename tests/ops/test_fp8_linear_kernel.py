@@ -273,13 +273,14 @@ def test_bad_input_is_refused() -> None:
 
 
 def test_weight_only_gemm_tiles_stay_narrow() -> None:
-    """Weight-only sizes (3-16 tokens) cut the columns 32 wide, or 16 where 32 gives under 128 programs (an H100's
-    tune-fp8-linear: wider tiles lost on every Ling-2.6-flash shape); W8A8 sizes from 17 tokens start at 128."""
+    """The weight-only form (3-16 tokens) cuts the columns 32 wide, or 16 where 32 gives under 128 programs (an
+    H100's tune-fp8-linear: wider tiles lost on every Ling-2.6-flash shape); the W8A8 form starts at 128."""
     for n, block_n in ((2048, 16), (4096, 32), (16384, 32), (18432, 32)):
         for tokens in (3, WEIGHT_ONLY_MAX_ROWS):
-            config = fp8_linear.gemm_config(tokens, n)
+            config = fp8_linear.gemm_config(tokens, n, weight_only=True)
             assert (config["BLOCK_N"], config["BLOCK_M"]) == (block_n, 16), (n, tokens)
-    assert fp8_linear.gemm_config(WEIGHT_ONLY_MAX_ROWS + 1, 16384)["BLOCK_N"] == 128
+    for tokens in (3, WEIGHT_ONLY_MAX_ROWS, WEIGHT_ONLY_MAX_ROWS + 1):
+        assert fp8_linear.gemm_config(tokens, 16384)["BLOCK_N"] == 128
 
 
 # ----------------------------------------------------------------------------------------------------- entry points

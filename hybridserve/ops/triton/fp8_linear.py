@@ -35,7 +35,7 @@ from hybridserve.ops.triton.sizes import cdiv, next_power_of_2
 
 assert linear.E4M3_GEMV_MAX_TOKENS <= min(WEIGHT_ONLY_MAX_ROWS, linear.MAX_TOKENS), "the GEMV's rows are weight-only"
 _TARGET_PROGRAMS = 128  # GEMM programs to aim for at decode-like sizes: about one per H200 SM
-# The widest column tile at weight-only sizes (x unquantized, up to WEIGHT_ONLY_MAX_ROWS tokens). On an H100
+# The widest column tile of the weight-only form (x unquantized: the decode sizes). On an H100
 # (`python -m benchmarks.ops tune-fp8-linear`, 3-16 tokens, block scales), us a call at BLOCK_N 16 / 32 / 64 / 128:
 # Ling-2.6-flash's Q|K|V|G (16384 rows) - / 32.3 / 33.0 / 44.2, dense gate|up (18432) - / 40.7 / 44.0 / 59.4, dense
 # down (4096) 35.0 / 32.1 / 51.8 / -, shared gate|up (2048) 12.9 / 14.6 / 23.3 / 39.9
@@ -118,14 +118,14 @@ def check_tiles(config: dict, scheme: Fp8Scheme) -> dict[str, int]:
     return config
 
 
-def gemm_config(tokens: int, n: int) -> dict[str, int]:
+def gemm_config(tokens: int, n: int, weight_only: bool = False) -> dict[str, int]:
     """Tiles by token count: up to 64 tokens the weight streams (memory bound), so one row block takes every token
     and the column tiles narrow (down to 16) until about `_TARGET_PROGRAMS` programs read it, from 128 columns (W8A8)
-    or `_WEIGHT_ONLY_MAX_BLOCK_N` (weight-only, up to WEIGHT_ONLY_MAX_ROWS tokens); beyond, 128 x 128 tiles, GROUP_M
-    row blocks sharing each weight tile in L2."""
+    or `_WEIGHT_ONLY_MAX_BLOCK_N` (`weight_only`: the form `gemm` takes x unquantized in); beyond, 128 x 128 tiles,
+    GROUP_M row blocks sharing each weight tile in L2."""
     if tokens > 64:
         return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
-    block_n = _WEIGHT_ONLY_MAX_BLOCK_N if tokens <= WEIGHT_ONLY_MAX_ROWS else 128
+    block_n = _WEIGHT_ONLY_MAX_BLOCK_N if weight_only else 128
     while block_n > 16 and cdiv(n, block_n) < _TARGET_PROGRAMS:
         block_n //= 2
     return dict(BLOCK_M=max(16, next_power_of_2(tokens)), BLOCK_N=block_n, BLOCK_K=128, GROUP_M=1, num_warps=4,
@@ -171,7 +171,7 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, fp8: Fp8Scales, bias: torch.Tens
     tokens = flat.shape[0]
     out = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
     if tokens:
-        tiles = check_tiles(config or gemm_config(tokens, n), scheme)
+        tiles = check_tiles(config or gemm_config(tokens, n, weight_only), scheme)
         if weight_only:  # x itself, rows K apart (scaled_dot's layout), no activation scales
             q, x_scales = flat.contiguous(), flat
         else:
